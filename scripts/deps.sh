@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Installs what rewind needs on a Debian 12 host: Debian packages, and a CRIU >= 4.
+#
+# Idempotent and quiet when there is nothing to do. Needs root (apt-get).
+#
+# CRIU: if `criu` (REWIND_CRIU, then the project prefix, then PATH) reports a
+# version >= 4 and `criu check` passes, it is used as it is. Otherwise CRIU
+# 4.1.1 is built from Debian trixie's *source* package into a project-owned
+# prefix ($REWIND_CRIU_PREFIX, default /opt/rewind/criu). The system's apt
+# configuration is never changed: the trixie deb-src line lives in a private
+# sources file used only through -o Dir::Etc::SourceList=… for the source
+# download. No trixie binary package is ever installed.
+set -euo pipefail
+
+CRIU_VERSION=4.1.1
+CRIU_DEB_VERSION=4.1.1-1
+CRIU_ORIG_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+PREFIX=${REWIND_CRIU_PREFIX:-/opt/rewind/criu}
+WORK=${REWIND_DEPS_WORK:-/var/cache/rewind-deps}
+
+# Debian packages the project needs at run time and in its tests.
+APT_PACKAGES="fuse3 fuse-overlayfs xfsprogs btrfs-progs iproute2 python3 python3-venv util-linux procps psmisc attr kmod wabt"
+# Build dependencies of CRIU, from bookworm.
+CRIU_BUILD_DEPS="build-essential libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev pkgconf protobuf-c-compiler protobuf-compiler uuid-dev python3-protobuf xz-utils dpkg-dev"
+
+log() { echo "deps: $*" >&2; }
+die() { echo "deps: error: $*" >&2; exit 1; }
+
+[[ $(id -u) -eq 0 ]] || die "must run as root (it installs Debian packages); try: sudo make deps"
+
+apt_updated=0
+apt_update() {
+	if [[ $apt_updated -eq 0 ]]; then
+		log "apt-get update"
+		apt-get update -qq >/dev/null
+		apt_updated=1
+	fi
+}
+
+# missing_packages PKG... prints the packages that are not installed.
+missing_packages() {
+	local p missing=()
+	for p in "$@"; do
+		if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+			missing+=("$p")
+		fi
+	done
+	echo "${missing[@]:-}"
+}
+
+install_packages() {
+	local missing
+	missing=$(missing_packages "$@")
+	[[ -z $missing ]] && return 0
+	apt_update
+	log "installing: $missing"
+	# shellcheck disable=SC2086
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+}
+
+# criu_ok BIN succeeds when BIN is a CRIU >= 4 whose `criu check` passes.
+criu_ok() {
+	local bin=$1 ver major
+	[[ -x $bin ]] || return 1
+	ver=$("$bin" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -1)
+	major=${ver%%.*}
+	[[ -n $major && $major =~ ^[0-9]+$ && $major -ge 4 ]] || return 1
+	"$bin" check >/dev/null 2>&1
+}
+
+find_criu() {
+	local c
+	for c in "${REWIND_CRIU:-}" "$PREFIX/sbin/criu" "$(command -v criu 2>/dev/null || true)"; do
+		[[ -n $c ]] && criu_ok "$c" && { echo "$c"; return 0; }
+	done
+	return 1
+}
+
+# debian_mirror prints the URI of the host's configured Debian archive, so the
+# private deb-src line uses the same mirror as the rest of the system.
+debian_mirror() {
+	local uri=""
+	if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
+		uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+	fi
+	if [[ -z $uri && -f /etc/apt/sources.list ]]; then
+		uri=$(awk '$1=="deb" && $0 !~ /security/ {for (i=2;i<=NF;i++) if ($i ~ /^(https?|file):/) {print $i; exit}}' /etc/apt/sources.list)
+	fi
+	[[ -n $uri ]] || die "cannot find the Debian mirror in /etc/apt/sources.list{,.d/debian.sources}"
+	echo "$uri"
+}
+
+build_criu() {
+	install_packages $CRIU_BUILD_DEPS
+	mkdir -p "$WORK/lists/partial" "$WORK/src"
+	local srclist="$WORK/trixie-src.list" tarball
+	echo "deb-src $(debian_mirror) trixie main" >"$srclist"
+	local aptopts=(-o "Dir::Etc::SourceList=$srclist" -o "Dir::Etc::SourceParts=-" -o "Dir::State::Lists=$WORK/lists")
+	tarball="$WORK/src/criu_${CRIU_VERSION}.orig.tar.xz"
+	if ! echo "$CRIU_ORIG_SHA256  $tarball" | sha256sum -c --status 2>/dev/null; then
+		log "downloading CRIU $CRIU_DEB_VERSION source (trixie deb-src, private sources list)"
+		apt-get "${aptopts[@]}" update -qq >/dev/null 2>&1 || die "apt-get update of the private trixie deb-src list failed"
+		# Exits non-zero when only the .orig tarball is served; the checksum decides.
+		(cd "$WORK/src" && apt-get "${aptopts[@]}" source --download-only -qq "criu=$CRIU_DEB_VERSION" >/dev/null 2>&1) || true
+		echo "$CRIU_ORIG_SHA256  $tarball" | sha256sum -c --status ||
+			die "criu_${CRIU_VERSION}.orig.tar.xz missing or wrong sha256 in $WORK/src"
+	fi
+	log "building CRIU $CRIU_VERSION (about a minute)"
+	rm -rf "$WORK/build" && mkdir -p "$WORK/build"
+	tar -C "$WORK/build" -xf "$tarball"
+	local dir
+	dir=$(find "$WORK/build" -mindepth 1 -maxdepth 1 -type d | head -1)
+	make -C "$dir" -j"$(nproc)" criu >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log" >&2; die "CRIU build failed; full log in $WORK/build.log"; }
+	install -D -m 0755 "$dir/criu/criu" "$PREFIX/sbin/criu"
+	criu_ok "$PREFIX/sbin/criu" || die "built CRIU at $PREFIX/sbin/criu does not pass 'criu check' (see: $PREFIX/sbin/criu check)"
+	log "CRIU $CRIU_VERSION installed at $PREFIX/sbin/criu"
+}
+
+install_packages $APT_PACKAGES
+if ! find_criu >/dev/null; then
+	build_criu
+fi
