@@ -1,0 +1,362 @@
+package effect
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+)
+
+// The wire encoding is the compact binary form of a Report passed to WASM
+// policies (policy/ABI.md documents it byte by byte). It is written for
+// guests as much as for the host: this file uses no reflection and compiles
+// for GOOS=wasip1, so a Go policy decodes with the very code the host encodes
+// with.
+//
+// Layout (all integers little-endian):
+//
+//	offset 0   [2]byte  magic "RW"
+//	offset 2   uint8    wire version (WireVersion)
+//	offset 3   uint8    flags: bit 0 FS.UpperNonEmpty, bit 1 Mem.Exact
+//	offset 4   uint32   N, the number of 8-byte counters that follow
+//	offset 8   N x u64  counters, in the order of the Wire* indexes below
+//	then       variable section: strings and samples (see ABI.md)
+//
+// Counters are only ever appended in later minor revisions: a reader takes
+// the first min(N, known) counters and treats missing ones as zero.
+const (
+	// WireVersion is the version of the wire layout written by AppendWire.
+	WireVersion = 1
+	// WireHeaderSize is the size of the fixed header before the counters.
+	WireHeaderSize = 8
+	// WireCounterCount is the number of counters written by this build.
+	WireCounterCount = wireNumCounters
+	// WireFlagUpperNonEmpty is flag bit 0: FS.UpperNonEmpty.
+	WireFlagUpperNonEmpty = 1 << 0
+	// WireFlagMemExact is flag bit 1: Mem.Exact.
+	WireFlagMemExact = 1 << 1
+	// MaxWireString bounds any string in the wire form; longer strings are
+	// truncated by AppendWire and rejected by UnmarshalWire.
+	MaxWireString = 4096
+)
+
+// Indexes of the wire counters. The byte offset of counter i in an encoded
+// report is WireHeaderSize + 8*i.
+const (
+	WireVersionField = iota // Report.Version
+	WireTurn
+	WireDurationUS // int64 stored as its two's-complement u64
+	WireLostEvents
+	WireFSCreated
+	WireFSModified
+	WireFSDeleted
+	WireFSRenamed
+	WireFSMetaChanged
+	WireFSBytesWritten
+	WireProcForked
+	WireProcExecs
+	WireProcExited
+	WireProcAlive
+	WireProcNewLongLived
+	WireProcCwdChanges
+	WireProcSignalsSent
+	WireMemPagesWritten
+	WireMemMmaps
+	WireMemMunmaps
+	WireMemBrks
+	WireNetRemoteConnects
+	WireNetListens
+	WireNetBytesSent
+	wireNumCounters
+)
+
+// ErrWire is wrapped by every decoding error.
+var ErrWire = errors.New("malformed wire report")
+
+// wireCounters returns the report's counter fields in wire order.
+func (r *Report) wireCounters() [wireNumCounters]uint64 {
+	var c [wireNumCounters]uint64
+	c[WireVersionField] = uint64(int64(r.Version))
+	c[WireTurn] = r.Turn
+	c[WireDurationUS] = uint64(r.DurationUS)
+	c[WireLostEvents] = r.LostEvents
+	c[WireFSCreated] = r.FS.Created
+	c[WireFSModified] = r.FS.Modified
+	c[WireFSDeleted] = r.FS.Deleted
+	c[WireFSRenamed] = r.FS.Renamed
+	c[WireFSMetaChanged] = r.FS.MetaChanged
+	c[WireFSBytesWritten] = r.FS.BytesWritten
+	c[WireProcForked] = r.Proc.Forked
+	c[WireProcExecs] = r.Proc.Execs
+	c[WireProcExited] = r.Proc.Exited
+	c[WireProcAlive] = r.Proc.Alive
+	c[WireProcNewLongLived] = r.Proc.NewLongLived
+	c[WireProcCwdChanges] = r.Proc.CwdChanges
+	c[WireProcSignalsSent] = r.Proc.SignalsSent
+	c[WireMemPagesWritten] = r.Mem.PagesWritten
+	c[WireMemMmaps] = r.Mem.Mmaps
+	c[WireMemMunmaps] = r.Mem.Munmaps
+	c[WireMemBrks] = r.Mem.Brks
+	c[WireNetRemoteConnects] = r.Net.RemoteConnects
+	c[WireNetListens] = r.Net.Listens
+	c[WireNetBytesSent] = r.Net.BytesSent
+	return c
+}
+
+func (r *Report) setWireCounter(i int, v uint64) {
+	switch i {
+	case WireVersionField:
+		r.Version = int(int64(v))
+	case WireTurn:
+		r.Turn = v
+	case WireDurationUS:
+		r.DurationUS = int64(v)
+	case WireLostEvents:
+		r.LostEvents = v
+	case WireFSCreated:
+		r.FS.Created = v
+	case WireFSModified:
+		r.FS.Modified = v
+	case WireFSDeleted:
+		r.FS.Deleted = v
+	case WireFSRenamed:
+		r.FS.Renamed = v
+	case WireFSMetaChanged:
+		r.FS.MetaChanged = v
+	case WireFSBytesWritten:
+		r.FS.BytesWritten = v
+	case WireProcForked:
+		r.Proc.Forked = v
+	case WireProcExecs:
+		r.Proc.Execs = v
+	case WireProcExited:
+		r.Proc.Exited = v
+	case WireProcAlive:
+		r.Proc.Alive = v
+	case WireProcNewLongLived:
+		r.Proc.NewLongLived = v
+	case WireProcCwdChanges:
+		r.Proc.CwdChanges = v
+	case WireProcSignalsSent:
+		r.Proc.SignalsSent = v
+	case WireMemPagesWritten:
+		r.Mem.PagesWritten = v
+	case WireMemMmaps:
+		r.Mem.Mmaps = v
+	case WireMemMunmaps:
+		r.Mem.Munmaps = v
+	case WireMemBrks:
+		r.Mem.Brks = v
+	case WireNetRemoteConnects:
+		r.Net.RemoteConnects = v
+	case WireNetListens:
+		r.Net.Listens = v
+	case WireNetBytesSent:
+		r.Net.BytesSent = v
+	}
+}
+
+// AppendWire appends the wire encoding of r to b and returns the extended
+// slice. Sample slices longer than MaxSamples and strings longer than
+// MaxWireString are truncated, so the encoding of any report is bounded.
+func (r *Report) AppendWire(b []byte) []byte {
+	var flags byte
+	if r.FS.UpperNonEmpty {
+		flags |= WireFlagUpperNonEmpty
+	}
+	if r.Mem.Exact {
+		flags |= WireFlagMemExact
+	}
+	b = append(b, 'R', 'W', WireVersion, flags)
+	b = binary.LittleEndian.AppendUint32(b, wireNumCounters)
+	c := r.wireCounters()
+	for _, v := range c {
+		b = binary.LittleEndian.AppendUint64(b, v)
+	}
+	b = appendString(b, r.Sandbox)
+	b = appendString(b, r.Backend)
+
+	n := min(len(r.FS.Samples), MaxSamples)
+	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	for _, s := range r.FS.Samples[:n] {
+		b = appendString(b, s.Op)
+		b = appendString(b, s.Path)
+	}
+	b = appendExecs(b, r.Proc.ExecSamples)
+	b = appendExecs(b, r.Proc.LongLived)
+	n = min(len(r.Mem.PerProc), MaxSamples)
+	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	for _, p := range r.Mem.PerProc[:n] {
+		b = binary.LittleEndian.AppendUint64(b, uint64(int64(p.PID)))
+		b = appendString(b, p.Comm)
+		b = binary.LittleEndian.AppendUint64(b, p.Pages)
+	}
+	n = min(len(r.Net.Remotes), MaxSamples)
+	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	for _, s := range r.Net.Remotes[:n] {
+		b = appendString(b, s)
+	}
+	return b
+}
+
+func appendExecs(b []byte, es []Exec) []byte {
+	n := min(len(es), MaxSamples)
+	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	for _, e := range es[:n] {
+		b = binary.LittleEndian.AppendUint64(b, uint64(int64(e.PID)))
+		b = appendString(b, e.Comm)
+		b = appendString(b, e.Argv0)
+	}
+	return b
+}
+
+func appendString(b []byte, s string) []byte {
+	if len(s) > MaxWireString {
+		s = s[:MaxWireString]
+	}
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(s)))
+	return append(b, s...)
+}
+
+// UnmarshalWireCounters decodes the header and counters of an encoded report
+// into r, leaving its strings and samples untouched. It does not allocate,
+// which makes it the fast path for policies that only look at counts.
+func UnmarshalWireCounters(b []byte, r *Report) error {
+	_, err := unmarshalCounters(b, r)
+	return err
+}
+
+func unmarshalCounters(b []byte, r *Report) (rest []byte, err error) {
+	if len(b) < WireHeaderSize {
+		return nil, fmt.Errorf("%w: %d bytes, shorter than the header", ErrWire, len(b))
+	}
+	if b[0] != 'R' || b[1] != 'W' {
+		return nil, fmt.Errorf("%w: bad magic %q", ErrWire, b[:2])
+	}
+	if b[2] != WireVersion {
+		return nil, fmt.Errorf("%w: unsupported wire version %d (want %d)", ErrWire, b[2], WireVersion)
+	}
+	flags := b[3]
+	n := binary.LittleEndian.Uint32(b[4:8])
+	b = b[WireHeaderSize:]
+	if uint64(n)*8 > uint64(len(b)) {
+		return nil, fmt.Errorf("%w: %d counters announced, %d bytes left", ErrWire, n, len(b))
+	}
+	r.FS.UpperNonEmpty = flags&WireFlagUpperNonEmpty != 0
+	r.Mem.Exact = flags&WireFlagMemExact != 0
+	for i := 0; i < int(n); i++ {
+		if i < wireNumCounters {
+			r.setWireCounter(i, binary.LittleEndian.Uint64(b[8*i:]))
+		}
+	}
+	for i := int(n); i < wireNumCounters; i++ {
+		r.setWireCounter(i, 0)
+	}
+	return b[8*int(n):], nil
+}
+
+// wireReader decodes the variable section, remembering the first error.
+type wireReader struct {
+	b   []byte
+	err error
+}
+
+func (d *wireReader) u32() uint32 {
+	if d.err != nil {
+		return 0
+	}
+	if len(d.b) < 4 {
+		d.err = fmt.Errorf("%w: truncated", ErrWire)
+		return 0
+	}
+	v := binary.LittleEndian.Uint32(d.b)
+	d.b = d.b[4:]
+	return v
+}
+
+func (d *wireReader) u64() uint64 {
+	if d.err != nil {
+		return 0
+	}
+	if len(d.b) < 8 {
+		d.err = fmt.Errorf("%w: truncated", ErrWire)
+		return 0
+	}
+	v := binary.LittleEndian.Uint64(d.b)
+	d.b = d.b[8:]
+	return v
+}
+
+func (d *wireReader) str() string {
+	n := d.u32()
+	if d.err != nil {
+		return ""
+	}
+	if n > MaxWireString || int(n) > len(d.b) {
+		d.err = fmt.Errorf("%w: string of %d bytes", ErrWire, n)
+		return ""
+	}
+	s := string(d.b[:n])
+	d.b = d.b[n:]
+	return s
+}
+
+// count reads a sample count and checks it against MaxSamples.
+func (d *wireReader) count() int {
+	n := d.u32()
+	if n > MaxSamples {
+		d.err = fmt.Errorf("%w: %d samples, more than %d", ErrWire, n, MaxSamples)
+		return 0
+	}
+	return int(n)
+}
+
+func (d *wireReader) execs() []Exec {
+	n := d.count()
+	if n == 0 || d.err != nil {
+		return nil
+	}
+	es := make([]Exec, 0, n)
+	for i := 0; i < n && d.err == nil; i++ {
+		es = append(es, Exec{PID: int(int64(d.u64())), Comm: d.str(), Argv0: d.str()})
+	}
+	return es
+}
+
+// UnmarshalWire decodes a complete encoded report into r, replacing its
+// contents. Malformed input yields an error wrapping ErrWire; the decoder
+// never allocates more than a small multiple of len(b).
+func (r *Report) UnmarshalWire(b []byte) error {
+	*r = Report{}
+	rest, err := unmarshalCounters(b, r)
+	if err != nil {
+		return err
+	}
+	d := &wireReader{b: rest}
+	r.Sandbox = d.str()
+	r.Backend = d.str()
+	if n := d.count(); n > 0 && d.err == nil {
+		r.FS.Samples = make([]PathSample, 0, n)
+		for i := 0; i < n && d.err == nil; i++ {
+			r.FS.Samples = append(r.FS.Samples, PathSample{Op: d.str(), Path: d.str()})
+		}
+	}
+	r.Proc.ExecSamples = d.execs()
+	r.Proc.LongLived = d.execs()
+	if n := d.count(); n > 0 && d.err == nil {
+		r.Mem.PerProc = make([]ProcPages, 0, n)
+		for i := 0; i < n && d.err == nil; i++ {
+			r.Mem.PerProc = append(r.Mem.PerProc, ProcPages{PID: int(int64(d.u64())), Comm: d.str(), Pages: d.u64()})
+		}
+	}
+	if n := d.count(); n > 0 && d.err == nil {
+		r.Net.Remotes = make([]string, 0, n)
+		for i := 0; i < n && d.err == nil; i++ {
+			r.Net.Remotes = append(r.Net.Remotes, d.str())
+		}
+	}
+	if d.err != nil {
+		return d.err
+	}
+	// Trailing bytes are allowed: later minor revisions may append sections.
+	return nil
+}
