@@ -1,0 +1,194 @@
+package inject
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"golang.org/x/sys/unix"
+)
+
+// lineProc is a started process with a stdin writer and a stdout line reader.
+type lineProc struct {
+	cmd *exec.Cmd
+	in  *os.File
+	out *bufio.Reader
+}
+
+func (l *lineProc) roundTrip(t *testing.T, line string) string {
+	t.Helper()
+	return roundTrip(t, l.in, l.out, line)
+}
+
+func roundTrip(t *testing.T, w *os.File, r *bufio.Reader, line string) string {
+	t.Helper()
+	if _, err := fmt.Fprintln(w, line); err != nil {
+		t.Fatalf("write %q: %v", line, err)
+	}
+	type res struct {
+		s   string
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() { s, err := r.ReadString('\n'); ch <- res{s, err} }()
+	select {
+	case x := <-ch:
+		if x.err != nil {
+			t.Fatalf("read reply to %q: %v", line, x.err)
+		}
+		return strings.TrimSpace(x.s)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("no reply to %q", line)
+	}
+	return ""
+}
+
+func startLines(t *testing.T, name string, args ...string) *lineProc {
+	t.Helper()
+	if _, err := exec.LookPath(name); err != nil {
+		testenv.Require(t, false, name)
+	}
+	cmd := exec.Command(name, args...)
+	inR, inW, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	inR.Close()
+	outW.Close()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_, _ = cmd.Process.Wait()
+		inW.Close()
+		outR.Close()
+	})
+	return &lineProc{cmd: cmd, in: inW, out: bufio.NewReader(outR)}
+}
+
+const pyCounter = `
+import sys
+x = 41
+for l in sys.stdin:
+    x += 1
+    print(l.strip(), x, flush=True)
+`
+
+// reapLater waits for pid (a child of the test process) in the background.
+func reapLater(t *testing.T, pid int) {
+	t.Cleanup(func() {
+		_ = unix.Kill(pid, unix.SIGKILL)
+		var ws unix.WaitStatus
+		_, _ = unix.Wait4(pid, &ws, 0, nil)
+	})
+}
+
+func TestForkResumesInterruptedRead(t *testing.T) {
+	testenv.RequireRoot(t)
+	for _, sibling := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sibling=%v", sibling), func(t *testing.T) {
+			p := startLines(t, "python3", "-u", "-c", pyCounter)
+			if got := p.roundTrip(t, "a"); got != "a 42" {
+				t.Fatalf("got %q", got)
+			}
+			time.Sleep(50 * time.Millisecond) // let it block in read()
+			tr := NewTracer()
+			defer tr.Close()
+			pr, err := tr.Attach(p.cmd.Process.Pid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			child, err := pr.Fork(sibling)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sibling {
+				reapLater(t, child.Pid())
+			} else {
+				t.Cleanup(func() { _ = unix.Kill(child.Pid(), unix.SIGKILL) })
+			}
+			// Fresh stdio for the copy.
+			cinR, cinW, _ := os.Pipe()
+			coutR, coutW, _ := os.Pipe()
+			defer cinW.Close()
+			defer coutR.Close()
+			self := os.Getpid()
+			if err := child.ReplaceFd(0, fmt.Sprintf("/proc/%d/fd/%d", self, cinR.Fd()), unix.O_RDONLY); err != nil {
+				t.Fatal(err)
+			}
+			if err := child.ReplaceFd(1, fmt.Sprintf("/proc/%d/fd/%d", self, coutW.Fd()), unix.O_WRONLY); err != nil {
+				t.Fatal(err)
+			}
+			cinR.Close()
+			coutW.Close()
+			if err := child.Detach(); err != nil {
+				t.Fatal(err)
+			}
+			if err := pr.Detach(); err != nil {
+				t.Fatal(err)
+			}
+			if got := p.roundTrip(t, "b"); got != "b 43" {
+				t.Fatalf("original: got %q", got)
+			}
+			if got := roundTrip(t, cinW, bufio.NewReader(coutR), "c"); got != "c 43" {
+				t.Fatalf("copy: got %q", got)
+			}
+			if got := p.roundTrip(t, "d"); got != "d 44" {
+				t.Fatalf("original: got %q", got)
+			}
+		})
+	}
+}
+
+func TestSyscallGetpid(t *testing.T) {
+	testenv.RequireRoot(t)
+	p := startLines(t, "python3", "-u", "-c", pyCounter)
+	tr := NewTracer()
+	defer tr.Close()
+	pr, err := tr.Attach(p.cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		got, err := pr.Syscall(unix.SYS_GETPID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int(got) != p.cmd.Process.Pid {
+			t.Fatalf("getpid = %d, want %d", got, p.cmd.Process.Pid)
+		}
+	}
+	if _, err := pr.Syscall(unix.SYS_CLOSE, 12345); err == nil {
+		t.Fatal("close(12345) succeeded")
+	}
+	if err := pr.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	if got := p.roundTrip(t, "x"); got != "x 42" {
+		t.Fatalf("got %q", got)
+	}
+}
+
+func TestAttachRefusesThreads(t *testing.T) {
+	testenv.RequireRoot(t)
+	p := startLines(t, "python3", "-u", "-c", "import threading,sys\nthreading.Thread(target=lambda: __import__('time').sleep(1000), daemon=True).start()\nprint('ok', flush=True)\nsys.stdin.read()")
+	if _, err := p.out.ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	tr := NewTracer()
+	defer tr.Close()
+	if _, err := tr.Attach(p.cmd.Process.Pid); err == nil {
+		t.Fatal("attached to a multi-threaded process")
+	}
+}
