@@ -21,6 +21,7 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newVersionCmd())
+	root.AddCommand(newDoctorCmd())
 	// Each area registers its command tree here, one line each.
 	return root
 }
