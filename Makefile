@@ -19,7 +19,8 @@ test: deps build
 	$(GO) test $(GOTESTFLAGS) ./...
 
 demo: deps build
-	./$(BIN) demo
+	@if ./$(BIN) demo --help >/dev/null 2>&1; then ./$(BIN) demo; else \
+		echo "rewind demo is not in this build yet: running rewind doctor"; ./$(BIN) doctor; fi
 
 bench: deps build
 	@bash scripts/bench.sh
