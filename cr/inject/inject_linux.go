@@ -89,6 +89,7 @@ type Proc struct {
 	// Detach.
 	pendingSigs []syscall.Signal
 	gone        bool
+	stopped     bool // registers saved at a stop
 }
 
 // Pid returns the process id (in the tracer's PID namespace).
@@ -217,6 +218,7 @@ func (p *Proc) waitStop() error {
 	if err := getRegs(p.pid, &p.saved); err != nil {
 		return fmt.Errorf("getregs %d: %w", p.pid, err)
 	}
+	p.stopped = true
 	if p.sysAddr == 0 {
 		a, err := findSyscall(p.pid)
 		if err != nil {
@@ -371,7 +373,7 @@ func (p *Proc) fork(sibling bool) (*Proc, error) {
 	if childPid == 0 {
 		return nil, fmt.Errorf("injected fork in %d: no fork event", p.pid)
 	}
-	c := &Proc{t: p.t, pid: childPid, saved: p.saved, sysAddr: p.sysAddr}
+	c := &Proc{t: p.t, pid: childPid, saved: p.saved, sysAddr: p.sysAddr, stopped: true}
 	// The auto-attached child reports a PTRACE_EVENT_STOP first.
 	for {
 		ws, err := wait(childPid)
@@ -402,6 +404,11 @@ func (p *Proc) Detach() error {
 		if p.gone {
 			return nil
 		}
+		if !p.stopped {
+			if err := p.waitStop(); err != nil {
+				return err
+			}
+		}
 		if err := setRegs(p.pid, &p.saved); err != nil {
 			return fmt.Errorf("setregs %d: %w", p.pid, err)
 		}
@@ -422,6 +429,11 @@ func (p *Proc) DetachStopped() error {
 	return p.t.Do(func() error {
 		if p.gone {
 			return nil
+		}
+		if !p.stopped {
+			if err := p.waitStop(); err != nil {
+				return err
+			}
 		}
 		if err := setRegs(p.pid, &p.saved); err != nil {
 			return fmt.Errorf("setregs %d: %w", p.pid, err)

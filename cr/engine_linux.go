@@ -1,0 +1,758 @@
+package cr
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/cr/inject"
+	"golang.org/x/sys/unix"
+)
+
+// Target is the sandbox as the engine sees it. *sandbox.Sandbox provides
+// both methods.
+type Target interface {
+	// ID is the sandbox id.
+	ID() string
+	// InitPID is the host pid of the sandbox's PID 1 (never traced or dumped).
+	InitPID() int
+}
+
+// Freezer is implemented by targets that can freeze all their processes at
+// once (cgroup freezer). The engine uses it, when present, to stop every
+// process atomically for the consistency barrier.
+type Freezer interface {
+	Freeze(ctx context.Context) error
+	Thaw(ctx context.Context) error
+}
+
+// Config configures an Engine. Zero values select defaults.
+type Config struct {
+	// CRIUPath is the criu binary; "" searches $REWIND_CRIU,
+	// /opt/rewind/criu/sbin/criu, then PATH.
+	CRIUPath string
+	// ImagesDir holds CRIU images (preferably tmpfs); "" disables images.
+	ImagesDir string
+	// MaxTemplates bounds the number of checkpoints holding templates
+	// (default 64).
+	MaxTemplates int
+	// MaxTemplateBytes bounds the private dirty memory of all templates
+	// (default 4 GiB).
+	MaxTemplateBytes int64
+	// Warm keeps one pre-forked, pre-faulted copy of each template ready,
+	// so a restore only rewires stdio and the restored process meets no
+	// copy-on-write faults (async-warm).
+	Warm bool
+	// Logger receives engine logs (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Engine creates and restores process checkpoints. It is safe for concurrent
+// use.
+type Engine struct {
+	cfg    Config
+	log    *slog.Logger
+	tracer *inject.Tracer
+
+	mu    sync.Mutex
+	ckpts map[string]*ckpt
+	clock uint64
+	// sbMu serialises process-creating operations per sandbox, so a
+	// process being forked is never mistaken for a live one.
+	sbMu map[string]*sync.Mutex
+}
+
+func (e *Engine) sandboxLock(id string) *sync.Mutex {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	m, ok := e.sbMu[id]
+	if !ok {
+		m = &sync.Mutex{}
+		e.sbMu[id] = m
+	}
+	return m
+}
+
+// Mode says how a checkpoint's processes are kept.
+type Mode string
+
+// Checkpoint modes.
+const (
+	ModeTemplate Mode = "template"
+	ModeCRIU     Mode = "criu"
+	ModeEmpty    Mode = "empty"
+)
+
+// Checkpoint is the record of one process checkpoint.
+type Checkpoint struct {
+	// ID is the caller's checkpoint id.
+	ID string
+	// Sandbox is the sandbox id.
+	Sandbox string
+	// Mode is how the processes are kept.
+	Mode Mode
+	// Reason explains why Mode is not ModeTemplate (empty otherwise).
+	Reason string
+	// Procs are the processes as they were.
+	Procs []Proc
+	// Frozen is how long the sandbox's processes were stopped.
+	Frozen time.Duration
+	// Taken is when the checkpoint was taken.
+	Taken time.Time
+}
+
+// Parts says which parts of a checkpoint are ready.
+type Parts struct {
+	// Template is true while templates for every process exist.
+	Template bool
+	// Image is true once a CRIU image of every process exists.
+	Image bool
+	// ImageDir is the image directory (when Image).
+	ImageDir string
+	// ImageErr is why the image failed, if it did.
+	ImageErr error
+}
+
+// Stdio names the files a restored copy gets as stdin, stdout and stderr:
+// paths opened inside the copy (in its mount namespace), e.g.
+// "/proc/1/fd/7" for a pipe end held by the sandbox init. Empty keeps
+// what the template had (/dev/null).
+type Stdio struct {
+	Stdin, Stdout, Stderr string
+	// Started, if set, is called with the host pid of the copy once it runs.
+	Started func(pid int) error
+}
+
+// RestoreOptions tune Restore and Fork.
+type RestoreOptions struct {
+	// SwitchFS runs after the live processes are gone and before the
+	// copies are created (Restore only).
+	SwitchFS func() error
+	// Stdio returns fresh stdio for the copy of p; nil or a nil result
+	// keeps /dev/null.
+	Stdio func(p Proc) (*Stdio, error)
+}
+
+// Restored pairs a checkpointed process with its new copy.
+type Restored struct {
+	Orig Proc
+	// PID is the host pid of the copy.
+	PID int
+}
+
+// RestoreResult is what Restore did.
+type RestoreResult struct {
+	// Path is "template", "criu" or "criu-lazy".
+	Path string
+	// Procs are the recreated processes.
+	Procs []Restored
+	// Duration is the time from the kill to the last copy running.
+	Duration time.Duration
+}
+
+// CheckpointOptions tune Checkpoint.
+type CheckpointOptions struct {
+	// ID is the checkpoint id (unique per engine); typically the fs
+	// checkpoint id.
+	ID string
+	// Barrier runs while every process of the sandbox is stopped; take the
+	// file-system checkpoint here so both form one consistent pair.
+	Barrier func() error
+}
+
+// ErrUnknown is returned for a checkpoint id the engine does not hold.
+var ErrUnknown = errors.New("unknown process checkpoint")
+
+type template struct {
+	sandbox string
+	dropped bool
+	orig    Proc
+	proc  *inject.Proc
+	spare *inject.Proc // pre-forked warmed copy (Config.Warm)
+	dirty int64
+}
+
+type ckpt struct {
+	rec       Checkpoint
+	templates []*template
+	lastUse   uint64
+	reachable bool
+	image     Parts
+	imageDone chan struct{}
+	// busy counts restores/forks in progress using the templates.
+	busy int
+}
+
+// New creates an engine.
+func New(cfg Config) (*Engine, error) {
+	if cfg.MaxTemplates <= 0 {
+		cfg.MaxTemplates = 64
+	}
+	if cfg.MaxTemplateBytes <= 0 {
+		cfg.MaxTemplateBytes = 4 << 30
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Engine{
+		cfg:    cfg,
+		log:    cfg.Logger.With("component", "cr"),
+		tracer: inject.NewTracer(),
+		ckpts:  map[string]*ckpt{},
+		sbMu:   map[string]*sync.Mutex{},
+	}, nil
+}
+
+// Close kills every template and stops the tracer.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	ids := make([]string, 0, len(e.ckpts))
+	for id := range e.ckpts {
+		ids = append(ids, id)
+	}
+	e.mu.Unlock()
+	for _, id := range ids {
+		e.Drop(id)
+	}
+	e.tracer.Close()
+	return nil
+}
+
+// templatePids returns the pids of every template (and spare) of sandbox sb.
+func (e *Engine) templatePids(sb string) map[int]bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	m := map[int]bool{}
+	for _, c := range e.ckpts {
+		if c.rec.Sandbox != sb {
+			continue
+		}
+		for _, t := range c.templates {
+			m[t.proc.Pid()] = true
+			if t.spare != nil {
+				m[t.spare.Pid()] = true
+			}
+		}
+	}
+	return m
+}
+
+// Processes lists the live processes of t (templates and init excluded).
+func (e *Engine) Processes(t Target) ([]Proc, error) {
+	return descendants(t.InitPID(), e.templatePids(t.ID()))
+}
+
+// templatable says why procs cannot be template-forked ("" if they can).
+func templatable(init int, procs []Proc) string {
+	for _, p := range procs {
+		if p.Threads != 1 {
+			return fmt.Sprintf("process %d (%s) has %d threads", p.PID, p.Comm, p.Threads)
+		}
+		if p.PPID != init {
+			return fmt.Sprintf("process tree: %d (%s) is a child of %d, not of init", p.PID, p.Comm, p.PPID)
+		}
+	}
+	return ""
+}
+
+// Checkpoint stops every process of t, runs opts.Barrier, makes a template
+// of every process and lets the processes run on.
+func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOptions) (*Checkpoint, error) {
+	if opts.ID == "" {
+		return nil, errors.New("checkpoint: empty id")
+	}
+	l := e.sandboxLock(t.ID())
+	l.Lock()
+	defer l.Unlock()
+	e.mu.Lock()
+	_, dup := e.ckpts[opts.ID]
+	e.mu.Unlock()
+	if dup {
+		return nil, fmt.Errorf("checkpoint %s: id already used", opts.ID)
+	}
+	rec := Checkpoint{ID: opts.ID, Sandbox: t.ID(), Taken: time.Now()}
+	procs, err := e.Processes(t)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", opts.ID, err)
+	}
+	rec.Procs = procs
+	if len(procs) == 0 {
+		rec.Mode = ModeEmpty
+		start := time.Now()
+		if opts.Barrier != nil {
+			if err := opts.Barrier(); err != nil {
+				return nil, fmt.Errorf("checkpoint %s: barrier: %w", opts.ID, err)
+			}
+		}
+		rec.Frozen = time.Since(start)
+		e.add(&ckpt{rec: rec})
+		return &rec, nil
+	}
+	if why := templatable(t.InitPID(), procs); why != "" {
+		return nil, fmt.Errorf("checkpoint %s: cannot template-fork (%s): %w", opts.ID, why, ErrNeedCRIU)
+	}
+	tmpls, frozen, err := e.makeTemplates(ctx, t, procs, opts.Barrier)
+	if err != nil {
+		return nil, fmt.Errorf("checkpoint %s: %w", opts.ID, err)
+	}
+	rec.Mode = ModeTemplate
+	rec.Frozen = frozen
+	c := &ckpt{rec: rec, templates: tmpls}
+	e.add(c)
+	for _, tm := range tmpls {
+		e.prepareTemplate(tm)
+	}
+	e.enforceBounds()
+	return &rec, nil
+}
+
+// ErrNeedCRIU says a checkpoint needs the CRIU path (multi-threaded
+// processes or a process tree).
+var ErrNeedCRIU = errors.New("template fork impossible, CRIU needed")
+
+func (e *Engine) add(c *ckpt) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.clock++
+	c.lastUse = e.clock
+	c.reachable = true
+	e.ckpts[c.rec.ID] = c
+}
+
+// makeTemplates is the stop-the-world part of Checkpoint.
+func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barrier func() error) ([]*template, time.Duration, error) {
+	fr, canFreeze := t.(Freezer)
+	start := time.Now()
+	if canFreeze {
+		if err := fr.Freeze(ctx); err != nil {
+			return nil, 0, fmt.Errorf("freeze: %w", err)
+		}
+	}
+	thawed := !canFreeze
+	thaw := func() error {
+		if thawed {
+			return nil
+		}
+		thawed = true
+		return fr.Thaw(context.WithoutCancel(ctx))
+	}
+	var live []*inject.Proc
+	release := func() {
+		for _, p := range live {
+			_ = p.Detach()
+		}
+	}
+	fail := func(err error) ([]*template, time.Duration, error) {
+		terr := thaw()
+		release()
+		return nil, 0, errors.Join(err, terr)
+	}
+	for _, p := range procs {
+		ip, err := e.tracer.Seize(p.PID)
+		if err != nil {
+			return fail(err)
+		}
+		if err := ip.Interrupt(); err != nil {
+			_ = e.tracer.Do(func() error { return unix.PtraceDetach(p.PID) })
+			return fail(err)
+		}
+		live = append(live, ip)
+	}
+	// With a freezer the processes are stopped already: the barrier runs
+	// before they even reach their ptrace stops.
+	if canFreeze && barrier != nil {
+		if err := barrier(); err != nil {
+			return fail(fmt.Errorf("barrier: %w", err))
+		}
+	}
+	if err := thaw(); err != nil {
+		return fail(fmt.Errorf("thaw: %w", err))
+	}
+	for _, ip := range live {
+		if err := ip.Stopped(); err != nil {
+			return fail(err)
+		}
+	}
+	if !canFreeze && barrier != nil {
+		if err := barrier(); err != nil {
+			return fail(fmt.Errorf("barrier: %w", err))
+		}
+	}
+	var tmpls []*template
+	for i, ip := range live {
+		tp, err := ip.Fork(true)
+		if err != nil {
+			for _, tm := range tmpls {
+				_ = tm.proc.Kill()
+			}
+			return fail(fmt.Errorf("fork template of %d: %w", ip.Pid(), err))
+		}
+		tmpls = append(tmpls, &template{sandbox: t.ID(), orig: procs[i], proc: tp})
+	}
+	release()
+	return tmpls, time.Since(start), nil
+}
+
+// prepareTemplate gives the template /dev/null as stdio (so it holds no
+// session pipe open) and, with Config.Warm, forks its warmed spare.
+func (e *Engine) prepareTemplate(tm *template) {
+	for fd := 0; fd < 3; fd++ {
+		if err := tm.proc.ReplaceFd(fd, "/dev/null", unix.O_RDWR); err != nil {
+			e.log.Debug("template stdio", "pid", tm.proc.Pid(), "fd", fd, "err", err)
+			break
+		}
+	}
+	if e.cfg.Warm {
+		e.makeSpare(tm, true)
+	}
+}
+
+// makeSpare forks a copy of the template and pre-faults its private
+// writable memory while it is still stopped (no race with its own writes).
+func (e *Engine) makeSpare(tm *template, locked bool) {
+	if !locked {
+		l := e.sandboxLock(tm.sandbox)
+		l.Lock()
+		defer l.Unlock()
+	}
+	e.mu.Lock()
+	have := tm.spare != nil || tm.dropped
+	e.mu.Unlock()
+	if have {
+		return
+	}
+	sp, err := tm.proc.Fork(true)
+	if err != nil {
+		e.log.Debug("spare fork", "pid", tm.proc.Pid(), "err", err)
+		return
+	}
+	// The spare is stopped, so pre-faulting races with nothing.
+	if err := Prefault(sp.Pid()); err != nil {
+		e.log.Debug("prefault spare", "pid", sp.Pid(), "err", err)
+	}
+	e.mu.Lock()
+	dropped := tm.dropped
+	if !dropped {
+		tm.spare = sp
+	}
+	e.mu.Unlock()
+	if dropped {
+		_ = sp.Kill()
+	}
+}
+
+// Parts says which parts of checkpoint id are ready.
+func (e *Engine) Parts(id string) (Parts, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.ckpts[id]
+	if !ok {
+		return Parts{}, fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
+	}
+	p := c.image
+	p.Template = len(c.templates) > 0 || c.rec.Mode == ModeEmpty
+	return p, nil
+}
+
+// Record returns the record of checkpoint id.
+func (e *Engine) Record(id string) (Checkpoint, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.ckpts[id]
+	if !ok {
+		return Checkpoint{}, fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
+	}
+	return c.rec, nil
+}
+
+// killLive SIGKILLs every live process of t and waits until each is gone.
+func (e *Engine) killLive(ctx context.Context, t Target) error {
+	for round := 0; round < 10; round++ {
+		procs, err := e.Processes(t)
+		if err != nil {
+			return err
+		}
+		if len(procs) == 0 {
+			return nil
+		}
+		e.log.Debug("kill live", "procs", procs, "skip", e.templatePids(t.ID()))
+		var fds []int
+		for _, p := range procs {
+			fd, err := unix.PidfdOpen(p.PID, 0)
+			if err != nil {
+				continue
+			}
+			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+			fds = append(fds, fd)
+		}
+		for _, fd := range fds {
+			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			deadline := time.Now().Add(10 * time.Second)
+			for time.Now().Before(deadline) && ctx.Err() == nil {
+				n, err := unix.Poll(pfd, 100)
+				if n > 0 || (err != nil && err != unix.EINTR) {
+					break
+				}
+			}
+			unix.Close(fd)
+		}
+		// Zombies still listed until init reaps them: wait briefly.
+		waitUntil(ctx, 2*time.Second, func() bool {
+			ps, err := e.Processes(t)
+			return err == nil && allZombie(ps)
+		})
+	}
+	procs, _ := e.Processes(t)
+	if !allZombie(procs) {
+		return fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
+	}
+	return nil
+}
+
+func allZombie(ps []Proc) bool {
+	for _, p := range ps {
+		st, err := procState(p.PID)
+		if err == nil && st != 'Z' && st != 'X' {
+			return false
+		}
+	}
+	return true
+}
+
+func waitUntil(ctx context.Context, d time.Duration, f func() bool) bool {
+	deadline := time.Now().Add(d)
+	for {
+		if f() {
+			return true
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// Restore kills t's live processes, runs opts.SwitchFS and recreates the
+// processes of checkpoint id.
+func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreOptions) (*RestoreResult, error) {
+	l := e.sandboxLock(t.ID())
+	l.Lock()
+	defer l.Unlock()
+	c, err := e.acquire(id, t)
+	if err != nil {
+		return nil, err
+	}
+	defer e.releaseCk(c)
+	start := time.Now()
+	if err := e.killLive(ctx, t); err != nil {
+		return nil, fmt.Errorf("restore %s: %w", id, err)
+	}
+	if opts.SwitchFS != nil {
+		if err := opts.SwitchFS(); err != nil {
+			return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
+		}
+	}
+	res := &RestoreResult{Path: "template"}
+	if c.rec.Mode == ModeEmpty {
+		res.Duration = time.Since(start)
+		return res, nil
+	}
+	if len(c.templates) == 0 {
+		return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
+	}
+	procs, err := e.spawn(c, opts, true)
+	if err != nil {
+		return nil, fmt.Errorf("restore %s: %w", id, err)
+	}
+	res.Procs = procs
+	res.Duration = time.Since(start)
+	return res, nil
+}
+
+// Fork creates n more live copies of checkpoint id's processes in t,
+// leaving the live processes alone. Copies share no stdio.
+func (e *Engine) Fork(ctx context.Context, t Target, id string, n int, opts RestoreOptions) ([][]Restored, error) {
+	l := e.sandboxLock(t.ID())
+	l.Lock()
+	defer l.Unlock()
+	c, err := e.acquire(id, t)
+	if err != nil {
+		return nil, err
+	}
+	defer e.releaseCk(c)
+	if c.rec.Mode != ModeEmpty && len(c.templates) == 0 {
+		return nil, fmt.Errorf("fork %s: no templates", id)
+	}
+	var out [][]Restored
+	for i := 0; i < n; i++ {
+		if err := ctx.Err(); err != nil {
+			return out, err
+		}
+		procs, err := e.spawn(c, opts, false)
+		if err != nil {
+			return out, fmt.Errorf("fork %s copy %d: %w", id, i, err)
+		}
+		out = append(out, procs)
+	}
+	return out, nil
+}
+
+func (e *Engine) acquire(id string, t Target) (*ckpt, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.ckpts[id]
+	if !ok {
+		return nil, fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
+	}
+	if c.rec.Sandbox != t.ID() {
+		return nil, fmt.Errorf("checkpoint %s belongs to sandbox %s, not %s", id, c.rec.Sandbox, t.ID())
+	}
+	e.clock++
+	c.lastUse = e.clock
+	c.busy++
+	return c, nil
+}
+
+func (e *Engine) releaseCk(c *ckpt) {
+	e.mu.Lock()
+	c.busy--
+	e.mu.Unlock()
+}
+
+// spawn forks every template of c (or takes its warmed spare), wires stdio
+// and lets the copies run. On error every copy made so far is killed.
+func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored, error) {
+	type made struct {
+		tm *template
+		p  *inject.Proc
+		st *Stdio
+	}
+	var ms []made
+	fail := func(err error) ([]Restored, error) {
+		for _, m := range ms {
+			_ = m.p.Kill()
+		}
+		return nil, err
+	}
+	for _, tm := range c.templates {
+		var cp *inject.Proc
+		if useSpare && e.cfg.Warm {
+			e.mu.Lock()
+			cp, tm.spare = tm.spare, nil
+			e.mu.Unlock()
+		}
+		if cp == nil {
+			var err error
+			cp, err = tm.proc.Fork(true)
+			if err != nil {
+				return fail(fmt.Errorf("fork template %d of %d: %w", tm.proc.Pid(), tm.orig.PID, err))
+			}
+		}
+		ms = append(ms, made{tm: tm, p: cp})
+		if opts.Stdio == nil {
+			continue
+		}
+		st, err := opts.Stdio(tm.orig)
+		if err != nil {
+			return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
+		}
+		ms[len(ms)-1].st = st
+		if st == nil {
+			continue
+		}
+		for fd, path := range []string{st.Stdin, st.Stdout, st.Stderr} {
+			if path == "" {
+				continue
+			}
+			flags := unix.O_WRONLY
+			if fd == 0 {
+				flags = unix.O_RDONLY
+			}
+			if err := cp.ReplaceFd(fd, path, flags); err != nil {
+				return fail(err)
+			}
+		}
+	}
+	out := make([]Restored, 0, len(ms))
+	for _, m := range ms {
+		if err := m.p.Detach(); err != nil {
+			return fail(err)
+		}
+		out = append(out, Restored{Orig: m.tm.orig, PID: m.p.Pid()})
+	}
+	for _, m := range ms {
+		if m.st != nil && m.st.Started != nil {
+			if err := m.st.Started(m.p.Pid()); err != nil {
+				return out, fmt.Errorf("started hook for %d: %w", m.p.Pid(), err)
+			}
+		}
+	}
+	if useSpare && e.cfg.Warm {
+		for _, tm := range c.templates {
+			go e.makeSpare(tm, false)
+		}
+	}
+	return out, nil
+}
+
+// Drop frees checkpoint id: its templates are killed and its image removed.
+func (e *Engine) Drop(id string) {
+	e.mu.Lock()
+	c, ok := e.ckpts[id]
+	if ok {
+		delete(e.ckpts, id)
+	}
+	e.mu.Unlock()
+	if !ok {
+		return
+	}
+	e.dropTemplates(c)
+	e.removeImage(c)
+}
+
+func (e *Engine) dropTemplates(c *ckpt) {
+	e.mu.Lock()
+	tms := c.templates
+	c.templates = nil
+	for _, tm := range tms {
+		tm.dropped = true
+	}
+	e.mu.Unlock()
+	for _, tm := range tms {
+		if tm.spare != nil {
+			_ = tm.spare.Kill()
+		}
+		_ = tm.proc.Kill()
+	}
+}
+
+// DropSandbox drops every checkpoint of sandbox sb (call before the sandbox
+// is closed, so no stopped template outlives it).
+func (e *Engine) DropSandbox(sb string) {
+	e.mu.Lock()
+	var ids []string
+	for id, c := range e.ckpts {
+		if c.rec.Sandbox == sb {
+			ids = append(ids, id)
+		}
+	}
+	e.mu.Unlock()
+	sort.Strings(ids)
+	for _, id := range ids {
+		e.Drop(id)
+	}
+}
+
+// Hint records whether checkpoint id is still reachable by the caller's
+// search; unreachable checkpoints are evicted first.
+func (e *Engine) Hint(id string, reachable bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if c, ok := e.ckpts[id]; ok {
+		c.reachable = reachable
+	}
+}

@@ -1,0 +1,197 @@
+package cr
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"golang.org/x/sys/unix"
+)
+
+// The test binary doubles as a minimal sandbox init: run as PID 1 of a new
+// PID namespace, it starts os.Args[1:] in its own session and reaps every
+// child, like the sandbox package's init.
+func TestMain(m *testing.M) {
+	if os.Getenv("CR_TEST_INIT") == "1" {
+		testInit()
+		return
+	}
+	os.Exit(m.Run())
+}
+
+func testInit() {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "CR_TEST_INIT=") {
+			env = append(env, kv)
+		}
+	}
+	_, err := syscall.ForkExec(os.Args[1], os.Args[1:], &syscall.ProcAttr{
+		Env: env, Files: []uintptr{0, 1, 2}, Sys: &syscall.SysProcAttr{Setsid: true},
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "test init:", err)
+		os.Exit(1)
+	}
+	for {
+		var ws unix.WaitStatus
+		if _, err := unix.Wait4(-1, &ws, unix.WALL, nil); err == unix.ECHILD {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+}
+
+// testSandbox is a PID namespace with the test init as PID 1 and one
+// program as its child.
+type testSandbox struct {
+	id   string
+	init *exec.Cmd
+	in   *os.File
+	out  *bufio.Reader
+}
+
+func (s *testSandbox) ID() string   { return s.id }
+func (s *testSandbox) InitPID() int { return s.init.Process.Pid }
+
+func startSandbox(t *testing.T, argv ...string) *testSandbox {
+	t.Helper()
+	testenv.RequireRoot(t)
+	path, err := exec.LookPath(argv[0])
+	testenv.RequireNoErr(t, err, argv[0])
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	inR, inW, _ := os.Pipe()
+	outR, outW, _ := os.Pipe()
+	cmd := exec.Command(exe, append([]string{path}, argv[1:]...)...)
+	cmd.Env = append(os.Environ(), "CR_TEST_INIT=1")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWPID, Pdeathsig: unix.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	inR.Close()
+	outW.Close()
+	sb := &testSandbox{id: fmt.Sprintf("%s-%d", t.Name(), cmd.Process.Pid), init: cmd, in: inW, out: bufio.NewReader(outR)}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill() // PID 1 dies: the kernel kills the namespace
+		_ = cmd.Wait()
+		inW.Close()
+		outR.Close()
+	})
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		kids, _ := children(sb.InitPID())
+		if len(kids) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("init started no child")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return sb
+}
+
+// chat writes cmd and returns the output lines up to the marker line.
+func chat(t *testing.T, w *os.File, r *bufio.Reader, cmd, marker string) string {
+	t.Helper()
+	if _, err := fmt.Fprintln(w, cmd); err != nil {
+		t.Fatalf("write %q: %v", cmd, err)
+	}
+	type res struct {
+		s   string
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		var b strings.Builder
+		for {
+			l, err := r.ReadString('\n')
+			if err != nil {
+				ch <- res{b.String(), err}
+				return
+			}
+			if strings.TrimSpace(l) == marker {
+				ch <- res{strings.TrimSpace(b.String()), nil}
+				return
+			}
+			b.WriteString(l)
+		}
+	}()
+	select {
+	case x := <-ch:
+		if x.err != nil {
+			t.Fatalf("reading reply to %q: %v (got %q)", cmd, x.err, x.s)
+		}
+		return x.s
+	case <-time.After(60 * time.Second):
+		t.Fatalf("no reply to %q", cmd)
+	}
+	return ""
+}
+
+// session is a stdin/stdout pair of a (restored) process.
+type session struct {
+	in  *os.File
+	out *bufio.Reader
+}
+
+// freshStdio returns RestoreOptions.Stdio creating new pipes for every
+// copy; the test ends are sent on the returned channel.
+func freshStdio(t *testing.T) (func(Proc) (*Stdio, error), chan session) {
+	ch := make(chan session, 64)
+	return func(Proc) (*Stdio, error) {
+		inR, inW, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		outR, outW, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		self := os.Getpid()
+		st := &Stdio{
+			Stdin:  fmt.Sprintf("/proc/%d/fd/%d", self, inR.Fd()),
+			Stdout: fmt.Sprintf("/proc/%d/fd/%d", self, outW.Fd()),
+			Stderr: fmt.Sprintf("/proc/%d/fd/%d", self, outW.Fd()),
+			Started: func(int) error {
+				inR.Close()
+				outW.Close()
+				return nil
+			},
+		}
+		t.Cleanup(func() { inW.Close(); outR.Close() })
+		ch <- session{in: inW, out: bufio.NewReader(outR)}
+		return st, nil
+	}, ch
+}
+
+func newEngine(t *testing.T, cfg Config) *Engine {
+	t.Helper()
+	e, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	return e
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func testLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}

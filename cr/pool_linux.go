@@ -1,0 +1,161 @@
+package cr
+
+import (
+	"bytes"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// PoolStats describes the template pool.
+type PoolStats struct {
+	// Checkpoints is the number of checkpoints the engine holds.
+	Checkpoints int
+	// WithTemplates is how many of them hold templates.
+	WithTemplates int
+	// Templates is the number of template processes (spares excluded).
+	Templates int
+	// PrivateDirty is the private dirty memory of templates and spares,
+	// in bytes, as last measured.
+	PrivateDirty int64
+}
+
+// Stats measures the pool.
+func (e *Engine) Stats() PoolStats {
+	e.mu.Lock()
+	var st PoolStats
+	var tms []*template
+	st.Checkpoints = len(e.ckpts)
+	for _, c := range e.ckpts {
+		if len(c.templates) > 0 {
+			st.WithTemplates++
+		}
+		st.Templates += len(c.templates)
+		tms = append(tms, c.templates...)
+	}
+	e.mu.Unlock()
+	for _, tm := range tms {
+		st.PrivateDirty += e.measure(tm)
+	}
+	return st
+}
+
+func (e *Engine) measure(tm *template) int64 {
+	d := privateDirty(tm.proc.Pid())
+	e.mu.Lock()
+	if tm.spare != nil {
+		d += privateDirty(tm.spare.Pid())
+	}
+	tm.dirty = d
+	e.mu.Unlock()
+	return d
+}
+
+// privateDirty returns Private_Dirty of pid in bytes (0 if unreadable).
+func privateDirty(pid int) int64 {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	if err != nil {
+		return 0
+	}
+	for _, l := range bytes.Split(b, []byte("\n")) {
+		if v, ok := bytes.CutPrefix(l, []byte("Private_Dirty:")); ok {
+			f := strings.Fields(string(v))
+			if len(f) > 0 {
+				kb, _ := strconv.ParseInt(f[0], 10, 64)
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
+
+// procState returns the state letter of pid from /proc/pid/stat.
+func procState(pid int) (byte, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || i+2 >= len(b) {
+		return 0, os.ErrInvalid
+	}
+	return b[i+2], nil
+}
+
+// enforceBounds evicts templates while the pool exceeds its bounds. A
+// checkpoint's templates are evicted only when its image exists or it was
+// hinted unreachable, so eviction never loses a checkpoint; unreachable
+// checkpoints go first, then the least recently used.
+func (e *Engine) enforceBounds() {
+	type cand struct {
+		c     *ckpt
+		bytes int64
+	}
+	e.mu.Lock()
+	var cs []cand
+	var newest *ckpt
+	for _, c := range e.ckpts {
+		if len(c.templates) == 0 {
+			continue
+		}
+		cs = append(cs, cand{c: c})
+		if newest == nil || c.lastUse > newest.lastUse {
+			newest = c
+		}
+	}
+	e.mu.Unlock()
+	var total int64
+	for i := range cs {
+		for _, tm := range cs[i].c.templates {
+			cs[i].bytes += e.measure(tm)
+		}
+		total += cs[i].bytes
+	}
+	count := len(cs)
+	if count <= e.cfg.MaxTemplates && total <= e.cfg.MaxTemplateBytes {
+		return
+	}
+	e.mu.Lock()
+	sort.Slice(cs, func(i, j int) bool {
+		a, b := cs[i].c, cs[j].c
+		if a.reachable != b.reachable {
+			return !a.reachable
+		}
+		return a.lastUse < b.lastUse
+	})
+	var victims []cand
+	for _, x := range cs {
+		if count <= e.cfg.MaxTemplates && total <= e.cfg.MaxTemplateBytes {
+			break
+		}
+		c := x.c
+		if c == newest || c.busy > 0 || (!c.image.Image && c.reachable) {
+			continue
+		}
+		victims = append(victims, x)
+		count--
+		total -= x.bytes
+	}
+	e.mu.Unlock()
+	for _, v := range victims {
+		e.log.Info("evict templates", "checkpoint", v.c.rec.ID, "bytes", v.bytes, "image", v.c.image.Image)
+		e.dropTemplates(v.c)
+	}
+	if count > e.cfg.MaxTemplates || total > e.cfg.MaxTemplateBytes {
+		e.log.Warn("template pool over its bounds: nothing evictable yet (no image)", "count", count, "bytes", total)
+	}
+}
+
+// Evict drops the templates of checkpoint id (keeping its record and
+// image); a later restore takes the image path.
+func (e *Engine) Evict(id string) error {
+	e.mu.Lock()
+	c, ok := e.ckpts[id]
+	e.mu.Unlock()
+	if !ok {
+		return ErrUnknown
+	}
+	e.dropTemplates(c)
+	return nil
+}
