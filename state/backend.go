@@ -1,0 +1,166 @@
+package state
+
+import (
+	"context"
+	"io"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/effect"
+)
+
+// FSSpec describes the file system a sandbox's root is built from.
+type FSSpec struct {
+	// Bases are read-only lower directories, bottom first. Empty means the
+	// host's root file system.
+	Bases []string
+	// Kind is "auto", "fuse" or "kernel".
+	Kind string
+	// Hide lists host paths that must never be visible inside (the
+	// daemon's state dir and socket dir).
+	Hide []string
+}
+
+// FSBackend creates sandbox roots and owns the store of frozen layers.
+// Layers are reference-counted by the back end: Delete drops one
+// checkpoint's reference, and a layer is freed when no checkpoint and no
+// mount uses it.
+type FSBackend interface {
+	// Mount creates a fresh root for sandbox id: the bases with an empty
+	// writable upper.
+	Mount(ctx context.Context, id string, spec FSSpec) (FSMount, error)
+	// MountFrom creates a root for sandbox id whose content is fs
+	// checkpoint ckpt (shared frozen layers, a new empty upper).
+	MountFrom(ctx context.Context, id string, spec FSSpec, ckpt string) (FSMount, error)
+	// Delete frees fs checkpoint ckpt (GC).
+	Delete(ctx context.Context, ckpt string) error
+	// Cleanup removes what a dead daemon may have left for sandbox id
+	// (a stale mount point). It must succeed when there is nothing.
+	Cleanup(ctx context.Context, id string) error
+}
+
+// FSMount is one mounted sandbox root.
+type FSMount interface {
+	// Root is the host path of the sandbox's / (empty for fakes).
+	Root() string
+	// Checkpoint freezes the writable upper into a layer and returns its
+	// checkpoint id and the bytes it added.
+	Checkpoint(ctx context.Context) (id string, bytes int64, err error)
+	// Switch makes the mount show fs checkpoint ckpt with a fresh upper.
+	// It is atomic: on error the mount is unchanged.
+	Switch(ctx context.Context, ckpt string) error
+	// Inject writes a file (path relative to the sandbox root) into the
+	// upper, for example /run/rewind/copy in a forked sandbox.
+	Inject(path string, data []byte) error
+	// Unmount tears the mount down; frozen layers stay in the store.
+	Unmount() error
+}
+
+// ProcBackend starts the process side of sandboxes.
+type ProcBackend interface {
+	// Start starts sandbox id's process side (its init) on root.
+	Start(ctx context.Context, id string, root string) (ProcSandbox, error)
+	// Release frees a checkpoint's process part (templates, images).
+	Release(ctx context.Context, part *ProcPart) error
+	// Recover is called once per stored part when the daemon opens its
+	// store: it returns the part with its readiness reflecting what
+	// survived (templates die with the daemon or the host; images on disk
+	// survive).
+	Recover(ctx context.Context, part *ProcPart) *ProcPart
+	// Cleanup kills whatever a dead daemon left of sandbox id.
+	Cleanup(ctx context.Context, id string) error
+}
+
+// ExecRequest is a one-shot command.
+type ExecRequest struct {
+	Argv   []string
+	Env    []string
+	Dir    string
+	Stdin  io.Reader
+	Stdout io.Writer
+	Stderr io.Writer
+}
+
+// SendRequest writes to a session and collects its answer.
+type SendRequest struct {
+	Session string
+	Text    string
+	// Idle ends the read once output has been quiet this long.
+	Idle time.Duration
+	// Until, if set, is a regular expression that ends the read when the
+	// output so far matches it.
+	Until string
+	// Timeout bounds the whole call.
+	Timeout time.Duration
+}
+
+// ProcSandbox is the live process side of one sandbox.
+type ProcSandbox interface {
+	Exec(ctx context.Context, req ExecRequest) (exitCode int, err error)
+	StartSession(ctx context.Context, session string, argv, env []string) error
+	Send(ctx context.Context, req SendRequest) (string, error)
+	// Sessions lists the session ids alive.
+	Sessions() []string
+	// Freeze stops every process in the sandbox; Thaw resumes them.
+	Freeze(ctx context.Context) error
+	Thaw(ctx context.Context) error
+	// Checkpoint captures the (frozen) processes: the fast part only (for
+	// example templates). It must not thaw.
+	Checkpoint(ctx context.Context) (*ProcPart, error)
+	// Persist makes a part durable (for example a CRIU dump of the
+	// templates) and returns the updated part. It runs outside the
+	// sandbox's operation order, while the sandbox runs on.
+	Persist(ctx context.Context, part *ProcPart) (*ProcPart, error)
+	// Restore replaces the sandbox's processes by those of part. It is
+	// atomic: on error the processes that ran are unchanged. It returns the
+	// path taken: "template", "criu" or "criu-lazy".
+	Restore(ctx context.Context, part *ProcPart) (path string, err error)
+	// Close kills every process (templates of this sandbox's own
+	// checkpoints excepted only if the back end keeps them elsewhere).
+	Close() error
+}
+
+// Probe watches a sandbox's effects between turns.
+type Probe interface {
+	// Watch starts observing a sandbox.
+	Watch(ctx context.Context, name string, fs FSMount, proc ProcSandbox) (ProbeWindow, error)
+}
+
+// ProbeWindow yields the effects since the previous Take.
+type ProbeWindow interface {
+	Take(ctx context.Context) (*effect.Report, error)
+	Close() error
+}
+
+// Decision is a policy's verdict.
+type Decision struct {
+	Mode   Mode
+	Reason string
+}
+
+// Policy decides what a turn saves from its effect report.
+type Policy interface {
+	Decide(ctx context.Context, r *effect.Report) (Decision, error)
+}
+
+// PolicyLoader resolves a policy name or .wasm path.
+type PolicyLoader interface {
+	Load(ctx context.Context, name string) (Policy, error)
+}
+
+// Observer receives measurements (the daemon turns them into metrics).
+// Every method must be cheap and safe for concurrent use.
+type Observer interface {
+	Checkpointed(kind Mode, took, frozen time.Duration, err error)
+	Restored(path string, took time.Duration, err error)
+	Decided(policy string, mode Mode)
+	Forked(n int, took time.Duration)
+	Collected(freed int, took time.Duration)
+}
+
+type nopObserver struct{}
+
+func (nopObserver) Checkpointed(Mode, time.Duration, time.Duration, error) {}
+func (nopObserver) Restored(string, time.Duration, error)                  {}
+func (nopObserver) Decided(string, Mode)                                   {}
+func (nopObserver) Forked(int, time.Duration)                              {}
+func (nopObserver) Collected(int, time.Duration)                           {}

@@ -1,0 +1,647 @@
+package state
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/effect"
+)
+
+// TurnRequest is the harness's call after a tool call.
+type TurnRequest struct {
+	Mode Mode
+	// Wait blocks until the checkpoint is durable.
+	Wait  bool
+	Epoch uint64
+}
+
+// TurnResult answers a turn at once; the checkpoint work runs on.
+type TurnResult struct {
+	ID       string `json:"id"`
+	Decision Mode   `json:"decision"`
+	Reason   string `json:"reason"`
+	Epoch    uint64 `json:"epoch"`
+	// Status is the checkpoint's status when the call returned.
+	Status  string `json:"status"`
+	Durable bool   `json:"durable"`
+	// Report is the effect report auto mode decided on (nil otherwise).
+	Report *effect.Report `json:"report,omitempty"`
+}
+
+// Turn closes the probe window, decides (or takes req.Mode), and starts
+// the checkpoint asynchronously, ordered before any later operation on the
+// sandbox. A skip returns the previous checkpoint's id; an fs-only
+// checkpoint shares its parent's process part.
+func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*TurnResult, error) {
+	m.mu.Lock()
+	s, err := m.lookup(name, req.Epoch)
+	if err == nil {
+		err = m.running(s)
+	}
+	if err != nil {
+		m.mu.Unlock()
+		return nil, err
+	}
+	win, pol, polName := s.win, s.policy, s.rec.Policy
+	s.rec.Turns++
+	m.mu.Unlock()
+
+	mode, reason := req.Mode, "requested"
+	var rep *effect.Report
+	if win != nil {
+		r, err := win.Take(ctx)
+		if err != nil {
+			m.log.Warn("probe", "sandbox", name, "err", err)
+		} else {
+			rep = r
+		}
+	}
+	if mode == ModeAuto || mode == "" {
+		switch {
+		case win == nil:
+			mode, reason = ModeFull, "auto: no effect probe for this sandbox, so full"
+		case rep == nil:
+			mode, reason = ModeFull, "auto: the probe failed, so full"
+		case pol == nil:
+			mode, reason = ModeFull, "auto: no policy loaded, so full"
+		default:
+			d, err := pol.Decide(ctx, rep)
+			if err != nil {
+				mode, reason = ModeFull, "auto: policy error ("+err.Error()+"), so full"
+			} else {
+				mode, reason = d.Mode, d.Reason
+				if rep.LostEvents > 0 && mode == ModeSkip {
+					mode, reason = ModeFull, "probe lost events, so full"
+				}
+			}
+		}
+		m.obs.Decided(polName, mode)
+	} else {
+		rep = nil
+	}
+
+	m.mu.Lock()
+	if _, err := m.lookup(s.rec.ID, req.Epoch); err != nil {
+		m.mu.Unlock()
+		return nil, err
+	}
+	head := m.ckpts[s.rec.Head]
+	if head == nil && mode != ModeFull {
+		mode, reason = ModeFull, reason+"; no earlier checkpoint, so full"
+	}
+	if mode == ModeFS && head != nil && head.rec.Status == CkptReady && !head.rec.Restorable {
+		mode, reason = ModeFull, reason+"; the parent's processes are not restorable, so full"
+	}
+	if mode == ModeSkip {
+		res := &TurnResult{ID: head.rec.ID, Decision: ModeSkip, Reason: reason, Epoch: s.rec.Epoch, Status: head.rec.Status, Durable: head.rec.Durable, Report: rep}
+		m.mu.Unlock()
+		if req.Wait {
+			return m.waitResult(ctx, res)
+		}
+		return res, nil
+	}
+	s.seq++
+	c := newCkpt(Checkpoint{
+		ID: newID("ck-"), Parent: s.rec.Head, Sandbox: s.rec.ID, Seq: s.seq, Decision: mode, Reason: reason,
+		Status: CkptPending, Created: time.Now().UTC(), Epoch: s.rec.Epoch,
+	})
+	m.ckpts[c.rec.ID] = c
+	s.rec.Head = c.rec.ID
+	res := &TurnResult{ID: c.rec.ID, Decision: mode, Reason: reason, Epoch: s.rec.Epoch, Status: CkptPending, Report: rep}
+	m.mu.Unlock()
+	s.q.async(&m.wg, func() { m.doCheckpoint(s, c) })
+	if req.Wait {
+		return m.waitResult(ctx, res)
+	}
+	return res, nil
+}
+
+func (m *Manager) waitResult(ctx context.Context, res *TurnResult) (*TurnResult, error) {
+	c, err := m.Wait(ctx, res.ID)
+	if err != nil {
+		return nil, err
+	}
+	res.Status, res.Durable = c.Status, c.Durable
+	return res, nil
+}
+
+// Checkpoint is Turn with mode full.
+func (m *Manager) Checkpoint(ctx context.Context, name string, wait bool, epoch uint64) (*TurnResult, error) {
+	return m.Turn(ctx, name, TurnRequest{Mode: ModeFull, Wait: wait, Epoch: epoch})
+}
+
+// doCheckpoint runs in the sandbox's order.
+func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
+	m.gcMu.RLock()
+	defer m.gcMu.RUnlock()
+	start := time.Now()
+
+	m.mu.Lock()
+	// A failed parent is not in the tree: attach to its nearest good ancestor.
+	for p := m.ckpts[c.rec.Parent]; p != nil && p.rec.Status == CkptFailed; p = m.ckpts[c.rec.Parent] {
+		c.rec.Parent = p.rec.Parent
+	}
+	mode := c.rec.Decision
+	if mode == ModeFS {
+		p := m.ckpts[c.rec.Parent]
+		if p == nil || !p.rec.Restorable {
+			mode = ModeFull
+			c.rec.Decision = ModeFull
+			c.rec.Reason += "; the parent's processes are not restorable, so full"
+		} else {
+			c.rec.ProcFrom = p.rec.ProcFrom
+		}
+	}
+	mount, proc, removed := s.mount, s.proc, s.removed
+	m.mu.Unlock()
+
+	var (
+		fsID   string
+		fsB    int64
+		part   *ProcPart
+		frozen time.Duration
+		err    error
+	)
+	switch {
+	case removed || mount == nil || proc == nil:
+		err = fmt.Errorf("sandbox %s is not running", s.rec.Name)
+	case mode == ModeFull:
+		if err = proc.Freeze(context.Background()); err != nil {
+			err = fmt.Errorf("freeze: %w", err)
+			break
+		}
+		ft := time.Now()
+		fsID, fsB, err = mount.Checkpoint(context.Background())
+		if err != nil {
+			err = fmt.Errorf("fs checkpoint: %w", err)
+		} else if part, err = proc.Checkpoint(context.Background()); err != nil {
+			err = fmt.Errorf("process checkpoint: %w", err)
+		}
+		if terr := proc.Thaw(context.Background()); terr != nil && err == nil {
+			err = fmt.Errorf("thaw: %w", terr)
+		}
+		frozen = time.Since(ft)
+	default:
+		fsID, fsB, err = mount.Checkpoint(context.Background())
+		if err != nil {
+			err = fmt.Errorf("fs checkpoint: %w", err)
+		}
+	}
+	took := time.Since(start)
+	m.obs.Checkpointed(mode, took, frozen, err)
+
+	m.mu.Lock()
+	c.rec.FrozenUS, c.rec.TookUS = frozen.Microseconds(), took.Microseconds()
+	if err != nil {
+		c.rec.Status, c.rec.Error = CkptFailed, err.Error()
+		if s.rec.Head == c.rec.ID {
+			s.rec.Head = c.rec.Parent
+		}
+		close(c.ready)
+		close(c.durable)
+		m.mu.Unlock()
+		if fsID != "" {
+			// The layer is now under the live mount; only the record goes.
+			m.cfg.FS.Delete(context.Background(), fsID)
+		}
+		m.log.Error("checkpoint failed", "sandbox", s.rec.Name, "id", c.rec.ID, "err", err)
+		return
+	}
+	c.rec.FS, c.rec.FSBytes = fsID, fsB
+	if mode == ModeFull {
+		c.rec.ProcFrom, c.rec.Proc = c.rec.ID, part
+	}
+	c.rec.Status, c.rec.Restorable = CkptReady, true
+	m.mu.Unlock()
+
+	perr := m.persist(func(b *batch) {
+		b.putCheckpoints = append(b.putCheckpoints, cloneCkpt(&c.rec))
+		sb := cloneSandbox(&s.rec)
+		sb.Head = c.rec.ID // the newest checkpoint that is in the store
+		if !s.removed {
+			b.putSandboxes = append(b.putSandboxes, sb)
+		}
+	})
+	if perr != nil {
+		m.log.Error("checkpoint metadata not written; it will not survive a restart", "id", c.rec.ID, "err", perr)
+	}
+	close(c.ready)
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		m.makeDurable(s, c, proc, perr == nil)
+	}()
+	m.maybeAutoGC()
+}
+
+// makeDurable runs outside the sandbox's order while the sandbox runs on.
+func (m *Manager) makeDurable(s *sbox, c *ckpt, proc ProcSandbox, metaOK bool) {
+	defer close(c.durable)
+	m.mu.Lock()
+	full := c.rec.ProcFrom == c.rec.ID
+	var part *ProcPart
+	if full && c.rec.Proc != nil {
+		p := *c.rec.Proc
+		part = &p
+	}
+	from := m.ckpts[c.rec.ProcFrom]
+	m.mu.Unlock()
+	durable := metaOK
+	if full {
+		np, err := proc.Persist(context.Background(), part)
+		if err != nil {
+			m.log.Warn("checkpoint not durable: its processes live in templates only", "id", c.rec.ID, "err", err)
+			durable = false
+		} else {
+			part = np
+			durable = durable && np.ImageReady
+		}
+	} else if from != nil {
+		<-from.durable
+		m.mu.Lock()
+		durable = durable && from.rec.Durable
+		m.mu.Unlock()
+	}
+	m.mu.Lock()
+	if full && part != nil {
+		c.rec.Proc = part
+	}
+	c.rec.Durable = durable
+	m.mu.Unlock()
+	if metaOK {
+		if err := m.persist(func(b *batch) { b.putCheckpoints = append(b.putCheckpoints, cloneCkpt(&c.rec)) }); err != nil {
+			m.log.Error("checkpoint metadata not written", "id", c.rec.ID, "err", err)
+		}
+	}
+}
+
+// Wait blocks until checkpoint id is ready and its durable phase ended,
+// and returns it. It fails if the checkpoint failed.
+func (m *Manager) Wait(ctx context.Context, id string) (*Checkpoint, error) {
+	m.mu.Lock()
+	c := m.ckpts[id]
+	m.mu.Unlock()
+	if c == nil {
+		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(id), nil)
+	}
+	select {
+	case <-c.durable:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if c.rec.Status == CkptFailed {
+		return nil, errf(CodeInternal, "checkpoint "+id+" failed: "+c.rec.Error, nil)
+	}
+	return cloneCkpt(&c.rec), nil
+}
+
+// GetCheckpoint returns one checkpoint.
+func (m *Manager) GetCheckpoint(id string) (*Checkpoint, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	c := m.ckpts[id]
+	if c == nil {
+		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(id), nil)
+	}
+	return cloneCkpt(&c.rec), nil
+}
+
+// Log returns a sandbox's checkpoints in order, and the origin checkpoint
+// a fork came from (if it still exists) first.
+func (m *Manager) Log(name string) ([]*Checkpoint, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s, err := m.lookup(name, 0)
+	if err != nil {
+		return nil, err
+	}
+	var out []*Checkpoint
+	if o := m.ckpts[s.rec.Origin]; o != nil {
+		out = append(out, cloneCkpt(&o.rec))
+	}
+	var own []*Checkpoint
+	for _, c := range m.ckpts {
+		if c.rec.Sandbox == s.rec.ID && c.rec.Status != CkptFailed {
+			own = append(own, cloneCkpt(&c.rec))
+		}
+	}
+	sort.Slice(own, func(i, j int) bool { return own[i].Seq < own[j].Seq })
+	return append(out, own...), nil
+}
+
+// RestoreResult is the outcome of a restore.
+type RestoreResult struct {
+	ID    string `json:"id"`
+	Path  string `json:"path"`
+	Epoch uint64 `json:"epoch"`
+}
+
+// Restore brings sandbox name back to checkpoint id: fs first, then the
+// processes. It is all-or-nothing: on any failure the sandbox is exactly
+// as it was. On success the sandbox's epoch is bumped.
+func (m *Manager) Restore(ctx context.Context, name, id string, epoch uint64) (*RestoreResult, error) {
+	m.mu.Lock()
+	s, err := m.lookup(name, epoch)
+	if err != nil {
+		m.mu.Unlock()
+		return nil, err
+	}
+	c := m.ckpts[id]
+	if c == nil || c.rec.Status == CkptFailed {
+		m.mu.Unlock()
+		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(id), nil)
+	}
+	if c.rec.Sandbox != s.rec.ID {
+		owner := c.rec.Sandbox
+		if o := m.byID[owner]; o != nil {
+			owner = o.rec.Name
+		}
+		m.mu.Unlock()
+		return nil, errf(CodeBadRequest, fmt.Sprintf("checkpoint %s belongs to sandbox %s, not %s (use fork to start a new sandbox from it)", id, owner, s.rec.Name), nil)
+	}
+	m.mu.Unlock()
+	var res *RestoreResult
+	err = m.op(ctx, name, epoch, func(s *sbox) error {
+		r, err := m.doRestore(ctx, s, c)
+		res = r
+		return err
+	})
+	return res, err
+}
+
+func (m *Manager) procPartFor(c *ckpt) (*ProcPart, error) {
+	pf := m.ckpts[c.rec.ProcFrom]
+	if pf == nil || pf.rec.Proc == nil {
+		return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" has no process part", nil)
+	}
+	if !pf.rec.Proc.Restorable() {
+		return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" is not restorable: its process templates are gone and no durable image exists", nil)
+	}
+	p := *pf.rec.Proc
+	return &p, nil
+}
+
+func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResult, error) {
+	m.gcMu.RLock()
+	defer m.gcMu.RUnlock()
+	start := time.Now()
+	m.mu.Lock()
+	if c.rec.Status != CkptReady {
+		m.mu.Unlock()
+		return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" is "+c.rec.Status, nil)
+	}
+	part, err := m.procPartFor(c)
+	fsID := c.rec.FS
+	mount, proc, win := s.mount, s.proc, s.win
+	m.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	bg := context.Background() // a restore, once started, is not abandoned half way
+	var path string
+	if mount != nil && proc != nil {
+		if err := proc.Freeze(bg); err != nil {
+			return nil, fmt.Errorf("restore %s: freeze: %w", c.rec.ID, err)
+		}
+		undo, _, err := mount.Checkpoint(bg)
+		if err != nil {
+			proc.Thaw(bg)
+			return nil, fmt.Errorf("restore %s: save current fs: %w", c.rec.ID, err)
+		}
+		if err := mount.Switch(bg, fsID); err != nil {
+			proc.Thaw(bg)
+			m.cfg.FS.Delete(bg, undo)
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: switch fs: %w", c.rec.ID, err)
+		}
+		path, err = proc.Restore(bg, part)
+		if err != nil {
+			if uerr := mount.Switch(bg, undo); uerr != nil {
+				m.log.Error("restore failed and the fs could not be switched back", "sandbox", s.rec.Name, "err", uerr)
+				err = fmt.Errorf("%w (and switching the fs back failed: %v)", err, uerr)
+			}
+			proc.Thaw(bg)
+			m.cfg.FS.Delete(bg, undo)
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: processes: %w", c.rec.ID, err)
+		}
+		if err := proc.Thaw(bg); err != nil {
+			m.log.Warn("thaw after restore", "sandbox", s.rec.Name, "err", err)
+		}
+		m.cfg.FS.Delete(bg, undo)
+	} else {
+		mnt, err := m.cfg.FS.MountFrom(bg, s.rec.ID, m.spec(&s.rec), fsID)
+		if err != nil {
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: mount: %w", c.rec.ID, err)
+		}
+		p, err := m.cfg.Proc.Start(bg, s.rec.ID, mnt.Root())
+		if err != nil {
+			mnt.Unmount()
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: start: %w", c.rec.ID, err)
+		}
+		path, err = p.Restore(bg, part)
+		if err != nil {
+			p.Close()
+			mnt.Unmount()
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: processes: %w", c.rec.ID, err)
+		}
+		var w ProbeWindow
+		if m.cfg.Probe != nil {
+			if w, err = m.cfg.Probe.Watch(bg, s.rec.Name, mnt, p); err != nil {
+				m.log.Warn("probe unavailable", "sandbox", s.rec.Name, "err", err)
+				w = nil
+			}
+		}
+		m.mu.Lock()
+		s.mount, s.proc, s.win = mnt, p, w
+		m.mu.Unlock()
+		win = nil
+	}
+	if win != nil {
+		win.Take(bg) // the next turn's window starts now
+	}
+	m.mu.Lock()
+	s.rec.Epoch++
+	s.rec.Head = c.rec.ID
+	s.rec.Status, s.rec.Note = StatusRunning, ""
+	res := &RestoreResult{ID: c.rec.ID, Path: path, Epoch: s.rec.Epoch}
+	m.mu.Unlock()
+	if err := m.persist(func(b *batch) { b.putSandboxes = append(b.putSandboxes, cloneSandbox(&s.rec)) }); err != nil {
+		m.log.Error("restore metadata not written", "sandbox", s.rec.Name, "err", err)
+	}
+	m.obs.Restored(path, time.Since(start), nil)
+	m.log.Info("restored", "sandbox", s.rec.Name, "checkpoint", c.rec.ID, "path", path, "epoch", res.Epoch, "took", time.Since(start))
+	return res, nil
+}
+
+// ForkRequest asks for Count new sandboxes from a checkpoint.
+type ForkRequest struct {
+	Checkpoint string
+	Count      int
+	// Prefix names the children Prefix1..PrefixN (default: the source
+	// sandbox's name and "-").
+	Prefix string
+	// NoWait fails at once if the checkpoint is not ready yet.
+	NoWait bool
+}
+
+// Fork creates Count sandboxes from a checkpoint: shared frozen layers,
+// own uppers, own processes. Each child finds its copy number in
+// /run/rewind/copy. All or nothing: on any failure no child remains.
+func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error) {
+	if req.Count < 1 || req.Count > 1024 {
+		return nil, errf(CodeBadRequest, "fork: --count must be 1..1024", nil)
+	}
+	m.mu.Lock()
+	c := m.ckpts[req.Checkpoint]
+	if c == nil || c.rec.Status == CkptFailed {
+		m.mu.Unlock()
+		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(req.Checkpoint), nil)
+	}
+	src := m.byID[c.rec.Sandbox]
+	m.mu.Unlock()
+	select {
+	case <-c.ready:
+	default:
+		if req.NoWait {
+			return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" is not ready yet (retry, or drop --no-wait)", nil)
+		}
+		select {
+		case <-c.ready:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	m.mu.Lock()
+	if c.rec.Status != CkptReady {
+		m.mu.Unlock()
+		return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" failed", nil)
+	}
+	var base Sandbox
+	if src != nil {
+		base = *cloneSandbox(&src.rec)
+	} else {
+		base = Sandbox{Name: c.rec.ID, FSKind: "auto"}
+	}
+	m.mu.Unlock()
+	if req.Prefix == "" {
+		req.Prefix = base.Name + "-"
+	}
+	names := make([]string, req.Count)
+	for i := range names {
+		names[i] = req.Prefix + strconv.Itoa(i+1)
+		if !nameRE.MatchString(names[i]) {
+			return nil, errf(CodeBadRequest, "invalid sandbox name "+strconv.Quote(names[i]), nil)
+		}
+	}
+	for i, n := range names {
+		if err := m.reserve(n); err != nil {
+			for _, r := range names[:i] {
+				m.unreserve(r)
+			}
+			return nil, err
+		}
+	}
+	defer func() {
+		for _, n := range names {
+			m.unreserve(n)
+		}
+	}()
+
+	m.gcMu.RLock()
+	defer m.gcMu.RUnlock()
+	start := time.Now()
+	m.mu.Lock()
+	part, err := m.procPartFor(c)
+	m.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	var pol Policy
+	if m.cfg.Policies != nil && base.Policy != "" {
+		if pol, err = m.cfg.Policies.Load(ctx, base.Policy); err != nil {
+			return nil, errf(CodeBadRequest, "policy "+base.Policy, err)
+		}
+	}
+	children := make([]*sbox, req.Count)
+	errs := make([]error, req.Count)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 4)
+	for i := range children {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			children[i], errs[i] = m.forkOne(ctx, &base, c, part, names[i], i+1, pol)
+		}()
+	}
+	wg.Wait()
+	var ferr error
+	for i, e := range errs {
+		if e != nil && ferr == nil {
+			ferr = fmt.Errorf("fork %s: child %s: %w", c.rec.ID, names[i], e)
+		}
+	}
+	if ferr == nil {
+		ferr = m.persist(func(b *batch) {
+			for _, ch := range children {
+				b.putSandboxes = append(b.putSandboxes, cloneSandbox(&ch.rec))
+			}
+		})
+	}
+	if ferr != nil {
+		for _, ch := range children {
+			if ch != nil {
+				m.stopSandbox(ch)
+			}
+		}
+		return nil, ferr
+	}
+	out := make([]*Sandbox, len(children))
+	m.mu.Lock()
+	for i, ch := range children {
+		m.byName[ch.rec.Name] = ch
+		m.byID[ch.rec.ID] = ch
+		out[i] = cloneSandbox(&ch.rec)
+	}
+	m.mu.Unlock()
+	m.obs.Forked(req.Count, time.Since(start))
+	m.log.Info("forked", "checkpoint", c.rec.ID, "count", req.Count, "took", time.Since(start))
+	return out, nil
+}
+
+func (m *Manager) forkOne(ctx context.Context, base *Sandbox, c *ckpt, part *ProcPart, name string, copyN int, pol Policy) (*sbox, error) {
+	rec := Sandbox{
+		ID: newID("sb-"), Name: name, Bases: base.Bases, FSKind: base.FSKind, Policy: base.Policy,
+		Status: StatusRunning, Epoch: 1, Head: c.rec.ID, Created: time.Now().UTC(), Origin: c.rec.ID, Copy: copyN,
+	}
+	s := &sbox{rec: rec, q: newQueue(), policy: pol}
+	mount, err := m.cfg.FS.MountFrom(ctx, rec.ID, m.spec(&rec), c.rec.FS)
+	if err != nil {
+		return nil, fmt.Errorf("mount: %w", err)
+	}
+	for _, f := range []struct{ path, data string }{
+		{"/run/rewind/copy", strconv.Itoa(copyN) + "\n"},
+		{"/run/rewind/sandbox", name + "\n"},
+	} {
+		if err := mount.Inject(f.path, []byte(f.data)); err != nil {
+			mount.Unmount()
+			return nil, fmt.Errorf("write %s: %w", f.path, err)
+		}
+	}
+	p := *part
+	if err := m.startLive(ctx, s, mount, &p); err != nil {
+		return nil, err
+	}
+	return s, nil
+}

@@ -1,0 +1,603 @@
+package state
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Budget makes GC run automatically when exceeded. Zero fields are
+// unlimited.
+type Budget struct {
+	// MaxCheckpoints bounds the number of checkpoints kept.
+	MaxCheckpoints int
+	// MaxBytes bounds the bytes held by checkpoints (fs layers plus
+	// process parts, as the back ends report them).
+	MaxBytes int64
+}
+
+// Config configures a Manager.
+type Config struct {
+	// Dir is the state directory; the metadata store is Dir/state.db.
+	Dir  string
+	FS   FSBackend
+	Proc ProcBackend
+	// Probe and Policies may be nil: auto turns then take full
+	// checkpoints and say so in the reason.
+	Probe    Probe
+	Policies PolicyLoader
+	// DefaultPolicy is used by sandboxes created without --policy.
+	DefaultPolicy string
+	// Hide lists host paths never visible inside a sandbox.
+	Hide []string
+	// BootID identifies the current host boot ("" if unknown); a change
+	// since the last run means the host rebooted.
+	BootID   string
+	Budget   Budget
+	Observer Observer
+	Logger   *slog.Logger
+	// NoSync skips fsync on metadata writes (tests only: a crash may then
+	// lose recent records).
+	NoSync bool
+}
+
+// Manager owns sandboxes and the checkpoint tree. It is safe for
+// concurrent use.
+type Manager struct {
+	cfg Config
+	log *slog.Logger
+	obs Observer
+	st  *store
+
+	// gcMu: checkpoint, restore and fork work holds it shared; GC holds
+	// it exclusively while it decides and frees.
+	gcMu sync.RWMutex
+	// pmu serializes store writes, so later states are written later.
+	pmu sync.Mutex
+
+	mu        sync.Mutex // guards everything below and the records inside
+	byName    map[string]*sbox
+	byID      map[string]*sbox
+	reserved  map[string]bool
+	ckpts     map[string]*ckpt
+	pins      map[string]bool
+	closed    bool
+	gcRunning bool
+
+	wg sync.WaitGroup // asynchronous work
+}
+
+type sbox struct {
+	rec     Sandbox
+	seq     uint64
+	q       *queue
+	mount   FSMount
+	proc    ProcSandbox
+	win     ProbeWindow
+	policy  Policy
+	removed bool
+}
+
+type ckpt struct {
+	rec     Checkpoint
+	ready   chan struct{} // closed when Status leaves pending
+	durable chan struct{} // closed when the durable phase ended
+}
+
+func newCkpt(rec Checkpoint) *ckpt {
+	c := &ckpt{rec: rec, ready: make(chan struct{}), durable: make(chan struct{})}
+	return c
+}
+
+func closedCkpt(rec Checkpoint) *ckpt {
+	c := newCkpt(rec)
+	close(c.ready)
+	close(c.durable)
+	return c
+}
+
+// Open opens (or creates) the state in cfg.Dir and recovers it: sandboxes
+// that were running when the previous daemon ended are marked stopped
+// (a restore brings them back), and process parts that did not survive
+// (templates) are marked so; what is still restorable is kept.
+func Open(ctx context.Context, cfg Config) (*Manager, error) {
+	if cfg.FS == nil || cfg.Proc == nil {
+		return nil, errors.New("state: FS and Proc back ends are required")
+	}
+	if cfg.Observer == nil {
+		cfg.Observer = nopObserver{}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("state dir %s: %w", cfg.Dir, err)
+	}
+	st, err := openStore(filepath.Join(cfg.Dir, "state.db"), cfg.NoSync)
+	if err != nil {
+		return nil, err
+	}
+	m := &Manager{
+		cfg: cfg, log: cfg.Logger, obs: cfg.Observer, st: st,
+		byName: map[string]*sbox{}, byID: map[string]*sbox{}, reserved: map[string]bool{},
+		ckpts: map[string]*ckpt{}, pins: map[string]bool{},
+	}
+	if err := m.recover(ctx); err != nil {
+		st.close()
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *Manager) recover(ctx context.Context) error {
+	l, err := m.st.load()
+	if err != nil {
+		return err
+	}
+	rebooted := m.cfg.BootID != "" && l.bootID != "" && l.bootID != m.cfg.BootID
+	b := &batch{bootID: m.cfg.BootID}
+	for _, c := range l.checkpoints {
+		if c.Status != CkptReady {
+			b.delCheckpoints = append(b.delCheckpoints, c.ID)
+			continue
+		}
+		if c.Proc != nil && c.ProcFrom == c.ID {
+			before := *c.Proc
+			c.Proc = m.cfg.Proc.Recover(ctx, c.Proc)
+			if c.Proc.TemplateReady != before.TemplateReady || c.Proc.ImageReady != before.ImageReady {
+				b.putCheckpoints = append(b.putCheckpoints, c)
+			}
+		}
+		m.ckpts[c.ID] = closedCkpt(*c)
+	}
+	// Restorable follows the process part each checkpoint uses.
+	for _, c := range m.ckpts {
+		r := false
+		if pf := m.ckpts[c.rec.ProcFrom]; pf != nil {
+			r = pf.rec.Proc.Restorable()
+		}
+		if r != c.rec.Restorable {
+			c.rec.Restorable = r
+			cp := c.rec
+			b.putCheckpoints = append(b.putCheckpoints, &cp)
+		}
+	}
+	for _, id := range l.pins {
+		if m.ckpts[id] != nil {
+			m.pins[id] = true
+		} else {
+			b.unpin = append(b.unpin, id)
+		}
+	}
+	for _, sb := range l.sandboxes {
+		if sb.Head != "" && m.ckpts[sb.Head] == nil {
+			sb.Head = ""
+		}
+		if sb.Status == StatusRunning {
+			if err := m.cfg.FS.Cleanup(ctx, sb.ID); err != nil {
+				m.log.Warn("fs cleanup after restart", "sandbox", sb.Name, "err", err)
+			}
+			if err := m.cfg.Proc.Cleanup(ctx, sb.ID); err != nil {
+				m.log.Warn("process cleanup after restart", "sandbox", sb.Name, "err", err)
+			}
+			sb.Status = StatusStopped
+			sb.Epoch++
+			if rebooted {
+				sb.Note = "host rebooted; restore a checkpoint to bring it back"
+			} else {
+				sb.Note = "daemon restarted; restore a checkpoint to bring it back"
+			}
+			b.putSandboxes = append(b.putSandboxes, sb)
+		}
+		s := &sbox{rec: *sb, q: newQueue()}
+		for _, c := range m.ckpts {
+			if c.rec.Sandbox == sb.ID && c.rec.Seq > s.seq {
+				s.seq = c.rec.Seq
+			}
+		}
+		m.byName[sb.Name] = s
+		m.byID[sb.ID] = s
+	}
+	if err := m.st.apply(b); err != nil {
+		return err
+	}
+	m.log.Info("state recovered", "sandboxes", len(m.byName), "checkpoints", len(m.ckpts),
+		"pins", len(m.pins), "rebooted", rebooted)
+	return nil
+}
+
+// Close waits for asynchronous work, stops every sandbox's processes and
+// mounts, and closes the store. Sandboxes stay in the store (stopped) and
+// their checkpoints stay restorable as far as the back ends allow.
+func (m *Manager) Close(ctx context.Context) error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
+	m.closed = true
+	sbs := make([]*sbox, 0, len(m.byID))
+	for _, s := range m.byID {
+		sbs = append(sbs, s)
+	}
+	m.mu.Unlock()
+	for _, s := range sbs {
+		select {
+		case <-s.q.idle():
+		case <-ctx.Done():
+		}
+	}
+	m.wg.Wait()
+	for _, s := range sbs {
+		m.stopSandbox(s)
+	}
+	return m.st.close()
+}
+
+// stopSandbox tears down the live side; the record is left as is in the
+// store (running), so the next Open treats it like a crash and cleans up.
+func (m *Manager) stopSandbox(s *sbox) {
+	m.mu.Lock()
+	win, proc, mount := s.win, s.proc, s.mount
+	s.win, s.proc, s.mount = nil, nil, nil
+	m.mu.Unlock()
+	if win != nil {
+		win.Close()
+	}
+	if proc != nil {
+		if err := proc.Close(); err != nil {
+			m.log.Warn("close sandbox processes", "sandbox", s.rec.Name, "err", err)
+		}
+	}
+	if mount != nil {
+		if err := mount.Unmount(); err != nil {
+			m.log.Warn("unmount sandbox", "sandbox", s.rec.Name, "err", err)
+		}
+	}
+}
+
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
+
+func newID(prefix string) string {
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err)
+	}
+	return prefix + hex.EncodeToString(b[:])
+}
+
+// persist writes what build puts in a batch; build runs under m.mu and must
+// copy the records it stores.
+func (m *Manager) persist(build func(b *batch)) error {
+	m.pmu.Lock()
+	defer m.pmu.Unlock()
+	b := &batch{}
+	m.mu.Lock()
+	build(b)
+	m.mu.Unlock()
+	return m.st.apply(b)
+}
+
+func cloneSandbox(s *Sandbox) *Sandbox {
+	c := *s
+	c.Bases = append([]string(nil), s.Bases...)
+	return &c
+}
+
+func cloneCkpt(c *Checkpoint) *Checkpoint {
+	cp := *c
+	if c.Proc != nil {
+		p := *c.Proc
+		cp.Proc = &p
+	}
+	return &cp
+}
+
+// lookup finds a sandbox by name (or id) and checks the epoch if nonzero.
+// Call with m.mu held.
+func (m *Manager) lookup(name string, epoch uint64) (*sbox, error) {
+	if m.closed {
+		return nil, errf(CodeConflict, "daemon is shutting down", nil)
+	}
+	s := m.byName[name]
+	if s == nil {
+		s = m.byID[name]
+	}
+	if s == nil || s.removed {
+		return nil, errf(CodeNotFound, "no sandbox "+strconv.Quote(name), nil)
+	}
+	if epoch != 0 && epoch != s.rec.Epoch {
+		return nil, errf(CodeStaleEpoch, fmt.Sprintf("sandbox %s: stale epoch %d (current %d): it was restored since", s.rec.Name, epoch, s.rec.Epoch), nil)
+	}
+	return s, nil
+}
+
+func (m *Manager) running(s *sbox) error {
+	if s.rec.Status != StatusRunning || s.proc == nil {
+		msg := "sandbox " + s.rec.Name + " is " + s.rec.Status
+		if s.rec.Note != "" {
+			msg += " (" + s.rec.Note + ")"
+		}
+		return errf(CodeConflict, msg, nil)
+	}
+	return nil
+}
+
+// CreateRequest describes a new sandbox.
+type CreateRequest struct {
+	Name   string
+	Bases  []string
+	FS     string
+	Policy string
+}
+
+// Create creates and starts a sandbox.
+func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
+	if !nameRE.MatchString(req.Name) {
+		return nil, errf(CodeBadRequest, "invalid sandbox name "+strconv.Quote(req.Name)+" (letters, digits, _ . -; at most 63)", nil)
+	}
+	switch req.FS {
+	case "":
+		req.FS = "auto"
+	case "auto", "fuse", "kernel":
+	default:
+		return nil, errf(CodeBadRequest, "unknown fs "+strconv.Quote(req.FS)+" (want auto, fuse or kernel)", nil)
+	}
+	for i, b := range req.Bases {
+		if !filepath.IsAbs(b) {
+			return nil, errf(CodeBadRequest, "base "+strconv.Quote(b)+" is not an absolute path", nil)
+		}
+		req.Bases[i] = filepath.Clean(b)
+	}
+	if req.Policy == "" {
+		req.Policy = m.cfg.DefaultPolicy
+	}
+	if err := m.reserve(req.Name); err != nil {
+		return nil, err
+	}
+	defer m.unreserve(req.Name)
+	var pol Policy
+	if m.cfg.Policies != nil && req.Policy != "" {
+		p, err := m.cfg.Policies.Load(ctx, req.Policy)
+		if err != nil {
+			return nil, errf(CodeBadRequest, "policy "+req.Policy, err)
+		}
+		pol = p
+	}
+	rec := Sandbox{
+		ID: newID("sb-"), Name: req.Name, Bases: req.Bases, FSKind: req.FS, Policy: req.Policy,
+		Status: StatusRunning, Epoch: 1, Created: time.Now().UTC(),
+	}
+	s := &sbox{rec: rec, q: newQueue(), policy: pol}
+	mount, err := m.cfg.FS.Mount(ctx, rec.ID, m.spec(&rec))
+	if err != nil {
+		return nil, fmt.Errorf("create %s: mount: %w", req.Name, err)
+	}
+	if err := m.startLive(ctx, s, mount, nil); err != nil {
+		return nil, fmt.Errorf("create %s: %w", req.Name, err)
+	}
+	if err := m.register(s); err != nil {
+		m.stopSandbox(s)
+		return nil, err
+	}
+	m.log.Info("sandbox created", "sandbox", rec.Name, "id", rec.ID, "bases", rec.Bases, "fs", rec.FSKind)
+	out := cloneSandbox(&s.rec)
+	return out, nil
+}
+
+func (m *Manager) spec(rec *Sandbox) FSSpec {
+	return FSSpec{Bases: rec.Bases, Kind: rec.FSKind, Hide: m.cfg.Hide}
+}
+
+// startLive starts the processes on mount (restoring part if non-nil) and
+// the probe; on error everything started is torn down, mount included.
+func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *ProcPart) (err error) {
+	proc, err := m.cfg.Proc.Start(ctx, s.rec.ID, mount.Root())
+	if err != nil {
+		mount.Unmount()
+		return fmt.Errorf("start processes: %w", err)
+	}
+	path := ""
+	if part != nil {
+		path, err = proc.Restore(ctx, part)
+		if err != nil {
+			proc.Close()
+			mount.Unmount()
+			return fmt.Errorf("restore processes: %w", err)
+		}
+	}
+	_ = path
+	var win ProbeWindow
+	if m.cfg.Probe != nil {
+		w, err := m.cfg.Probe.Watch(ctx, s.rec.Name, mount, proc)
+		if err != nil {
+			m.log.Warn("probe unavailable; auto turns take full checkpoints", "sandbox", s.rec.Name, "err", err)
+		} else {
+			win = w
+		}
+	}
+	m.mu.Lock()
+	s.mount, s.proc, s.win = mount, proc, win
+	m.mu.Unlock()
+	return nil
+}
+
+func (m *Manager) reserve(name string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return errf(CodeConflict, "daemon is shutting down", nil)
+	}
+	if m.byName[name] != nil || m.reserved[name] {
+		return errf(CodeExists, "sandbox "+strconv.Quote(name)+" already exists", nil)
+	}
+	m.reserved[name] = true
+	return nil
+}
+
+func (m *Manager) unreserve(name string) {
+	m.mu.Lock()
+	delete(m.reserved, name)
+	m.mu.Unlock()
+}
+
+func (m *Manager) register(s *sbox) error {
+	if err := m.persist(func(b *batch) { b.putSandboxes = append(b.putSandboxes, cloneSandbox(&s.rec)) }); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	m.byName[s.rec.Name] = s
+	m.byID[s.rec.ID] = s
+	m.mu.Unlock()
+	return nil
+}
+
+// Get returns one sandbox.
+func (m *Manager) Get(name string) (*Sandbox, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	s, err := m.lookup(name, 0)
+	if err != nil {
+		return nil, err
+	}
+	return cloneSandbox(&s.rec), nil
+}
+
+// List returns every sandbox, by name.
+func (m *Manager) List() []*Sandbox {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]*Sandbox, 0, len(m.byName))
+	for _, s := range m.byName {
+		out = append(out, cloneSandbox(&s.rec))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// op runs fn in the sandbox's order after checking the epoch (again when
+// its turn comes: a restore ahead in line makes the call stale).
+func (m *Manager) op(ctx context.Context, name string, epoch uint64, fn func(s *sbox) error) error {
+	m.mu.Lock()
+	s, err := m.lookup(name, epoch)
+	m.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	return s.q.run(ctx, func() error {
+		m.mu.Lock()
+		_, err := m.lookup(s.rec.ID, epoch)
+		m.mu.Unlock()
+		if err != nil {
+			return err
+		}
+		return fn(s)
+	})
+}
+
+// Exec runs a one-shot command in the sandbox and returns its exit code.
+func (m *Manager) Exec(ctx context.Context, name string, epoch uint64, req ExecRequest) (int, error) {
+	if len(req.Argv) == 0 {
+		return 0, errf(CodeBadRequest, "exec: empty command", nil)
+	}
+	code := 0
+	err := m.op(ctx, name, epoch, func(s *sbox) error {
+		if err := m.running(s); err != nil {
+			return err
+		}
+		c, err := s.proc.Exec(ctx, req)
+		code = c
+		return err
+	})
+	return code, err
+}
+
+// StartSession starts a long-lived process driven through Send.
+func (m *Manager) StartSession(ctx context.Context, name string, epoch uint64, session string, argv, env []string) (string, error) {
+	if len(argv) == 0 {
+		return "", errf(CodeBadRequest, "session: empty command", nil)
+	}
+	if session == "" {
+		session = newID("s")[:7]
+	}
+	if !nameRE.MatchString(session) {
+		return "", errf(CodeBadRequest, "invalid session id "+strconv.Quote(session), nil)
+	}
+	err := m.op(ctx, name, epoch, func(s *sbox) error {
+		if err := m.running(s); err != nil {
+			return err
+		}
+		for _, id := range s.proc.Sessions() {
+			if id == session {
+				return errf(CodeExists, "session "+session+" already exists", nil)
+			}
+		}
+		return s.proc.StartSession(ctx, session, argv, env)
+	})
+	return session, err
+}
+
+// Send writes text and a newline to a session and returns its answer.
+func (m *Manager) Send(ctx context.Context, name string, epoch uint64, req SendRequest) (string, error) {
+	if req.Until != "" {
+		if _, err := regexp.Compile(req.Until); err != nil {
+			return "", errf(CodeBadRequest, "--until", err)
+		}
+	}
+	var out string
+	err := m.op(ctx, name, epoch, func(s *sbox) error {
+		if err := m.running(s); err != nil {
+			return err
+		}
+		found := false
+		for _, id := range s.proc.Sessions() {
+			found = found || id == req.Session
+		}
+		if !found {
+			return errf(CodeNotFound, "no session "+strconv.Quote(req.Session)+" in sandbox "+s.rec.Name, nil)
+		}
+		o, err := s.proc.Send(ctx, req)
+		out = o
+		return err
+	})
+	return out, err
+}
+
+// Remove stops a sandbox and forgets it. Its checkpoints stay until GC
+// finds them unreachable (pinned ones stay, usable by fork).
+func (m *Manager) Remove(ctx context.Context, name string) error {
+	return m.op(ctx, name, 0, func(s *sbox) error {
+		m.mu.Lock()
+		var durables []chan struct{}
+		for _, c := range m.ckpts {
+			if c.rec.Sandbox == s.rec.ID {
+				durables = append(durables, c.durable)
+			}
+		}
+		m.mu.Unlock()
+		for _, d := range durables {
+			<-d
+		}
+		m.stopSandbox(s)
+		if err := m.persist(func(b *batch) { b.delSandboxes = append(b.delSandboxes, s.rec.ID) }); err != nil {
+			return err
+		}
+		m.mu.Lock()
+		s.removed = true
+		delete(m.byName, s.rec.Name)
+		delete(m.byID, s.rec.ID)
+		m.mu.Unlock()
+		m.log.Info("sandbox removed", "sandbox", s.rec.Name)
+		return nil
+	})
+}

@@ -1,0 +1,559 @@
+package state_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/state"
+	"github.com/rewind-sandbox/rewind/state/statefake"
+)
+
+type env struct {
+	t   *testing.T
+	dir string
+	b   *statefake.Backends
+	m   *state.Manager
+	ctx context.Context
+}
+
+func newEnv(t *testing.T, auto bool) *env {
+	t.Helper()
+	e := &env{t: t, dir: t.TempDir(), b: statefake.New(nil), ctx: context.Background()}
+	e.open(auto, "boot-1")
+	t.Cleanup(func() { e.m.Close(context.Background()) })
+	return e
+}
+
+func (e *env) open(auto bool, boot string) {
+	e.t.Helper()
+	cfg := state.Config{Dir: e.dir, FS: e.b.FS, Proc: e.b.Proc, BootID: boot, NoSync: true}
+	if auto {
+		cfg.Probe, cfg.Policies, cfg.DefaultPolicy = statefake.Probe{}, statefake.Policies{}, "fake"
+	}
+	m, err := state.Open(e.ctx, cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.m = m
+}
+
+func (e *env) create(name string) {
+	e.t.Helper()
+	if _, err := e.m.Create(e.ctx, state.CreateRequest{Name: name}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// run executes a fake command and returns its output.
+func (e *env) run(name string, argv ...string) string {
+	e.t.Helper()
+	var out bytes.Buffer
+	code, err := e.m.Exec(e.ctx, name, 0, state.ExecRequest{Argv: argv, Stdout: &out})
+	if err != nil {
+		e.t.Fatalf("exec %v: %v", argv, err)
+	}
+	if code != 0 {
+		e.t.Fatalf("exec %v: exit %d: %s", argv, code, out.String())
+	}
+	return strings.TrimSuffix(out.String(), "\n")
+}
+
+func (e *env) turn(name string, mode state.Mode, wait bool) *state.TurnResult {
+	e.t.Helper()
+	r, err := e.m.Turn(e.ctx, name, state.TurnRequest{Mode: mode, Wait: wait})
+	if err != nil {
+		e.t.Fatalf("turn %s: %v", mode, err)
+	}
+	return r
+}
+
+func (e *env) restore(name, id string) *state.RestoreResult {
+	e.t.Helper()
+	r, err := e.m.Restore(e.ctx, name, id, 0)
+	if err != nil {
+		e.t.Fatalf("restore %s: %v", id, err)
+	}
+	return r
+}
+
+func TestTurnModes(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.run("a", "write", "/f", "one")
+	full := e.turn("a", state.ModeFull, true)
+	if full.Decision != state.ModeFull || !full.Durable {
+		t.Fatalf("full turn: %+v", full)
+	}
+	skip := e.turn("a", state.ModeSkip, false)
+	if skip.ID != full.ID || skip.Decision != state.ModeSkip {
+		t.Fatalf("skip must return the previous id %s: %+v", full.ID, skip)
+	}
+	e.run("a", "write", "/f", "two")
+	fsr := e.turn("a", state.ModeFS, true)
+	c, err := e.m.GetCheckpoint(fsr.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.ProcFrom != full.ID || c.Parent != full.ID || c.Proc != nil {
+		t.Fatalf("fs-only checkpoint must share its parent's process part: %+v", c)
+	}
+	if !c.Durable {
+		t.Fatalf("fs-only checkpoint of a durable parent must be durable")
+	}
+	log, err := e.m.Log("a")
+	if err != nil || len(log) != 2 || log[0].ID != full.ID || log[1].ID != fsr.ID {
+		t.Fatalf("log: %v %v", log, err)
+	}
+}
+
+func TestFirstTurnUpgrades(t *testing.T) {
+	for _, mode := range []state.Mode{state.ModeSkip, state.ModeFS} {
+		t.Run(string(mode), func(t *testing.T) {
+			e := newEnv(t, false)
+			e.create("a")
+			r := e.turn("a", mode, true)
+			if r.Decision != state.ModeFull || r.ID == "" || !strings.Contains(r.Reason, "no earlier checkpoint") {
+				t.Fatalf("first %s turn must become full: %+v", mode, r)
+			}
+		})
+	}
+}
+
+func TestRestoreFilesAndProcesses(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.run("a", "write", "/src/main.py", "print(1)")
+	e.run("a", "set", "CWD", "/src")
+	c1 := e.turn("a", state.ModeFull, false)
+	e.run("a", "write", "/src/main.py", "print(2)")
+	e.run("a", "set", "CWD", "/tmp")
+	e.run("a", "write", "/new", "x")
+	c2 := e.turn("a", state.ModeFull, false)
+	e.run("a", "write", "/src/main.py", "print(3)") // never checkpointed
+
+	r := e.restore("a", c1.ID)
+	if r.Path != "template" || r.Epoch != 2 {
+		t.Fatalf("restore result %+v", r)
+	}
+	if got := e.run("a", "cat", "/src/main.py"); got != "print(1)" {
+		t.Fatalf("file after restore = %q", got)
+	}
+	if got := e.run("a", "get", "CWD"); got != "/src" {
+		t.Fatalf("process variable after restore = %q", got)
+	}
+	var out bytes.Buffer
+	if code, _ := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"cat", "/new"}, Stdout: &out}); code == 0 {
+		t.Fatalf("/new must not exist after restoring c1")
+	}
+	e.restore("a", c2.ID)
+	if got := e.run("a", "cat", "/src/main.py"); got != "print(2)" {
+		t.Fatalf("file after restore c2 = %q", got)
+	}
+	sb, _ := e.m.Get("a")
+	if sb.Head != c2.ID || sb.Epoch != 3 {
+		t.Fatalf("sandbox after restores: %+v", sb)
+	}
+	// The next checkpoint's parent is the restored one: a branch.
+	e.restore("a", c1.ID)
+	e.run("a", "write", "/branch", "b")
+	c3 := e.turn("a", state.ModeFS, true)
+	ck, _ := e.m.GetCheckpoint(c3.ID)
+	if ck.Parent != c1.ID || ck.ProcFrom != c1.ID {
+		t.Fatalf("branch checkpoint %+v, want parent %s", ck, c1.ID)
+	}
+}
+
+func TestStaleEpochRejected(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	c := e.turn("a", state.ModeFull, true)
+	old := c.Epoch
+	r := e.restore("a", c.ID)
+	if r.Epoch != old+1 {
+		t.Fatalf("epoch %d after restore, want %d", r.Epoch, old+1)
+	}
+	calls := map[string]func() error{
+		"exec": func() error {
+			_, err := e.m.Exec(e.ctx, "a", old, state.ExecRequest{Argv: []string{"echo"}})
+			return err
+		},
+		"turn": func() error {
+			_, err := e.m.Turn(e.ctx, "a", state.TurnRequest{Mode: state.ModeFull, Epoch: old})
+			return err
+		},
+		"restore": func() error { _, err := e.m.Restore(e.ctx, "a", c.ID, old); return err },
+		"send": func() error {
+			_, err := e.m.Send(e.ctx, "a", old, state.SendRequest{Session: "s", Text: "get x"})
+			return err
+		},
+	}
+	for name, call := range calls {
+		if err := call(); !errors.Is(err, state.ErrStaleEpoch) {
+			t.Errorf("%s with a stale epoch: err = %v, want stale epoch", name, err)
+		}
+	}
+	if _, err := e.m.Exec(e.ctx, "a", r.Epoch, state.ExecRequest{Argv: []string{"echo"}}); err != nil {
+		t.Fatalf("exec with the current epoch: %v", err)
+	}
+}
+
+func TestRestoreAllOrNothing(t *testing.T) {
+	cases := []struct {
+		name  string
+		fault func(*statefake.Faults) *bool
+	}{
+		{"fs switch fails", func(f *statefake.Faults) *bool { f.FailSwitch.Store(true); return nil }},
+		{"process restore fails", func(f *statefake.Faults) *bool { f.FailRestore.Store(true); return nil }},
+		{"fs save fails", func(f *statefake.Faults) *bool { f.FailCheckpoint.Store(true); return nil }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, false)
+			e.create("a")
+			e.run("a", "write", "/f", "old")
+			e.run("a", "set", "v", "old")
+			c := e.turn("a", state.ModeFull, true)
+			e.run("a", "write", "/f", "new")
+			e.run("a", "write", "/g", "uncheckpointed")
+			e.run("a", "set", "v", "new")
+			before, _ := e.m.Get("a")
+
+			tc.fault(e.b.Faults)
+			if _, err := e.m.Restore(e.ctx, "a", c.ID, 0); err == nil {
+				t.Fatal("restore with an injected fault succeeded")
+			}
+			*e.b.Faults = statefake.Faults{}
+
+			after, _ := e.m.Get("a")
+			if after.Epoch != before.Epoch || after.Head != before.Head || after.Status != state.StatusRunning {
+				t.Fatalf("sandbox changed by a failed restore: before %+v after %+v", before, after)
+			}
+			for path, want := range map[string]string{"/f": "new", "/g": "uncheckpointed"} {
+				if got := e.run("a", "cat", path); got != want {
+					t.Errorf("%s = %q after failed restore, want %q", path, got, want)
+				}
+			}
+			if got := e.run("a", "get", "v"); got != "new" {
+				t.Errorf("process variable = %q after failed restore, want new", got)
+			}
+			// And a retry works.
+			e.restore("a", c.ID)
+			if got := e.run("a", "cat", "/f"); got != "old" {
+				t.Errorf("retry: /f = %q", got)
+			}
+		})
+	}
+}
+
+func TestAsyncCheckpointOrderedBeforeLaterOps(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.run("a", "write", "/f", "at-turn")
+	e.b.Faults.CheckpointDelay.Store(int64(50 * time.Millisecond))
+	r := e.turn("a", state.ModeFull, false)
+	if r.Status != state.CkptPending {
+		t.Fatalf("turn must return before the checkpoint is done: %+v", r)
+	}
+	e.b.Faults.CheckpointDelay.Store(0)
+	// This write is ordered after the pending checkpoint.
+	e.run("a", "write", "/f", "after-turn")
+	e.restore("a", r.ID)
+	if got := e.run("a", "cat", "/f"); got != "at-turn" {
+		t.Fatalf("checkpoint saw %q, want the state at the turn", got)
+	}
+	c, err := e.m.Wait(e.ctx, r.ID)
+	if err != nil || !c.Durable || c.Status != state.CkptReady {
+		t.Fatalf("wait: %+v %v", c, err)
+	}
+}
+
+func TestFailedCheckpointLeavesTreeClean(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	c1 := e.turn("a", state.ModeFull, true)
+	e.b.Faults.FailCheckpoint.Store(true)
+	bad := e.turn("a", state.ModeFull, false)
+	if _, err := e.m.Wait(e.ctx, bad.ID); err == nil {
+		t.Fatal("wait on a failed checkpoint must fail")
+	}
+	e.b.Faults.FailCheckpoint.Store(false)
+	c3 := e.turn("a", state.ModeFull, true)
+	ck, _ := e.m.GetCheckpoint(c3.ID)
+	if ck.Parent != c1.ID {
+		t.Fatalf("parent of the next checkpoint = %s, want %s (the failed one is not in the tree)", ck.Parent, c1.ID)
+	}
+	if _, err := e.m.Restore(e.ctx, "a", bad.ID, 0); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("restore of a failed checkpoint: %v", err)
+	}
+}
+
+func TestAutoMode(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "set", "x", "1")
+	first := e.turn("a", state.ModeAuto, true)
+	if first.Decision != state.ModeFull || first.Report == nil {
+		t.Fatalf("first auto turn: %+v", first)
+	}
+	e.run("a", "echo", "read-only") // no effect
+	skip := e.turn("a", state.ModeAuto, false)
+	if skip.Decision != state.ModeSkip || skip.ID != first.ID {
+		t.Fatalf("read-only turn: %+v", skip)
+	}
+	e.run("a", "write", "/f", "x")
+	fsr := e.turn("a", state.ModeAuto, false)
+	if fsr.Decision != state.ModeFS {
+		t.Fatalf("file-writing turn: %+v", fsr)
+	}
+	e.run("a", "set", "x", "2")
+	full := e.turn("a", state.ModeAuto, false)
+	if full.Decision != state.ModeFull {
+		t.Fatalf("process-changing turn: %+v", full)
+	}
+
+	// Without a probe, auto is full and says why.
+	e2 := newEnv(t, false)
+	e2.create("b")
+	e2.turn("b", state.ModeFull, true)
+	r := e2.turn("b", state.ModeAuto, false)
+	if r.Decision != state.ModeFull || !strings.Contains(r.Reason, "no effect probe") {
+		t.Fatalf("auto without probe: %+v", r)
+	}
+}
+
+func TestFork(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("src")
+	e.run("src", "write", "/data", "shared")
+	e.run("src", "set", "seed", "42")
+	c := e.turn("src", state.ModeFull, false) // fork waits for it
+	kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 3, Prefix: "r"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(kids) != 3 || kids[0].Name != "r1" || kids[2].Name != "r3" {
+		t.Fatalf("children: %+v", kids)
+	}
+	for i, k := range kids {
+		if got := strings.TrimSpace(e.run(k.Name, "cat", "/run/rewind/copy")); got != string(rune('1'+i)) {
+			t.Errorf("%s copy number = %q", k.Name, got)
+		}
+		if got := e.run(k.Name, "cat", "/data"); got != "shared" {
+			t.Errorf("%s /data = %q", k.Name, got)
+		}
+		if got := e.run(k.Name, "get", "seed"); got != "42" {
+			t.Errorf("%s process state = %q", k.Name, got)
+		}
+		if k.Origin != c.ID || k.Head != c.ID {
+			t.Errorf("%s origin/head: %+v", k.Name, k)
+		}
+	}
+	// Isolation.
+	e.run("r1", "write", "/data", "r1-only")
+	if got := e.run("r2", "cat", "/data"); got != "shared" {
+		t.Fatalf("r2 sees r1's write: %q", got)
+	}
+	if got := e.run("src", "cat", "/data"); got != "shared" {
+		t.Fatalf("src sees r1's write: %q", got)
+	}
+	// A child's first checkpoint hangs under the fork point.
+	k1 := e.turn("r1", state.ModeFS, true)
+	ck, _ := e.m.GetCheckpoint(k1.ID)
+	if ck.Parent != c.ID || ck.ProcFrom != c.ID {
+		t.Fatalf("child checkpoint: %+v", ck)
+	}
+	// Restoring another sandbox's checkpoint is refused.
+	if _, err := e.m.Restore(e.ctx, "r2", k1.ID, 0); !errors.Is(err, state.ErrBadRequest) {
+		t.Fatalf("restore of another sandbox's checkpoint: %v", err)
+	}
+	// Names in use.
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "r"}); !errors.Is(err, state.ErrExists) {
+		t.Fatalf("fork over existing names: %v", err)
+	}
+	// All or nothing.
+	e.b.Faults.FailStart.Store(true)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 4, Prefix: "bad"}); err == nil {
+		t.Fatal("fork with failing starts succeeded")
+	}
+	e.b.Faults.FailStart.Store(false)
+	for _, sb := range e.m.List() {
+		if strings.HasPrefix(sb.Name, "bad") {
+			t.Fatalf("a failed fork left %s behind", sb.Name)
+		}
+	}
+}
+
+func TestForkNoWait(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.b.Faults.CheckpointDelay.Store(int64(200 * time.Millisecond))
+	c := e.turn("a", state.ModeFull, false)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 1, NoWait: true}); !errors.Is(err, state.ErrNotReady) {
+		t.Fatalf("fork --no-wait of a pending checkpoint: %v", err)
+	}
+	e.b.Faults.CheckpointDelay.Store(0)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 1}); err != nil {
+		t.Fatalf("fork that waits: %v", err)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	cases := []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"dup create", func() error { _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "a"}); return err }(), state.ErrExists},
+		{"bad name", func() error { _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "../x"}); return err }(), state.ErrBadRequest},
+		{"bad fs", func() error { _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "z", FS: "zfs"}); return err }(), state.ErrBadRequest},
+		{"relative base", func() error {
+			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "z", Bases: []string{"rel"}})
+			return err
+		}(), state.ErrBadRequest},
+		{"unknown sandbox", func() error { _, err := e.m.Turn(e.ctx, "nope", state.TurnRequest{Mode: state.ModeFull}); return err }(), state.ErrNotFound},
+		{"unknown checkpoint", func() error { _, err := e.m.Restore(e.ctx, "a", "ck-nope", 0); return err }(), state.ErrNotFound},
+		{"unknown fork source", func() error { _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: "ck-nope", Count: 1}); return err }(), state.ErrNotFound},
+		{"fork count", func() error { _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: "x", Count: 0}); return err }(), state.ErrBadRequest},
+		{"pin unknown", e.m.Pin([]string{"ck-nope"}), state.ErrNotFound},
+		{"unknown session", func() error { _, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "nope", Text: "x"}); return err }(), state.ErrNotFound},
+		{"bad until", func() error {
+			_, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "s", Text: "x", Until: "("})
+			return err
+		}(), state.ErrBadRequest},
+	}
+	for _, tc := range cases {
+		if !errors.Is(tc.err, tc.want) {
+			t.Errorf("%s: err = %v, want code %s", tc.name, tc.err, state.CodeOf(tc.want))
+		}
+	}
+}
+
+func TestRemove(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	c := e.turn("a", state.ModeFull, false)
+	if err := e.m.Pin([]string{c.ID}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Remove(e.ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Get("a"); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("removed sandbox still there: %v", err)
+	}
+	// Pinned checkpoints of a removed sandbox stay usable by fork.
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 1, Prefix: "again"}); err != nil {
+		t.Fatalf("fork from a removed sandbox's pinned checkpoint: %v", err)
+	}
+	e.create("a") // the name is free again
+}
+
+func TestSessions(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	id, err := e.m.StartSession(e.ctx, "a", 0, "sh", []string{"bash"}, nil)
+	if err != nil || id != "sh" {
+		t.Fatalf("session: %q %v", id, err)
+	}
+	if _, err := e.m.StartSession(e.ctx, "a", 0, "sh", []string{"bash"}, nil); !errors.Is(err, state.ErrExists) {
+		t.Fatalf("duplicate session: %v", err)
+	}
+	if _, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "sh", Text: "set cwd /work"}); err != nil {
+		t.Fatal(err)
+	}
+	c := e.turn("a", state.ModeFull, false)
+	e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "sh", Text: "set cwd /elsewhere"})
+	e.restore("a", c.ID)
+	out, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "sh", Text: "get cwd"})
+	if err != nil || out != "/work\n" {
+		t.Fatalf("session after restore: %q %v", out, err)
+	}
+}
+
+func TestCrashRecovery(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		boot     string
+		wantNote string
+	}{
+		{"daemon killed", "boot-1", "daemon restarted"},
+		{"host rebooted", "boot-2", "host rebooted"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, false)
+			e.create("a")
+			e.run("a", "write", "/f", "durable")
+			e.run("a", "set", "v", "durable")
+			durable := e.turn("a", state.ModeFull, true)
+			if !durable.Durable {
+				t.Fatalf("checkpoint not durable: %+v", durable)
+			}
+			e.run("a", "write", "/f", "fs-only")
+			fsOnly := e.turn("a", state.ModeFS, true)
+			e.b.Faults.FailPersist.Store(true)
+			e.run("a", "set", "v", "template-only")
+			tplOnly := e.turn("a", state.ModeFull, true)
+			if tplOnly.Durable {
+				t.Fatalf("checkpoint without images must not be durable")
+			}
+			e.b.Faults.FailPersist.Store(false)
+			if err := e.m.Pin([]string{tplOnly.ID}); err != nil {
+				t.Fatal(err)
+			}
+			e.m.CrashForTest()
+
+			// A new daemon: same disk, templates gone with the old one.
+			e.b = &statefake.Backends{Disk: e.b.Disk, Faults: e.b.Faults,
+				FS: &statefake.FS{Disk: e.b.Disk, Faults: e.b.Faults}, Proc: &statefake.Proc{Disk: e.b.Disk, Faults: e.b.Faults}}
+			e.open(false, tc.boot)
+			sb, err := e.m.Get("a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sb.Status != state.StatusStopped || !strings.Contains(sb.Note, tc.wantNote) || sb.Head != tplOnly.ID {
+				t.Fatalf("after restart: %+v", sb)
+			}
+			if _, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}}); !errors.Is(err, state.ErrConflict) {
+				t.Fatalf("exec in a stopped sandbox: %v", err)
+			}
+			for id, want := range map[string]bool{durable.ID: true, fsOnly.ID: true, tplOnly.ID: false} {
+				c, err := e.m.GetCheckpoint(id)
+				if err != nil {
+					t.Fatalf("checkpoint %s lost: %v", id, err)
+				}
+				if c.Restorable != want {
+					t.Errorf("checkpoint %s (%s) restorable = %v, want %v", id, c.Decision, c.Restorable, want)
+				}
+			}
+			if got := e.m.Pins(); len(got) != 1 || got[0] != tplOnly.ID {
+				t.Errorf("pins after restart: %v", got)
+			}
+			if _, err := e.m.Restore(e.ctx, "a", tplOnly.ID, 0); !errors.Is(err, state.ErrNotReady) {
+				t.Fatalf("restore of a template-only checkpoint after restart: %v", err)
+			}
+			r := e.restore("a", fsOnly.ID)
+			if r.Path != "criu" {
+				t.Errorf("restore path after restart = %q, want criu", r.Path)
+			}
+			if got := e.run("a", "cat", "/f"); got != "fs-only" {
+				t.Errorf("/f = %q", got)
+			}
+			if got := e.run("a", "get", "v"); got != "durable" {
+				t.Errorf("v = %q", got)
+			}
+			// Life goes on: a new turn on the restarted sandbox.
+			e.run("a", "write", "/f", "after")
+			n := e.turn("a", state.ModeFS, true)
+			ck, _ := e.m.GetCheckpoint(n.ID)
+			if ck.Parent != fsOnly.ID || ck.ProcFrom != durable.ID {
+				t.Errorf("checkpoint after restart: %+v", ck)
+			}
+		})
+	}
+}

@@ -1,0 +1,574 @@
+// Package statefake provides in-memory back ends for the state manager, for
+// tests and for running the daemon without root (rewind daemon --fake).
+//
+// The fake sandbox understands a tiny command language, through Exec and
+// through sessions:
+//
+//	write PATH DATA   write a file            cat PATH    print it
+//	rm PATH           delete a file           set K V     set a process variable
+//	get K             print a variable        exit N      exit with code N
+//	echo WORDS...     print words             sleep MS    wait
+//
+// Files live in the fake fs mount, variables in the fake "process memory";
+// both are checkpointed and restored like the real thing.
+package statefake
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// Disk is what survives a simulated host reboot: fs layers and process
+// images. Share one Disk between the back ends of successive "daemons".
+type Disk struct {
+	mu     sync.Mutex
+	layers map[string]map[string]string // fs checkpoint id -> files
+	images map[string]map[string]string // image dir -> memory
+	// Deleted and Released record what GC freed, for assertions.
+	Deleted  map[string]bool
+	Released map[string]bool
+	mounts   map[string]*Mount
+	n        int
+}
+
+// NewDisk returns an empty disk.
+func NewDisk() *Disk {
+	return &Disk{
+		layers: map[string]map[string]string{}, images: map[string]map[string]string{},
+		Deleted: map[string]bool{}, Released: map[string]bool{}, mounts: map[string]*Mount{},
+	}
+}
+
+func (d *Disk) next(prefix string) string {
+	d.n++
+	return prefix + strconv.Itoa(d.n)
+}
+
+// HasLayer reports whether fs checkpoint id exists.
+func (d *Disk) HasLayer(id string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	_, ok := d.layers[id]
+	return ok
+}
+
+// WasDeleted reports whether GC deleted fs checkpoint id.
+func (d *Disk) WasDeleted(id string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.Deleted[id]
+}
+
+// Faults injects failures; set fields atomically from tests.
+type Faults struct {
+	FailSwitch     atomic.Bool
+	FailCheckpoint atomic.Bool
+	FailRestore    atomic.Bool
+	FailPersist    atomic.Bool
+	FailStart      atomic.Bool
+	// CheckpointDelay slows every fs checkpoint (nanoseconds).
+	CheckpointDelay atomic.Int64
+}
+
+// FS is a fake state.FSBackend.
+type FS struct {
+	Disk   *Disk
+	Faults *Faults
+}
+
+// Mount is a fake mounted root.
+type Mount struct {
+	fs    *FS
+	id    string
+	mu    sync.Mutex
+	files map[string]string
+	dirty atomic.Int64
+	gone  bool
+}
+
+var _ state.FSBackend = (*FS)(nil)
+
+// Mount implements state.FSBackend.
+func (f *FS) Mount(_ context.Context, id string, spec state.FSSpec) (state.FSMount, error) {
+	m := &Mount{fs: f, id: id, files: map[string]string{}}
+	for i, b := range spec.Bases {
+		m.files["/base"+strconv.Itoa(i)] = b
+	}
+	f.Disk.mu.Lock()
+	f.Disk.mounts["fake:"+id] = m
+	f.Disk.mu.Unlock()
+	return m, nil
+}
+
+// MountFrom implements state.FSBackend.
+func (f *FS) MountFrom(_ context.Context, id string, _ state.FSSpec, ckpt string) (state.FSMount, error) {
+	f.Disk.mu.Lock()
+	defer f.Disk.mu.Unlock()
+	l, ok := f.Disk.layers[ckpt]
+	if !ok {
+		return nil, fmt.Errorf("fake fs: no checkpoint %s", ckpt)
+	}
+	m := &Mount{fs: f, id: id, files: maps.Clone(l)}
+	f.Disk.mounts["fake:"+id] = m
+	return m, nil
+}
+
+// Delete implements state.FSBackend.
+func (f *FS) Delete(_ context.Context, ckpt string) error {
+	f.Disk.mu.Lock()
+	defer f.Disk.mu.Unlock()
+	if _, ok := f.Disk.layers[ckpt]; !ok {
+		return fmt.Errorf("fake fs: delete of unknown checkpoint %s", ckpt)
+	}
+	delete(f.Disk.layers, ckpt)
+	f.Disk.Deleted[ckpt] = true
+	return nil
+}
+
+// Cleanup implements state.FSBackend.
+func (f *FS) Cleanup(context.Context, string) error { return nil }
+
+// Root implements state.FSMount.
+func (m *Mount) Root() string { return "fake:" + m.id }
+
+// Checkpoint implements state.FSMount.
+func (m *Mount) Checkpoint(context.Context) (string, int64, error) {
+	if d := m.fs.Faults.CheckpointDelay.Load(); d > 0 {
+		time.Sleep(time.Duration(d))
+	}
+	if m.fs.Faults.FailCheckpoint.Load() {
+		return "", 0, errors.New("fake fs: injected checkpoint failure")
+	}
+	m.mu.Lock()
+	snap := maps.Clone(m.files)
+	m.mu.Unlock()
+	d := m.fs.Disk
+	d.mu.Lock()
+	id := d.next("fs")
+	d.layers[id] = snap
+	d.mu.Unlock()
+	return id, m.dirty.Swap(0), nil
+}
+
+// Switch implements state.FSMount.
+func (m *Mount) Switch(_ context.Context, ckpt string) error {
+	if m.fs.Faults.FailSwitch.Load() {
+		return errors.New("fake fs: injected switch failure")
+	}
+	d := m.fs.Disk
+	d.mu.Lock()
+	l, ok := d.layers[ckpt]
+	d.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("fake fs: no checkpoint %s", ckpt)
+	}
+	m.mu.Lock()
+	m.files = maps.Clone(l)
+	m.mu.Unlock()
+	return nil
+}
+
+// Inject implements state.FSMount.
+func (m *Mount) Inject(path string, data []byte) error {
+	m.write(path, string(data))
+	return nil
+}
+
+func (m *Mount) write(path, data string) {
+	m.mu.Lock()
+	m.files[path] = data
+	m.mu.Unlock()
+	m.dirty.Add(int64(len(data)))
+}
+
+// Read returns a file's content.
+func (m *Mount) Read(path string) (string, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	v, ok := m.files[path]
+	return v, ok
+}
+
+// Unmount implements state.FSMount.
+func (m *Mount) Unmount() error {
+	d := m.fs.Disk
+	d.mu.Lock()
+	delete(d.mounts, "fake:"+m.id)
+	d.mu.Unlock()
+	m.mu.Lock()
+	m.gone = true
+	m.mu.Unlock()
+	return nil
+}
+
+// Proc is a fake state.ProcBackend. Templates live in the back end (they
+// die with it); images live on the Disk.
+type Proc struct {
+	Disk   *Disk
+	Faults *Faults
+	mu     sync.Mutex
+	tpls   map[string]map[string]string
+}
+
+var _ state.ProcBackend = (*Proc)(nil)
+
+// Sandbox is a fake live sandbox.
+type Sandbox struct {
+	p        *Proc
+	id       string
+	mount    *Mount
+	mu       sync.Mutex
+	mem      map[string]string
+	sessions map[string]bool
+	frozen   bool
+	closed   bool
+	// effects since the last Take
+	fsOps, procOps int
+}
+
+// Start implements state.ProcBackend.
+func (p *Proc) Start(_ context.Context, id, root string) (state.ProcSandbox, error) {
+	if p.Faults.FailStart.Load() {
+		return nil, errors.New("fake proc: injected start failure")
+	}
+	p.Disk.mu.Lock()
+	m := p.Disk.mounts[root]
+	p.Disk.mu.Unlock()
+	if m == nil {
+		return nil, fmt.Errorf("fake proc: no mount %s", root)
+	}
+	return &Sandbox{p: p, id: id, mount: m, mem: map[string]string{}, sessions: map[string]bool{}}, nil
+}
+
+// Release implements state.ProcBackend.
+func (p *Proc) Release(_ context.Context, part *state.ProcPart) error {
+	p.mu.Lock()
+	for _, t := range part.Templates {
+		delete(p.tpls, t)
+	}
+	p.mu.Unlock()
+	p.Disk.mu.Lock()
+	defer p.Disk.mu.Unlock()
+	if part.ImageDir != "" {
+		delete(p.Disk.images, part.ImageDir)
+	}
+	for _, t := range part.Templates {
+		p.Disk.Released[t] = true
+	}
+	return nil
+}
+
+// Recover implements state.ProcBackend: templates are gone, images remain.
+func (p *Proc) Recover(_ context.Context, part *state.ProcPart) *state.ProcPart {
+	np := *part
+	p.mu.Lock()
+	np.TemplateReady = false
+	for _, t := range part.Templates {
+		if _, ok := p.tpls[t]; ok {
+			np.TemplateReady = true
+		}
+	}
+	p.mu.Unlock()
+	p.Disk.mu.Lock()
+	_, np.ImageReady = p.Disk.images[part.ImageDir]
+	p.Disk.mu.Unlock()
+	return &np
+}
+
+// Cleanup implements state.ProcBackend.
+func (p *Proc) Cleanup(context.Context, string) error { return nil }
+
+// Exec implements state.ProcSandbox.
+func (s *Sandbox) Exec(ctx context.Context, req state.ExecRequest) (int, error) {
+	out, code := s.run(ctx, req.Argv)
+	if req.Stdout != nil {
+		fmt.Fprint(req.Stdout, out)
+	}
+	return code, nil
+}
+
+func (s *Sandbox) run(ctx context.Context, argv []string) (string, int) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return "sandbox closed\n", 137
+	}
+	s.mu.Unlock()
+	if len(argv) == 0 {
+		return "", 0
+	}
+	arg := func(i int) string {
+		if i < len(argv) {
+			return argv[i]
+		}
+		return ""
+	}
+	switch argv[0] {
+	case "write":
+		s.mount.write(arg(1), strings.Join(argv[min(2, len(argv)):], " "))
+		s.note(true)
+		return "", 0
+	case "rm":
+		s.mount.mu.Lock()
+		delete(s.mount.files, arg(1))
+		s.mount.mu.Unlock()
+		s.note(true)
+		return "", 0
+	case "cat":
+		v, ok := s.mount.Read(arg(1))
+		if !ok {
+			return "cat: " + arg(1) + ": No such file or directory\n", 1
+		}
+		return v + "\n", 0
+	case "set":
+		s.mu.Lock()
+		s.mem[arg(1)] = strings.Join(argv[min(2, len(argv)):], " ")
+		s.procOps++
+		s.mu.Unlock()
+		return "", 0
+	case "get":
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.mem[arg(1)] + "\n", 0
+	case "echo":
+		return strings.Join(argv[1:], " ") + "\n", 0
+	case "sleep":
+		ms, _ := strconv.Atoi(arg(1))
+		select {
+		case <-time.After(time.Duration(ms) * time.Millisecond):
+		case <-ctx.Done():
+		}
+		return "", 0
+	case "exit":
+		n, _ := strconv.Atoi(arg(1))
+		return "", n
+	}
+	return argv[0] + ": command not found\n", 127
+}
+
+func (s *Sandbox) note(fs bool) {
+	s.mu.Lock()
+	if fs {
+		s.fsOps++
+	} else {
+		s.procOps++
+	}
+	s.mu.Unlock()
+}
+
+// StartSession implements state.ProcSandbox.
+func (s *Sandbox) StartSession(_ context.Context, id string, _, _ []string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sessions[id] = true
+	s.mem["session:"+id] = "1"
+	s.procOps++
+	return nil
+}
+
+// Send implements state.ProcSandbox.
+func (s *Sandbox) Send(ctx context.Context, req state.SendRequest) (string, error) {
+	out, _ := s.run(ctx, strings.Fields(req.Text))
+	return out, nil
+}
+
+// Sessions implements state.ProcSandbox.
+func (s *Sandbox) Sessions() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for id := range s.sessions {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Freeze implements state.ProcSandbox.
+func (s *Sandbox) Freeze(context.Context) error {
+	s.mu.Lock()
+	s.frozen = true
+	s.mu.Unlock()
+	return nil
+}
+
+// Thaw implements state.ProcSandbox.
+func (s *Sandbox) Thaw(context.Context) error {
+	s.mu.Lock()
+	s.frozen = false
+	s.mu.Unlock()
+	return nil
+}
+
+// Checkpoint implements state.ProcSandbox.
+func (s *Sandbox) Checkpoint(context.Context) (*state.ProcPart, error) {
+	s.mu.Lock()
+	if !s.frozen {
+		s.mu.Unlock()
+		return nil, errors.New("fake proc: checkpoint of a running sandbox")
+	}
+	snap := maps.Clone(s.mem)
+	for id := range s.sessions {
+		snap["session:"+id] = "1"
+	}
+	s.mu.Unlock()
+	s.p.Disk.mu.Lock()
+	t := s.p.Disk.next("tpl")
+	s.p.Disk.mu.Unlock()
+	s.p.mu.Lock()
+	if s.p.tpls == nil {
+		s.p.tpls = map[string]map[string]string{}
+	}
+	s.p.tpls[t] = snap
+	s.p.mu.Unlock()
+	return &state.ProcPart{Templates: []string{t}, TemplateReady: true, Processes: 1, Bytes: int64(len(snap)) * 64}, nil
+}
+
+// Persist implements state.ProcSandbox.
+func (s *Sandbox) Persist(_ context.Context, part *state.ProcPart) (*state.ProcPart, error) {
+	if s.p.Faults.FailPersist.Load() {
+		return nil, errors.New("fake proc: injected persist failure")
+	}
+	s.p.mu.Lock()
+	snap, ok := s.p.tpls[part.Templates[0]]
+	s.p.mu.Unlock()
+	if !ok {
+		return nil, errors.New("fake proc: template gone")
+	}
+	np := *part
+	s.p.Disk.mu.Lock()
+	np.ImageDir = s.p.Disk.next("img")
+	s.p.Disk.images[np.ImageDir] = maps.Clone(snap)
+	s.p.Disk.mu.Unlock()
+	np.ImageReady = true
+	return &np, nil
+}
+
+// Restore implements state.ProcSandbox (atomically).
+func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart) (string, error) {
+	if s.p.Faults.FailRestore.Load() {
+		return "", errors.New("fake proc: injected restore failure")
+	}
+	var snap map[string]string
+	path := ""
+	s.p.mu.Lock()
+	if part.TemplateReady && len(part.Templates) > 0 {
+		snap, path = s.p.tpls[part.Templates[0]], "template"
+	}
+	s.p.mu.Unlock()
+	if snap == nil && part.ImageReady {
+		s.p.Disk.mu.Lock()
+		snap, path = s.p.Disk.images[part.ImageDir], "criu"
+		s.p.Disk.mu.Unlock()
+	}
+	if snap == nil {
+		return "", errors.New("fake proc: part not restorable")
+	}
+	s.mu.Lock()
+	s.mem = maps.Clone(snap)
+	s.sessions = map[string]bool{}
+	for k := range snap {
+		if id, ok := strings.CutPrefix(k, "session:"); ok {
+			s.sessions[id] = true
+		}
+	}
+	s.mu.Unlock()
+	return path, nil
+}
+
+// Close implements state.ProcSandbox.
+func (s *Sandbox) Close() error {
+	s.mu.Lock()
+	s.closed = true
+	s.mu.Unlock()
+	return nil
+}
+
+// Mem returns a process variable (for assertions).
+func (s *Sandbox) Mem(k string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mem[k]
+}
+
+// Probe is a fake state.Probe: it reports the fake sandbox's fs and
+// process operations since the last Take.
+type Probe struct{}
+
+// Watch implements state.Probe.
+func (Probe) Watch(_ context.Context, name string, _ state.FSMount, proc state.ProcSandbox) (state.ProbeWindow, error) {
+	s, ok := proc.(*Sandbox)
+	if !ok {
+		return nil, errors.New("fake probe: not a fake sandbox")
+	}
+	return &window{s: s, name: name}, nil
+}
+
+type window struct {
+	s    *Sandbox
+	name string
+	turn uint64
+}
+
+func (w *window) Take(context.Context) (*effect.Report, error) {
+	w.s.mu.Lock()
+	fsOps, procOps := w.s.fsOps, w.s.procOps
+	w.s.fsOps, w.s.procOps = 0, 0
+	w.s.mu.Unlock()
+	w.turn++
+	r := &effect.Report{Version: effect.Version, Sandbox: w.name, Turn: w.turn, Backend: "fake"}
+	r.FS.Modified = uint64(fsOps)
+	r.Mem.PagesWritten = uint64(procOps)
+	return r, nil
+}
+
+func (w *window) Close() error { return nil }
+
+// Policy is a fake policy: skip when nothing changed, fs when only files
+// changed, full otherwise.
+type Policy struct{}
+
+// Decide implements state.Policy.
+func (Policy) Decide(_ context.Context, r *effect.Report) (state.Decision, error) {
+	switch {
+	case r.ProcChanged():
+		return state.Decision{Mode: state.ModeFull, Reason: "process state changed"}, nil
+	case r.FSChanged():
+		return state.Decision{Mode: state.ModeFS, Reason: "files changed"}, nil
+	}
+	return state.Decision{Mode: state.ModeSkip, Reason: "no effect"}, nil
+}
+
+// Policies loads the fake policy under any name.
+type Policies struct{}
+
+// Load implements state.PolicyLoader.
+func (Policies) Load(context.Context, string) (state.Policy, error) { return Policy{}, nil }
+
+// Backends bundles a fake FS and Proc over one Disk.
+type Backends struct {
+	Disk   *Disk
+	Faults *Faults
+	FS     *FS
+	Proc   *Proc
+}
+
+// New returns fake back ends over disk (a new Disk if nil).
+func New(disk *Disk) *Backends {
+	if disk == nil {
+		disk = NewDisk()
+	}
+	f := &Faults{}
+	return &Backends{Disk: disk, Faults: f, FS: &FS{Disk: disk, Faults: f}, Proc: &Proc{Disk: disk, Faults: f}}
+}
