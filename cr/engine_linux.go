@@ -171,9 +171,9 @@ type template struct {
 	sandbox string
 	dropped bool
 	orig    Proc
-	proc  *inject.Proc
-	spare *inject.Proc // pre-forked warmed copy (Config.Warm)
-	dirty int64
+	proc    *inject.Proc
+	spare   *inject.Proc // pre-forked warmed copy (Config.Warm)
+	dirty   int64
 }
 
 type ckpt struct {
