@@ -418,10 +418,16 @@ func TestBadInput(t *testing.T) {
 		}(), state.ErrBadRequest},
 		{"unknown sandbox", func() error { _, err := e.m.Turn(e.ctx, "nope", state.TurnRequest{Mode: state.ModeFull}); return err }(), state.ErrNotFound},
 		{"unknown checkpoint", func() error { _, err := e.m.Restore(e.ctx, "a", "ck-nope", 0); return err }(), state.ErrNotFound},
-		{"unknown fork source", func() error { _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: "ck-nope", Count: 1}); return err }(), state.ErrNotFound},
+		{"unknown fork source", func() error {
+			_, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: "ck-nope", Count: 1})
+			return err
+		}(), state.ErrNotFound},
 		{"fork count", func() error { _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: "x", Count: 0}); return err }(), state.ErrBadRequest},
 		{"pin unknown", e.m.Pin([]string{"ck-nope"}), state.ErrNotFound},
-		{"unknown session", func() error { _, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "nope", Text: "x"}); return err }(), state.ErrNotFound},
+		{"unknown session", func() error {
+			_, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "nope", Text: "x"})
+			return err
+		}(), state.ErrNotFound},
 		{"bad until", func() error {
 			_, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "s", Text: "x", Until: "("})
 			return err
