@@ -100,20 +100,22 @@ type ProcSandbox interface {
 	Send(ctx context.Context, req SendRequest) (string, error)
 	// Sessions lists the session ids alive.
 	Sessions() []string
-	// Freeze stops every process in the sandbox; Thaw resumes them.
-	Freeze(ctx context.Context) error
-	Thaw(ctx context.Context) error
-	// Checkpoint captures the (frozen) processes: the fast part only (for
-	// example templates). It must not thaw.
-	Checkpoint(ctx context.Context) (*ProcPart, error)
+	// Checkpoint stops every process of the sandbox, runs barrier while
+	// they are stopped (the state manager takes the fs checkpoint there, so
+	// both halves come from one freeze window), captures the processes
+	// (the fast part only, for example templates) and resumes them. If
+	// barrier fails, Checkpoint resumes the processes and returns its error.
+	Checkpoint(ctx context.Context, barrier func() error) (*ProcPart, error)
 	// Persist makes a part durable (for example a CRIU dump of the
 	// templates) and returns the updated part. It runs outside the
 	// sandbox's operation order, while the sandbox runs on.
 	Persist(ctx context.Context, part *ProcPart) (*ProcPart, error)
-	// Restore replaces the sandbox's processes by those of part. It is
-	// atomic: on error the processes that ran are unchanged. It returns the
-	// path taken: "template", "criu" or "criu-lazy".
-	Restore(ctx context.Context, part *ProcPart) (path string, err error)
+	// Restore kills the sandbox's processes, runs switchFS (the fs
+	// switch, so the fs changes first), and recreates the processes of
+	// part. It need not be atomic: on error the state manager restores the
+	// undo checkpoint it took before. It returns the path taken:
+	// "template", "criu" or "criu-lazy".
+	Restore(ctx context.Context, part *ProcPart, switchFS func() error) (path string, err error)
 	// Close kills every process (templates of this sandbox's own
 	// checkpoints excepted only if the back end keeps them elsewhere).
 	Close() error

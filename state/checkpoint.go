@@ -170,21 +170,19 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 	case removed || mount == nil || proc == nil:
 		err = fmt.Errorf("sandbox %s is not running", s.rec.Name)
 	case mode == ModeFull:
-		if err = proc.Freeze(context.Background()); err != nil {
-			err = fmt.Errorf("freeze: %w", err)
-			break
-		}
-		ft := time.Now()
-		fsID, fsB, err = mount.Checkpoint(context.Background())
-		if err != nil {
-			err = fmt.Errorf("fs checkpoint: %w", err)
-		} else if part, err = proc.Checkpoint(context.Background()); err != nil {
+		var ferr error
+		part, err = proc.Checkpoint(context.Background(), func() error {
+			fsID, fsB, ferr = mount.Checkpoint(context.Background())
+			return ferr
+		})
+		switch {
+		case ferr != nil:
+			err = fmt.Errorf("fs checkpoint: %w", ferr)
+		case err != nil:
 			err = fmt.Errorf("process checkpoint: %w", err)
+		default:
+			frozen = time.Duration(part.FrozenUS) * time.Microsecond
 		}
-		if terr := proc.Thaw(context.Background()); terr != nil && err == nil {
-			err = fmt.Errorf("thaw: %w", terr)
-		}
-		frozen = time.Since(ft)
 	default:
 		fsID, fsB, err = mount.Checkpoint(context.Background())
 		if err != nil {
@@ -406,35 +404,36 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	bg := context.Background() // a restore, once started, is not abandoned half way
 	var path string
 	if mount != nil && proc != nil {
-		if err := proc.Freeze(bg); err != nil {
-			return nil, fmt.Errorf("restore %s: freeze: %w", c.rec.ID, err)
-		}
-		undo, _, err := mount.Checkpoint(bg)
+		// The undo point: the current state, taken like any checkpoint.
+		var undoFS string
+		undo, err := proc.Checkpoint(bg, func() error {
+			var ferr error
+			undoFS, _, ferr = mount.Checkpoint(bg)
+			return ferr
+		})
 		if err != nil {
-			proc.Thaw(bg)
-			return nil, fmt.Errorf("restore %s: save current fs: %w", c.rec.ID, err)
-		}
-		if err := mount.Switch(bg, fsID); err != nil {
-			proc.Thaw(bg)
-			m.cfg.FS.Delete(bg, undo)
-			m.obs.Restored("", time.Since(start), err)
-			return nil, fmt.Errorf("restore %s: switch fs: %w", c.rec.ID, err)
-		}
-		path, err = proc.Restore(bg, part)
-		if err != nil {
-			if uerr := mount.Switch(bg, undo); uerr != nil {
-				m.log.Error("restore failed and the fs could not be switched back", "sandbox", s.rec.Name, "err", uerr)
-				err = fmt.Errorf("%w (and switching the fs back failed: %v)", err, uerr)
+			if undoFS != "" {
+				m.cfg.FS.Delete(bg, undoFS)
 			}
-			proc.Thaw(bg)
-			m.cfg.FS.Delete(bg, undo)
 			m.obs.Restored("", time.Since(start), err)
-			return nil, fmt.Errorf("restore %s: processes: %w", c.rec.ID, err)
+			return nil, fmt.Errorf("restore %s: save the current state: %w", c.rec.ID, err)
 		}
-		if err := proc.Thaw(bg); err != nil {
-			m.log.Warn("thaw after restore", "sandbox", s.rec.Name, "err", err)
+		defer func() {
+			m.cfg.FS.Delete(bg, undoFS)
+			m.cfg.Proc.Release(bg, undo)
+		}()
+		path, err = proc.Restore(bg, part, func() error { return mount.Switch(bg, fsID) })
+		if err != nil {
+			if _, uerr := proc.Restore(bg, undo, func() error { return mount.Switch(bg, undoFS) }); uerr != nil {
+				m.log.Error("restore failed and so did going back", "sandbox", s.rec.Name, "err", uerr)
+				m.mu.Lock()
+				s.rec.Note = "a failed restore could not be undone: " + uerr.Error()
+				m.mu.Unlock()
+				err = fmt.Errorf("%w (and undoing it failed: %v)", err, uerr)
+			}
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: %w", c.rec.ID, err)
 		}
-		m.cfg.FS.Delete(bg, undo)
 	} else {
 		mnt, err := m.cfg.FS.MountFrom(bg, s.rec.ID, m.spec(&s.rec), fsID)
 		if err != nil {
@@ -447,7 +446,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			m.obs.Restored("", time.Since(start), err)
 			return nil, fmt.Errorf("restore %s: start: %w", c.rec.ID, err)
 		}
-		path, err = p.Restore(bg, part)
+		path, err = p.Restore(bg, part, func() error { return nil })
 		if err != nil {
 			p.Close()
 			mnt.Unmount()

@@ -409,7 +409,7 @@ func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *P
 	}
 	path := ""
 	if part != nil {
-		path, err = proc.Restore(ctx, part)
+		path, err = proc.Restore(ctx, part, func() error { return nil })
 		if err != nil {
 			proc.Close()
 			mount.Unmount()

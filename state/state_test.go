@@ -206,8 +206,8 @@ func TestRestoreAllOrNothing(t *testing.T) {
 		name  string
 		fault func(*statefake.Faults) *bool
 	}{
-		{"fs switch fails", func(f *statefake.Faults) *bool { f.FailSwitch.Store(true); return nil }},
-		{"process restore fails", func(f *statefake.Faults) *bool { f.FailRestore.Store(true); return nil }},
+		{"fs switch fails", func(f *statefake.Faults) *bool { f.FailSwitch.Store(1); return nil }},
+		{"process restore fails", func(f *statefake.Faults) *bool { f.FailRestore.Store(1); return nil }},
 		{"fs save fails", func(f *statefake.Faults) *bool { f.FailCheckpoint.Store(true); return nil }},
 	}
 	for _, tc := range cases {
@@ -226,7 +226,7 @@ func TestRestoreAllOrNothing(t *testing.T) {
 			if _, err := e.m.Restore(e.ctx, "a", c.ID, 0); err == nil {
 				t.Fatal("restore with an injected fault succeeded")
 			}
-			*e.b.Faults = statefake.Faults{}
+			e.b.Faults.FailCheckpoint.Store(false)
 
 			after, _ := e.m.Get("a")
 			if after.Epoch != before.Epoch || after.Head != before.Head || after.Status != state.StatusRunning {

@@ -96,6 +96,8 @@ type ProcPart struct {
 	Processes int `json:"processes"`
 	// Bytes is the memory the part holds (template RSS or image size).
 	Bytes int64 `json:"bytes"`
+	// FrozenUS is how long the processes were stopped to take it.
+	FrozenUS int64 `json:"frozen_us"`
 	// Data is opaque back-end data.
 	Data map[string]string `json:"data,omitempty"`
 }

@@ -72,9 +72,10 @@ func (d *Disk) WasDeleted(id string) bool {
 
 // Faults injects failures; set fields atomically from tests.
 type Faults struct {
-	FailSwitch     atomic.Bool
+	// FailSwitch and FailRestore fail the next N calls.
+	FailSwitch     atomic.Int32
 	FailCheckpoint atomic.Bool
-	FailRestore    atomic.Bool
+	FailRestore    atomic.Int32
 	FailPersist    atomic.Bool
 	FailStart      atomic.Bool
 	// CheckpointDelay slows every fs checkpoint (nanoseconds).
@@ -163,7 +164,7 @@ func (m *Mount) Checkpoint(context.Context) (string, int64, error) {
 
 // Switch implements state.FSMount.
 func (m *Mount) Switch(_ context.Context, ckpt string) error {
-	if m.fs.Faults.FailSwitch.Load() {
+	if m.fs.Faults.FailSwitch.Add(-1) >= 0 {
 		return errors.New("fake fs: injected switch failure")
 	}
 	d := m.fs.Disk
@@ -395,29 +396,21 @@ func (s *Sandbox) Sessions() []string {
 	return out
 }
 
-// Freeze implements state.ProcSandbox.
-func (s *Sandbox) Freeze(context.Context) error {
+// Checkpoint implements state.ProcSandbox.
+func (s *Sandbox) Checkpoint(_ context.Context, barrier func() error) (*state.ProcPart, error) {
+	start := time.Now()
 	s.mu.Lock()
 	s.frozen = true
 	s.mu.Unlock()
-	return nil
-}
-
-// Thaw implements state.ProcSandbox.
-func (s *Sandbox) Thaw(context.Context) error {
-	s.mu.Lock()
-	s.frozen = false
-	s.mu.Unlock()
-	return nil
-}
-
-// Checkpoint implements state.ProcSandbox.
-func (s *Sandbox) Checkpoint(context.Context) (*state.ProcPart, error) {
-	s.mu.Lock()
-	if !s.frozen {
+	defer func() {
+		s.mu.Lock()
+		s.frozen = false
 		s.mu.Unlock()
-		return nil, errors.New("fake proc: checkpoint of a running sandbox")
+	}()
+	if err := barrier(); err != nil {
+		return nil, err
 	}
+	s.mu.Lock()
 	snap := maps.Clone(s.mem)
 	for id := range s.sessions {
 		snap["session:"+id] = "1"
@@ -432,7 +425,8 @@ func (s *Sandbox) Checkpoint(context.Context) (*state.ProcPart, error) {
 	}
 	s.p.tpls[t] = snap
 	s.p.mu.Unlock()
-	return &state.ProcPart{Templates: []string{t}, TemplateReady: true, Processes: 1, Bytes: int64(len(snap)) * 64}, nil
+	return &state.ProcPart{Templates: []string{t}, TemplateReady: true, Processes: 1,
+		Bytes: int64(len(snap)) * 64, FrozenUS: max(1, time.Since(start).Microseconds())}, nil
 }
 
 // Persist implements state.ProcSandbox.
@@ -455,11 +449,10 @@ func (s *Sandbox) Persist(_ context.Context, part *state.ProcPart) (*state.ProcP
 	return &np, nil
 }
 
-// Restore implements state.ProcSandbox (atomically).
-func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart) (string, error) {
-	if s.p.Faults.FailRestore.Load() {
-		return "", errors.New("fake proc: injected restore failure")
-	}
+// Restore implements state.ProcSandbox like the real engine: the live
+// processes die first, then the fs switches, then the copies start. With
+// FailRestore the processes are gone and the copies never come.
+func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart, switchFS func() error) (string, error) {
 	var snap map[string]string
 	path := ""
 	s.p.mu.Lock()
@@ -476,8 +469,17 @@ func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart) (string, erro
 		return "", errors.New("fake proc: part not restorable")
 	}
 	s.mu.Lock()
-	s.mem = maps.Clone(snap)
+	s.mem = map[string]string{} // killed
 	s.sessions = map[string]bool{}
+	s.mu.Unlock()
+	if err := switchFS(); err != nil {
+		return "", err
+	}
+	if s.p.Faults.FailRestore.Add(-1) >= 0 {
+		return "", errors.New("fake proc: injected restore failure")
+	}
+	s.mu.Lock()
+	s.mem = maps.Clone(snap)
 	for k := range snap {
 		if id, ok := strings.CutPrefix(k, "session:"); ok {
 			s.sessions[id] = true
