@@ -1,0 +1,68 @@
+package policy
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+
+	"github.com/rewind-sandbox/rewind/effect"
+)
+
+// maxJSONLLine bounds one line of a JSONL file (a report with every sample
+// filled in is far smaller).
+const maxJSONLLine = 4 << 20
+
+// ReadReports reads effect reports, one JSON object per line (blank lines
+// are ignored), as written by `rewind policy record`.
+func ReadReports(r io.Reader) ([]effect.Report, error) {
+	var out []effect.Report
+	err := eachLine(r, func(n int, line []byte) error {
+		var rep effect.Report
+		if err := json.Unmarshal(line, &rep); err != nil {
+			return fmt.Errorf("line %d: %w", n, err)
+		}
+		out = append(out, rep)
+		return nil
+	})
+	return out, err
+}
+
+// Expectation is one line of an expectations file: the decision expected
+// for the report with the same turn.
+type Expectation struct {
+	Turn uint64 `json:"turn"`
+	Mode Mode   `json:"mode"`
+	// Reason, when not empty, must equal the decision's reason.
+	Reason string `json:"reason,omitempty"`
+}
+
+// ReadExpectations reads expectations, one JSON object per line.
+func ReadExpectations(r io.Reader) ([]Expectation, error) {
+	var out []Expectation
+	err := eachLine(r, func(n int, line []byte) error {
+		var e Expectation
+		if err := json.Unmarshal(line, &e); err != nil {
+			return fmt.Errorf("line %d: %w", n, err)
+		}
+		out = append(out, e)
+		return nil
+	})
+	return out, err
+}
+
+func eachLine(r io.Reader, fn func(n int, line []byte) error) error {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), maxJSONLLine)
+	for n := 1; sc.Scan(); n++ {
+		line := bytes.TrimSpace(sc.Bytes())
+		if len(line) == 0 {
+			continue
+		}
+		if err := fn(n, line); err != nil {
+			return err
+		}
+	}
+	return sc.Err()
+}

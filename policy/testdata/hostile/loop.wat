@@ -1,0 +1,8 @@
+;; classify never returns: the host's deadline must close the instance.
+(module
+  (memory (export "memory") 1)
+  (func (export "rewind_abi_version") (result i32) i32.const 1)
+  (func (export "rewind_alloc") (param i32) (result i32) i32.const 1024)
+  (func (export "rewind_classify") (param i32 i32) (result i64)
+    (loop $forever (br $forever))
+    i64.const 0))

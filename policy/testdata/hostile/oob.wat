@@ -1,0 +1,7 @@
+;; returns a 10-byte output that lies past the end of its memory.
+(module
+  (memory (export "memory") 1)
+  (func (export "rewind_abi_version") (result i32) i32.const 1)
+  (func (export "rewind_alloc") (param i32) (result i32) i32.const 1024)
+  (func (export "rewind_classify") (param i32 i32) (result i64)
+    i64.const 0x0000FFFC0000000A))
