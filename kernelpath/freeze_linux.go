@@ -1,0 +1,393 @@
+package kernelpath
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// entryFP is the fingerprint of one upper entry, used to tell what changed
+// between two walks of the upper (file-system effects, dirtiness).
+type entryFP struct {
+	mode  uint32
+	rdev  uint64
+	ino   uint64
+	size  int64
+	mtime int64
+	ctime int64
+}
+
+func fpOf(st *unix.Stat_t) entryFP {
+	return entryFP{
+		mode:  st.Mode,
+		rdev:  st.Rdev,
+		ino:   st.Ino,
+		size:  st.Size,
+		mtime: st.Mtim.Nano(),
+		ctime: st.Ctim.Nano(),
+	}
+}
+
+// isWhiteout reports whether a fingerprint is an overlayfs whiteout.
+func (e entryFP) isWhiteout() bool { return e.mode&unix.S_IFMT == unix.S_IFCHR && e.rdev == 0 }
+
+// keepXattr tells which xattrs a frozen layer keeps: every xattr except
+// overlayfs's private bookkeeping (origin, impure, ...); of those only the
+// two the shared layer format defines survive.
+func keepXattr(name string) bool {
+	if !strings.HasPrefix(name, layer.XattrPrefixOverlay) {
+		return true
+	}
+	return name == layer.XattrOpaque || name == layer.XattrRedirect
+}
+
+// treeCopier copies (freezes) a live upper into a new layer directory. All
+// host-side access is fd-relative with O_NOFOLLOW: a symlink made inside the
+// sandbox is never followed.
+type treeCopier struct {
+	reflink bool
+	dstRoot int
+	links   map[uint64]string // inode -> path (relative to dstRoot) of a first copy
+	fp      map[string]entryFP
+	buf     []byte
+}
+
+// freezeTree copies every entry of the directory src into the empty
+// directory dst (both on the same file system for reflink) and returns the
+// fingerprints of the entries copied (paths relative, "/"-separated).
+func freezeTree(src, dst string, reflink bool) (map[string]entryFP, error) {
+	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open upper: %w", err)
+	}
+	dfd, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		unix.Close(sfd)
+		return nil, fmt.Errorf("open layer: %w", err)
+	}
+	defer unix.Close(dfd)
+	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096)}
+	var st unix.Stat_t
+	if err := unix.Fstat(sfd, &st); err != nil {
+		unix.Close(sfd)
+		return nil, err
+	}
+	if err := c.copyDir(sfd, dfd, ""); err != nil {
+		return nil, err
+	}
+	sfd2, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(sfd2)
+	if err := c.copyMeta(sfd2, dfd, &st); err != nil {
+		return nil, fmt.Errorf("layer root: %w", err)
+	}
+	return c.fp, nil
+}
+
+// copyDir copies the children of directory fd src (ownership of src passes
+// to copyDir) into directory fd dst.
+func (c *treeCopier) copyDir(src, dst int, rel string) error {
+	dir := os.NewFile(uintptr(src), rel)
+	defer dir.Close()
+	names, err := dir.Readdirnames(-1)
+	if err != nil {
+		return fmt.Errorf("read dir /%s: %w", rel, err)
+	}
+	for _, name := range names {
+		p := name
+		if rel != "" {
+			p = rel + "/" + name
+		}
+		if err := c.copyEntry(src, dst, name, p); err != nil {
+			return fmt.Errorf("/%s: %w", p, err)
+		}
+	}
+	return nil
+}
+
+func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(src, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return err
+	}
+	c.fp[rel] = fpOf(&st)
+	const oflags = unix.O_NOFOLLOW | unix.O_CLOEXEC
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		if err := unix.Mkdirat(dst, name, 0o700); err != nil {
+			return err
+		}
+		sfd, err := unix.Openat(src, name, unix.O_RDONLY|unix.O_DIRECTORY|oflags, 0)
+		if err != nil {
+			return err
+		}
+		dfd, err := unix.Openat(dst, name, unix.O_RDONLY|unix.O_DIRECTORY|oflags, 0)
+		if err != nil {
+			unix.Close(sfd)
+			return err
+		}
+		defer unix.Close(dfd)
+		// copyDir closes its fd; keep one for the metadata.
+		mfd, err := unix.Dup(sfd)
+		if err != nil {
+			unix.Close(sfd)
+			return err
+		}
+		defer unix.Close(mfd)
+		if err := c.copyDir(sfd, dfd, rel); err != nil {
+			return err
+		}
+		return c.copyMeta(mfd, dfd, &st)
+	case unix.S_IFREG:
+		if st.Nlink > 1 {
+			if first, ok := c.links[st.Ino]; ok {
+				return unix.Linkat(c.dstRoot, first, dst, name, 0)
+			}
+			c.links[st.Ino] = rel
+		}
+		sfd, err := unix.Openat(src, name, unix.O_RDONLY|oflags, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(sfd)
+		dfd, err := unix.Openat(dst, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|oflags, 0o600)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(dfd)
+		if st.Size > 0 {
+			if err := c.copyData(sfd, dfd, st.Size); err != nil {
+				return err
+			}
+		}
+		return c.copyMeta(sfd, dfd, &st)
+	case unix.S_IFLNK:
+		target, err := readlinkat(src, name)
+		if err != nil {
+			return err
+		}
+		if err := unix.Symlinkat(target, dst, name); err != nil {
+			return err
+		}
+		return c.copyMetaAt(src, dst, name, &st, true)
+	default: // whiteouts (char 0:0), devices, fifos, sockets
+		if err := unix.Mknodat(dst, name, st.Mode, int(st.Rdev)); err != nil {
+			return err
+		}
+		return c.copyMetaAt(src, dst, name, &st, false)
+	}
+}
+
+// copyData clones (or copies) size bytes from sfd to dfd.
+func (c *treeCopier) copyData(sfd, dfd int, size int64) error {
+	if c.reflink {
+		err := unix.IoctlFileClone(dfd, sfd)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.EXDEV) && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOTTY) {
+			return fmt.Errorf("reflink: %w", err)
+		}
+	}
+	var done int64
+	for done < size {
+		n, err := unix.CopyFileRange(sfd, nil, dfd, nil, int(min(size-done, 1<<30)), 0)
+		if err != nil {
+			if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EOPNOTSUPP) {
+				return c.copyRW(sfd, dfd, done)
+			}
+			return fmt.Errorf("copy_file_range: %w", err)
+		}
+		if n == 0 {
+			break // the source shrank meanwhile
+		}
+		done += int64(n)
+	}
+	return nil
+}
+
+func (c *treeCopier) copyRW(sfd, dfd int, off int64) error {
+	buf := make([]byte, 1<<20)
+	for {
+		n, err := unix.Pread(sfd, buf, off)
+		if err != nil {
+			return fmt.Errorf("read: %w", err)
+		}
+		if n == 0 {
+			return nil
+		}
+		if _, err := unix.Pwrite(dfd, buf[:n], off); err != nil {
+			return fmt.Errorf("write: %w", err)
+		}
+		off += int64(n)
+	}
+}
+
+// copyMeta copies owner, mode, xattrs and times from fd sfd to fd dfd.
+func (c *treeCopier) copyMeta(sfd, dfd int, st *unix.Stat_t) error {
+	if err := unix.Fchown(dfd, int(st.Uid), int(st.Gid)); err != nil {
+		return fmt.Errorf("chown: %w", err)
+	}
+	if err := unix.Fchmod(dfd, st.Mode&0o7777); err != nil {
+		return fmt.Errorf("chmod: %w", err)
+	}
+	if err := c.copyXattrs(
+		func(b []byte) (int, error) { return unix.Flistxattr(sfd, b) },
+		func(n string, b []byte) (int, error) { return unix.Fgetxattr(sfd, n, b) },
+		func(n string, b []byte) error { return unix.Fsetxattr(dfd, n, b, 0) },
+	); err != nil {
+		return err
+	}
+	return futimens(dfd, st)
+}
+
+// copyMetaAt copies the metadata of a symlink or special file, by name.
+func (c *treeCopier) copyMetaAt(src, dst int, name string, st *unix.Stat_t, symlink bool) error {
+	if err := unix.Fchownat(dst, name, int(st.Uid), int(st.Gid), unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("chown: %w", err)
+	}
+	if !symlink {
+		// The node was just made by us in a directory no sandbox sees.
+		if err := unix.Fchmodat(dst, name, st.Mode&0o7777, 0); err != nil {
+			return fmt.Errorf("chmod: %w", err)
+		}
+	}
+	// Paths through our own directory fds; l*xattr never follows the
+	// final symlink.
+	sp := "/proc/self/fd/" + strconv.Itoa(src) + "/" + name
+	dp := "/proc/self/fd/" + strconv.Itoa(dst) + "/" + name
+	if err := c.copyXattrs(
+		func(b []byte) (int, error) { return unix.Llistxattr(sp, b) },
+		func(n string, b []byte) (int, error) { return unix.Lgetxattr(sp, n, b) },
+		func(n string, b []byte) error { return unix.Lsetxattr(dp, n, b, 0) },
+	); err != nil {
+		return err
+	}
+	ts := []unix.Timespec{st.Atim, st.Mtim}
+	if err := unix.UtimesNanoAt(dst, name, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return fmt.Errorf("utimens: %w", err)
+	}
+	return nil
+}
+
+func (c *treeCopier) copyXattrs(list func([]byte) (int, error), get func(string, []byte) (int, error), set func(string, []byte) error) error {
+	n, err := list(c.buf)
+	if errors.Is(err, unix.ERANGE) {
+		if n, err = list(nil); err == nil {
+			c.buf = make([]byte, n*2)
+			n, err = list(c.buf)
+		}
+	}
+	if err != nil {
+		if errors.Is(err, unix.ENOTSUP) {
+			return nil
+		}
+		return fmt.Errorf("listxattr: %w", err)
+	}
+	if n == 0 {
+		return nil
+	}
+	names := strings.Split(strings.TrimRight(string(c.buf[:n]), "\x00"), "\x00")
+	for _, name := range names {
+		if name == "" || !keepXattr(name) {
+			continue
+		}
+		val := make([]byte, 256)
+		vn, err := get(name, val)
+		if errors.Is(err, unix.ERANGE) {
+			if vn, err = get(name, nil); err == nil {
+				val = make([]byte, vn)
+				vn, err = get(name, val)
+			}
+		}
+		if errors.Is(err, unix.ENODATA) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("getxattr %s: %w", name, err)
+		}
+		if err := set(name, val[:vn]); err != nil {
+			return fmt.Errorf("setxattr %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// futimens sets atime and mtime of fd (utimensat with a NULL path).
+func futimens(fd int, st *unix.Stat_t) error {
+	ts := [2]unix.Timespec{st.Atim, st.Mtim}
+	_, _, e := unix.Syscall6(unix.SYS_UTIMENSAT, uintptr(fd), 0, uintptr(unsafe.Pointer(&ts[0])), 0, 0, 0)
+	if e != 0 {
+		return fmt.Errorf("utimens: %w", e)
+	}
+	return nil
+}
+
+func readlinkat(dirfd int, name string) (string, error) {
+	for size := 256; ; size *= 2 {
+		b := make([]byte, size)
+		n, err := unix.Readlinkat(dirfd, name, b)
+		if err != nil {
+			return "", err
+		}
+		if n < size {
+			return string(b[:n]), nil
+		}
+	}
+}
+
+// fingerprintTree walks the directory root (fd-relative, no symlink
+// followed) and returns the fingerprint of every entry.
+func fingerprintTree(root string) (map[string]entryFP, error) {
+	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]entryFP{}
+	return out, walkFP(fd, "", out)
+}
+
+func walkFP(fd int, rel string, out map[string]entryFP) error {
+	dir := os.NewFile(uintptr(fd), rel)
+	defer dir.Close()
+	names, err := dir.Readdirnames(-1)
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		p := name
+		if rel != "" {
+			p = rel + "/" + name
+		}
+		var st unix.Stat_t
+		if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			if errors.Is(err, unix.ENOENT) {
+				continue
+			}
+			return err
+		}
+		out[p] = fpOf(&st)
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			cfd, err := unix.Openat(fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			if err != nil {
+				if errors.Is(err, unix.ENOENT) {
+					continue
+				}
+				return err
+			}
+			if err := walkFP(cfd, p, out); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}

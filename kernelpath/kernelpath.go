@@ -1,0 +1,105 @@
+// Package kernelpath is rewind's kernel fast path: the sandbox view is a
+// native overlayfs mounted over the very layer directories of the state dir
+// (STATE/layers/<id>/, the format package layer defines), so data and
+// metadata I/O run at kernel speed with no FUSE round trip. *FS implements
+// layer.FS, and a state dir written by this backend opens with the FUSE
+// backend (package fs) and the other way round.
+//
+// Two ways to checkpoint and switch, chosen at Mount:
+//
+//   - Patched overlayfs with the layer-switch ioctl (ABI.md): Checkpoint
+//     freezes the upper into a lower and pushes a fresh upper inside the
+//     kernel; Switch replaces the stack in place. Open fds and cwds of live
+//     processes follow (lazy redirection by a generation counter).
+//   - Stock overlayfs (this host): Checkpoint freezes the upper by copying
+//     its entries into a new layer — reflink (FICLONE) on XFS or btrfs, so
+//     the cost grows with the number of entries changed since the view was
+//     mounted, not with their size; a plain copy elsewhere (FreezeMode
+//     says which). The live mount is not touched, so open fds and cwds stay
+//     valid and keep writing to the live upper, which is what a checkpoint
+//     of a running sandbox needs. Switch mounts a new overlay over the
+//     target stack with a fresh upper beneath the old mount
+//     (MOVE_MOUNT_BENEATH) and lazily detaches the old one: the view
+//     changes atomically for new lookups, but processes that still hold
+//     fds or a cwd on the old mount keep seeing the old tree. That is fine
+//     for rewind's restore, where the cr engine re-creates the process
+//     tree after the switch, and it is precisely why the patched ioctl
+//     exists.
+//
+// btrfs subvolume snapshots were measured and rejected as the freeze
+// mechanism: overlayfs treats every subvolume of one btrfs as one file
+// system and reports the real inode numbers, which collide across
+// subvolumes (st_dev/st_ino duplicates break tar, cp -a, du and find's
+// loop detection). All layers therefore live in one directory tree.
+//
+// Layers are mounted with the new mount API (fsopen/fsconfig with one
+// "lowerdir+" per layer), so deep stacks (up to overlayfs's 500 layers)
+// never hit the page-sized limit of a mount option string.
+package kernelpath
+
+import (
+	"errors"
+	"log/slog"
+	"time"
+)
+
+// Options configures Mount. MountID, From and Lowers mean what they mean
+// for the FUSE backend (fs.Options).
+type Options struct {
+	// MountID is unique per live mount in the store ("" = random).
+	MountID string
+	// From is the checkpoint to start from ("" = fresh view).
+	From string
+	// Lowers are read-only base directories, topmost first (overlayfs
+	// lowerdir order). Ignored when From is set: the checkpoint records
+	// its own.
+	Lowers []string
+	// Freeze forces the stock-kernel freeze mode: "" (auto), FreezeReflink
+	// or FreezeCopy. Tests and benchmarks use it.
+	Freeze string
+	// NoIoctl disables the patched-kernel layer-switch ioctl even when the
+	// probe finds it.
+	NoIoctl bool
+	// Logger receives operational logs (default slog.Default()).
+	Logger *slog.Logger
+}
+
+// Freeze modes reported by (*FS).FreezeMode.
+const (
+	// FreezeIoctl: the patched kernel's layer-switch ioctl.
+	FreezeIoctl = "ioctl"
+	// FreezeReflink: entries of the upper are reflinked (FICLONE) into the
+	// frozen layer; data is shared, only metadata is written.
+	FreezeReflink = "reflink"
+	// FreezeCopy: entries are copied (copy_file_range); the state dir's
+	// file system has no reflink, so cost grows with the data changed.
+	FreezeCopy = "copy"
+)
+
+// ErrIoctlAbsent is returned (wrapped) by ProbeSwitchIoctl on a kernel
+// without the layer-switch ioctl.
+var ErrIoctlAbsent = errors.New("overlayfs layer-switch ioctl absent (stock kernel)")
+
+// ErrUnsupported is returned on platforms without overlayfs.
+var ErrUnsupported = errors.New("kernelpath: native overlayfs is Linux-only")
+
+// Report is the result of SelfTest: what the kernel path can do on this
+// host and how fast, for `rewind doctor` and the backend choice.
+type Report struct {
+	// FSType is the state dir's file system ("xfs", "btrfs", "ext4", ...).
+	FSType string `json:"fs_type"`
+	// Freeze is the checkpoint mode the kernel path would use.
+	Freeze string `json:"freeze"`
+	// Ioctl reports whether the layer-switch ioctl is present.
+	Ioctl bool `json:"ioctl"`
+	// Entries is the size of the delta checkpointed by the self-test.
+	Entries int `json:"entries"`
+	// Checkpoint and Switch are the median latencies measured.
+	Checkpoint time.Duration `json:"checkpoint_ns"`
+	Switch     time.Duration `json:"switch_ns"`
+	// LiveFDsFollow reports whether open fds of live processes follow a
+	// Switch (true only with the ioctl).
+	LiveFDsFollow bool `json:"live_fds_follow"`
+	// Detail explains the result in one line.
+	Detail string `json:"detail"`
+}

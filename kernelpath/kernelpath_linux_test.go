@@ -1,0 +1,181 @@
+package kernelpath
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+var fsKinds = []string{"xfs", "btrfs"}
+
+func TestCheckpointSwitch(t *testing.T) {
+	for _, kind := range fsKinds {
+		t.Run(kind, func(t *testing.T) {
+			st := newStore(t, kind)
+			f := mountKP(t, st, Options{MountID: "sbx-" + kind})
+			if f.FreezeMode() != FreezeReflink {
+				t.Fatalf("freeze mode on %s = %q, want reflink", kind, f.FreezeMode())
+			}
+			mp := f.Mountpoint()
+			writeFile(t, mp+"/a", "one")
+			if err := os.MkdirAll(mp+"/d/e", 0o755); err != nil {
+				t.Fatal(err)
+			}
+			writeFile(t, mp+"/d/e/f", "deep")
+			c1, err := f.Checkpoint()
+			if err != nil {
+				t.Fatal(err)
+			}
+			want1 := treeDump(t, mp)
+
+			// An fd opened before the checkpoint writes after it: the write
+			// lands in the live view, never in the frozen layer.
+			fh, err := os.OpenFile(mp+"/a", os.O_WRONLY|os.O_APPEND, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := fh.WriteString("+two"); err != nil {
+				t.Fatal(err)
+			}
+			fh.Close()
+			if err := os.RemoveAll(mp + "/d"); err != nil {
+				t.Fatal(err)
+			}
+			writeFile(t, mp+"/b", "new")
+			c2, err := f.Checkpoint()
+			if err != nil {
+				t.Fatal(err)
+			}
+			want2 := treeDump(t, mp)
+			if got := readFile(t, mp+"/a"); got != "one+two" {
+				t.Fatalf("a = %q", got)
+			}
+
+			if err := f.Switch(c1); err != nil {
+				t.Fatal(err)
+			}
+			if got := treeDump(t, mp); got != want1 {
+				t.Fatalf("after switch to c1:\n%s\nwant:\n%s", got, want1)
+			}
+			writeFile(t, mp+"/c", "branch")
+			if err := f.Switch(c2); err != nil {
+				t.Fatal(err)
+			}
+			if got := treeDump(t, mp); got != want2 {
+				t.Fatalf("after switch to c2:\n%s\nwant:\n%s", got, want2)
+			}
+			if _, err := os.Stat(mp + "/c"); !errors.Is(err, os.ErrNotExist) {
+				t.Fatalf("c survived the switch: %v", err)
+			}
+
+			// The frozen layer of c1 still holds "one": nothing wrote into it.
+			rec, err := st.Checkpoint(c1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			top := st.LayerPath(rec.Layers[len(rec.Layers)-1])
+			if got := readFile(t, top+"/a"); got != "one" {
+				t.Fatalf("frozen layer changed: a = %q", got)
+			}
+
+			// Bad input: unknown id, checkpoint of another mount.
+			if err := f.Switch("nope"); err == nil {
+				t.Fatal("switch to unknown id succeeded")
+			}
+			g := mountKP(t, st, Options{MountID: "other-" + kind, From: c1})
+			if got := treeDump(t, g.Mountpoint()); got != want1 {
+				t.Fatalf("fork from c1:\n%s\nwant:\n%s", got, want1)
+			}
+			c3, err := g.Checkpoint()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := f.Switch(c3); err == nil || !strings.Contains(err.Error(), "another mount") && !strings.Contains(err.Error(), "belongs to mount") {
+				t.Fatalf("switch to a foreign checkpoint: %v", err)
+			}
+			if got := treeDump(t, mp); got != want2 {
+				t.Fatalf("failed switch changed the view")
+			}
+		})
+	}
+}
+
+// TestOverlayFormat checks that what the kernel writes into an upper, and
+// what a checkpoint freezes, is the shared layer format: whiteouts are
+// char 0:0, a re-created directory is opaque, a renamed merged directory
+// carries a redirect; overlayfs's private xattrs are not frozen.
+func TestOverlayFormat(t *testing.T) {
+	st := newStore(t, "xfs")
+	f := mountKP(t, st, Options{MountID: "fmt"})
+	mp := f.Mountpoint()
+	if err := os.MkdirAll(mp+"/dir/sub", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, mp+"/dir/sub/x", "x")
+	writeFile(t, mp+"/gone", "g")
+	if err := os.MkdirAll(mp+"/opq", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, mp+"/opq/old", "o")
+	c1, err := f.Checkpoint()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Switch(c1); err != nil { // everything is now in a lower
+		t.Fatal(err)
+	}
+	if err := os.Remove(mp + "/gone"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.RemoveAll(mp + "/opq"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(mp+"/opq", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(mp+"/moved", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(mp+"/dir", mp+"/moved/dir2"); err != nil {
+		t.Fatal(err)
+	}
+	c2, err := f.Checkpoint()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, _ := st.Checkpoint(c2)
+	top := st.LayerPath(rec.Layers[len(rec.Layers)-1])
+	var s unix.Stat_t
+	if err := unix.Lstat(top+"/gone", &s); err != nil || s.Mode&unix.S_IFMT != unix.S_IFCHR || s.Rdev != 0 {
+		t.Fatalf("whiteout: %v mode %o rdev %d", err, s.Mode, s.Rdev)
+	}
+	buf := make([]byte, 256)
+	if n, err := unix.Lgetxattr(top+"/opq", layer.XattrOpaque, buf); err != nil || string(buf[:n]) != "y" {
+		t.Fatalf("opaque xattr: %v %q", err, buf[:max(n, 0)])
+	}
+	if n, err := unix.Lgetxattr(top+"/moved/dir2", layer.XattrRedirect, buf); err != nil || string(buf[:n]) != "/dir" {
+		t.Fatalf("redirect xattr: %v %q", err, buf[:max(n, 0)])
+	}
+	n, _ := unix.Llistxattr(top+"/moved/dir2", buf)
+	for _, name := range strings.Split(string(buf[:max(n, 0)]), "\x00") {
+		if strings.HasPrefix(name, layer.XattrPrefixOverlay) && name != layer.XattrOpaque && name != layer.XattrRedirect {
+			t.Fatalf("private overlay xattr %s frozen", name)
+		}
+	}
+	// Read back through a fresh mount of c2.
+	g := mountKP(t, st, Options{MountID: "fmt2", From: c2})
+	if got := readFile(t, g.Mountpoint()+"/moved/dir2/sub/x"); got != "x" {
+		t.Fatalf("redirected dir content: %q", got)
+	}
+	for _, p := range []string{"gone", "dir", "opq/old"} {
+		if _, err := os.Lstat(filepath.Join(g.Mountpoint(), p)); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("%s visible: %v", p, err)
+		}
+	}
+}

@@ -1,0 +1,533 @@
+package kernelpath
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// FS is a sandbox view mounted as a native overlayfs. It implements
+// layer.FS. Methods are safe for concurrent use.
+type FS struct {
+	st     *layer.Store
+	id     string
+	mp     string
+	log    *slog.Logger
+	freeze string // FreezeIoctl, FreezeReflink or FreezeCopy
+
+	mu      sync.Mutex
+	closed  bool
+	lowers  []string // external base dirs, topmost first
+	layers  []string // frozen layers under the upper, bottom first
+	upper   string   // id of the live upper layer
+	base    string   // last checkpoint taken or switched to
+	gen     uint64   // ioctl generation (ioctl mode only)
+	ckptFP  map[string]entryFP
+	takenFP map[string]entryFP
+}
+
+var _ layer.FS = (*FS)(nil)
+
+// Mount mounts a native overlayfs view of the store st at mountpoint: a
+// fresh view, or the content of checkpoint opts.From, plus a fresh upper.
+// A stale overlay left at mountpoint by a crashed process of this store is
+// detached first (and logged); any other mount there is an error.
+func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	id := opts.MountID
+	if id == "" {
+		id = layer.NewID()
+	}
+	if !layer.ValidID(id) {
+		return nil, fmt.Errorf("kernel mount: invalid mount id %q", id)
+	}
+	mp, err := filepath.Abs(mountpoint)
+	if err != nil {
+		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+	}
+	if rec, err := st.Mount(id); err == nil && rec.PID != os.Getpid() && layer.ProcessAlive(rec.PID) {
+		return nil, fmt.Errorf("kernel mount %s: mount id in use by live process %d", id, rec.PID)
+	}
+	if err := detachStale(st, mp, log); err != nil {
+		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+	}
+	f := &FS{st: st, id: id, mp: mp, log: log, lowers: opts.Lowers}
+	if opts.From != "" {
+		c, err := st.Checkpoint(opts.From)
+		if err != nil {
+			return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+		}
+		f.lowers, f.layers, f.base = c.Lowers, c.Layers, c.ID
+	}
+	for i, l := range f.lowers {
+		abs, err := filepath.Abs(l)
+		if err != nil {
+			return nil, fmt.Errorf("kernel mount %s: lower %s: %w", id, l, err)
+		}
+		f.lowers[i] = abs
+	}
+	switch opts.Freeze {
+	case "":
+		if probeReflink(st.WorkDir()) {
+			f.freeze = FreezeReflink
+		} else {
+			f.freeze = FreezeCopy
+		}
+	case FreezeReflink, FreezeCopy:
+		f.freeze = opts.Freeze
+	default:
+		return nil, fmt.Errorf("kernel mount %s: unknown freeze mode %q", id, opts.Freeze)
+	}
+	cleanupWork(st, id, "")
+	upper, err := f.newUpper()
+	if err != nil {
+		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+	}
+	mfd, err := createOverlay(f.stackFor(f.layers, upper))
+	if err != nil {
+		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+	}
+	defer unix.Close(mfd)
+	if err := attach(mfd, mp); err != nil {
+		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+	}
+	f.upper = upper
+	if !opts.NoIoctl {
+		if gen, err := f.query(); err == nil {
+			f.freeze, f.gen = FreezeIoctl, gen
+		}
+	}
+	if err := f.saveRecord(true); err != nil {
+		_ = unix.Unmount(mp, unix.MNT_DETACH)
+		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
+	}
+	log.Info("kernelpath: mounted", "mount", id, "mountpoint", mp, "layers", len(f.layers), "freeze", f.freeze, "fstype", fsType(st.Dir()))
+	return f, nil
+}
+
+// detachStale detaches an overlay left at mp by a crashed mount of st.
+func detachStale(st *layer.Store, mp string, log *slog.Logger) error {
+	root, err := isMountRoot(mp)
+	if err != nil {
+		return fmt.Errorf("mountpoint %s: %w", mp, err)
+	}
+	if !root {
+		return nil
+	}
+	recs, _ := st.Mounts()
+	for _, r := range recs {
+		if r.Mountpoint == mp && (r.PID == os.Getpid() || !layer.ProcessAlive(r.PID)) && fsType(mp) == "overlay" {
+			log.Warn("kernelpath: detaching stale overlay left by a crashed mount", "mountpoint", mp, "mount", r.ID, "pid", r.PID)
+			if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
+				return fmt.Errorf("detach stale mount at %s: %w", mp, err)
+			}
+			return nil
+		}
+	}
+	return fmt.Errorf("mountpoint %s is already a mount point (not a stale mount of this store)", mp)
+}
+
+// cleanupWork removes this mount's overlay work dirs except keep.
+func cleanupWork(st *layer.Store, id, keep string) {
+	ms, _ := filepath.Glob(filepath.Join(st.WorkDir(), "kp-"+id+"-*"))
+	for _, m := range ms {
+		if m != keep {
+			_ = os.RemoveAll(m)
+		}
+	}
+}
+
+func (f *FS) workFor(upper string) string {
+	return filepath.Join(f.st.WorkDir(), "kp-"+f.id+"-"+upper)
+}
+
+func (f *FS) emptyLower() (string, error) {
+	d := filepath.Join(f.st.WorkDir(), "kp-empty")
+	if err := os.Mkdir(d, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return "", err
+	}
+	return d, nil
+}
+
+// newUpper creates an empty layer for the upper and its work dir.
+func (f *FS) newUpper() (string, error) {
+	parent := ""
+	if len(f.layers) > 0 {
+		parent = f.layers[len(f.layers)-1]
+	}
+	upper, err := f.st.NewLayer(parent)
+	if err != nil {
+		return "", err
+	}
+	if err := os.Mkdir(f.workFor(upper), 0o700); err != nil {
+		return "", fmt.Errorf("work dir: %w", err)
+	}
+	return upper, nil
+}
+
+// stackFor is the overlay stack of frozen layers (bottom first) + upper.
+func (f *FS) stackFor(layers []string, upper string) stack {
+	s := stack{upper: f.st.LayerPath(upper), work: f.workFor(upper)}
+	for i := len(layers) - 1; i >= 0; i-- {
+		s.lowers = append(s.lowers, f.st.LayerPath(layers[i]))
+	}
+	s.lowers = append(s.lowers, f.lowers...)
+	if len(s.lowers) == 0 {
+		if e, err := f.emptyLower(); err == nil {
+			s.lowers = []string{e}
+		}
+	}
+	return s
+}
+
+func (f *FS) saveRecord(durable bool) error {
+	return f.st.SaveMount(layer.MountRecord{
+		ID: f.id, PID: os.Getpid(), Mountpoint: f.mp, Lowers: f.lowers,
+		Layers: f.layers, Upper: f.upper, Base: f.base,
+	}, durable)
+}
+
+func (f *FS) query() (uint64, error) {
+	fd, err := unix.Open(f.mp, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer unix.Close(fd)
+	return queryIoctl(fd)
+}
+
+// MountID is the id of this mount in its store.
+func (f *FS) MountID() string { return f.id }
+
+// Mountpoint is where the view is mounted.
+func (f *FS) Mountpoint() string { return f.mp }
+
+// FreezeMode says how Checkpoint freezes the upper: FreezeIoctl,
+// FreezeReflink or FreezeCopy.
+func (f *FS) FreezeMode() string { return f.freeze }
+
+// Upper is the directory of the live upper layer (for tests and tools).
+func (f *FS) Upper() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.st.LayerPath(f.upper)
+}
+
+// Checkpoint freezes the view into a new checkpoint and returns its id.
+//
+// Stock kernel: the entries of the live upper are reflinked (or copied)
+// into a new frozen layer stacked on the mount's base layers; the live
+// mount is untouched (fds and cwds stay valid). The caller must hold the
+// sandbox frozen meanwhile for a consistent image. On error nothing is
+// recorded and the view is unchanged.
+func (f *FS) Checkpoint() (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return "", fmt.Errorf("checkpoint %s: unmounted", f.id)
+	}
+	if f.freeze == FreezeIoctl {
+		return f.checkpointIoctl()
+	}
+	parent := ""
+	if len(f.layers) > 0 {
+		parent = f.layers[len(f.layers)-1]
+	}
+	lid, err := f.st.NewLayer(parent)
+	if err != nil {
+		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	}
+	fp, err := freezeTree(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.freeze == FreezeReflink)
+	if err != nil {
+		return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
+	}
+	c := layer.Checkpoint{
+		ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(),
+		Lowers: f.lowers, Layers: append(append([]string(nil), f.layers...), lid),
+	}
+	if err := f.st.SaveCheckpoint(c); err != nil {
+		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	}
+	f.base, f.ckptFP = c.ID, fp
+	if err := f.saveRecord(false); err != nil {
+		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
+	}
+	return c.ID, nil
+}
+
+// checkpointIoctl: the patched kernel freezes the upper in place.
+// UNTESTED ON THIS HOST (see ioctl_linux.go).
+func (f *FS) checkpointIoctl() (string, error) {
+	upper, err := f.newUpper()
+	if err != nil {
+		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	}
+	fd, err := unix.Open(f.mp, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	}
+	defer unix.Close(fd)
+	gen, err := ioctlCheckpoint(fd, f.gen, f.st.LayerPath(upper), f.workFor(upper))
+	if err != nil {
+		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	}
+	frozen := f.upper
+	layers := append(append([]string(nil), f.layers...), frozen)
+	c := layer.Checkpoint{ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(), Lowers: f.lowers, Layers: layers}
+	f.layers, f.upper, f.gen, f.base, f.ckptFP = layers, upper, gen, c.ID, nil
+	if err := f.st.SaveCheckpoint(c); err != nil {
+		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	}
+	if err := f.saveRecord(false); err != nil {
+		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
+	}
+	return c.ID, nil
+}
+
+// Switch makes the view equal to checkpoint id (of this mount) plus a fresh
+// upper. Stock kernel: a new overlay over the target stack is mounted
+// beneath the old one, which is then lazily detached; processes holding
+// fds or a cwd in the old view keep the old view (the cr engine re-creates
+// the process tree after a switch). On error the view is unchanged.
+func (f *FS) Switch(id string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return fmt.Errorf("switch %s to %s: unmounted", f.id, id)
+	}
+	c, err := f.st.Checkpoint(id)
+	if err != nil {
+		return fmt.Errorf("switch %s: %w", f.id, err)
+	}
+	if c.Mount != f.id {
+		return fmt.Errorf("switch %s to %s: checkpoint belongs to mount %s (fork it with Mount(From: id) instead)", f.id, id, c.Mount)
+	}
+	if !sameStrings(c.Lowers, f.lowers) {
+		return fmt.Errorf("switch %s to %s: checkpoint has other base directories", f.id, id)
+	}
+	oldUpper, oldLayers := f.upper, f.layers
+	f.layers = c.Layers
+	upper, err := f.newUpper()
+	if err != nil {
+		f.layers = oldLayers
+		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
+	}
+	if f.freeze == FreezeIoctl {
+		err = f.switchIoctl(upper)
+	} else {
+		err = f.switchRemount(upper, oldLayers, oldUpper)
+	}
+	if err != nil {
+		f.layers = oldLayers
+		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
+	}
+	f.upper, f.base, f.ckptFP, f.takenFP = upper, id, nil, nil
+	if err := f.saveRecord(false); err != nil {
+		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
+	}
+	if f.freeze != FreezeIoctl {
+		// The detached overlay may still be used by dying processes; its
+		// work dir is removed at the next switch or at unmount.
+		f.pruneWork(oldUpper, upper)
+	}
+	return nil
+}
+
+func (f *FS) switchRemount(upper string, oldLayers []string, oldUpper string) error {
+	mfd, err := createOverlay(f.stackFor(f.layers, upper))
+	if err != nil {
+		return err
+	}
+	defer unix.Close(mfd)
+	oldGone, err := replace(mfd, f.mp)
+	if err != nil && oldGone {
+		// The fallback without MOVE_MOUNT_BENEATH failed after the old view
+		// was detached: mount the previous stack again (same upper) so the
+		// view is unchanged.
+		f.log.Error("kernelpath: switch failed with the old view detached; remounting the previous stack", "mount", f.id, "err", err)
+		if rfd, rerr := createOverlay(f.stackFor(oldLayers, oldUpper)); rerr == nil {
+			rerr = attach(rfd, f.mp)
+			unix.Close(rfd)
+			if rerr != nil {
+				f.log.Error("kernelpath: remount of the previous stack failed", "mount", f.id, "err", rerr)
+			}
+		}
+	}
+	return err
+}
+
+// switchIoctl: UNTESTED ON THIS HOST (see ioctl_linux.go).
+func (f *FS) switchIoctl(upper string) error {
+	fd, err := unix.Open(f.mp, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	s := f.stackFor(f.layers, upper)
+	gen, err := ioctlSwitch(fd, f.gen, s.lowers, s.upper, s.work)
+	if err != nil {
+		return err
+	}
+	f.gen = gen
+	return nil
+}
+
+// pruneWork removes work dirs of uppers older than the previous one.
+func (f *FS) pruneWork(prev, cur string) {
+	ms, _ := filepath.Glob(filepath.Join(f.st.WorkDir(), "kp-"+f.id+"-*"))
+	for _, m := range ms {
+		if m != f.workFor(prev) && m != f.workFor(cur) {
+			_ = os.RemoveAll(m)
+		}
+	}
+}
+
+// Compact merges runs of frozen layers into single layers without changing
+// any checkpoint's content. See compact_linux.go.
+func (f *FS) Compact() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return fmt.Errorf("compact %s: unmounted", f.id)
+	}
+	return f.compactLocked()
+}
+
+// TakeFSEffects returns what changed in the view since the previous call,
+// found by comparing the live upper with the previous call's walk (cost:
+// one walk of the upper; native overlayfs has no per-operation hook).
+// Renames show as a create plus a delete; deletes of lower entries show as
+// whiteouts created. UpperNonEmpty reports whether the upper differs from
+// what the last checkpoint froze.
+func (f *FS) TakeFSEffects() effect.FS {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out effect.FS
+	if f.closed {
+		return out
+	}
+	cur, err := fingerprintTree(f.st.LayerPath(f.upper))
+	if err != nil {
+		f.log.Warn("kernelpath: walk upper for effects", "mount", f.id, "err", err)
+		out.UpperNonEmpty = true
+		return out
+	}
+	prev := f.takenFP
+	if prev == nil {
+		prev = f.ckptFP
+	}
+	paths := make([]string, 0, len(cur))
+	for p := range cur {
+		paths = append(paths, p)
+	}
+	sort.Strings(paths)
+	sample := func(op, p string) {
+		if len(out.Samples) < effect.MaxSamples {
+			out.Samples = append(out.Samples, effect.PathSample{Op: op, Path: "/" + p})
+		}
+	}
+	for _, p := range paths {
+		c := cur[p]
+		o, had := prev[p]
+		switch {
+		case c.isWhiteout() && (!had || !o.isWhiteout()):
+			out.Deleted++
+			sample("delete", p)
+		case c.isWhiteout():
+		case !had:
+			out.Created++
+			sample("create", p)
+			if c.mode&unix.S_IFMT == unix.S_IFREG {
+				out.BytesWritten += uint64(c.size)
+			}
+		case o.ino != c.ino || o.mode&unix.S_IFMT != c.mode&unix.S_IFMT:
+			out.Created++
+			sample("create", p)
+		case c.mode&unix.S_IFMT != unix.S_IFDIR && (o.size != c.size || o.mtime != c.mtime):
+			out.Modified++
+			sample("modify", p)
+			if c.size > o.size {
+				out.BytesWritten += uint64(c.size - o.size)
+			}
+		case o.ctime != c.ctime && c.mode&unix.S_IFMT != unix.S_IFDIR:
+			out.MetaChanged++
+			sample("meta", p)
+		case o.mode != c.mode:
+			out.MetaChanged++
+			sample("meta", p)
+		}
+	}
+	for p, o := range prev {
+		if _, ok := cur[p]; !ok && !o.isWhiteout() {
+			out.Deleted++
+			sample("delete", p)
+		}
+	}
+	f.takenFP = cur
+	out.UpperNonEmpty = !sameFP(cur, f.ckptFP)
+	return out
+}
+
+func sameFP(a, b map[string]entryFP) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for p, x := range a {
+		y, ok := b[p]
+		if !ok || x.mode != y.mode || x.size != y.size || x.mtime != y.mtime || x.ctime != y.ctime {
+			return false
+		}
+	}
+	return true
+}
+
+// Unmount unmounts the view (lazily if busy) and releases the mount's
+// record; the upper is freed by the store's next GC.
+func (f *FS) Unmount() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		return nil
+	}
+	if err := unix.Unmount(f.mp, 0); err != nil {
+		if !errors.Is(err, unix.EBUSY) {
+			return fmt.Errorf("unmount %s: %w", f.mp, err)
+		}
+		f.log.Info("kernelpath: mount busy, detaching lazily", "mountpoint", f.mp)
+		if err := unix.Unmount(f.mp, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("unmount %s: %w", f.mp, err)
+		}
+	}
+	f.closed = true
+	cleanupWork(f.st, f.id, "")
+	if err := f.st.RemoveMount(f.id); err != nil {
+		return fmt.Errorf("unmount %s: %w", f.mp, err)
+	}
+	return nil
+}
+
+func sameStrings(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if strings.TrimRight(a[i], "/") != strings.TrimRight(b[i], "/") {
+			return false
+		}
+	}
+	return true
+}
