@@ -1,0 +1,40 @@
+// Package fs is rewind's userspace DeltaFS: an overlay file system served
+// with go-fuse v2 over the layer format of package layer, with O(1)
+// checkpoints (freeze the upper, push a fresh one) and in-place switches of
+// the whole layer stack (restore) without unmounting.
+//
+// # Why the go-fuse fs (node) API and not the raw API
+//
+// The node API keeps the kernel's view of the tree (Inode objects, lookup
+// counts, forgets, hard-link identity by StableAttr.Ino) for us, and exposes
+// exactly the notification primitives a switch needs on those nodes
+// (NotifyEntry, NotifyContent). The overlay logic itself - which layer an
+// entry lives in - is ours and is not tied to the kernel's node lifetime:
+// every node carries its resolution (the list of layer sources, top-down)
+// stamped with a generation number; a checkpoint or a switch bumps the
+// generation and nodes re-resolve lazily on their next use (DeltaBox's lazy
+// fd redirection). The raw API would make us re-implement node bookkeeping
+// with no gain: the cost that matters (lookups across many layers, copy-up,
+// kernel caching) is in the overlay logic, not in the bridge.
+//
+// # Semantics
+//
+// Lookup walks the stack top-down: a whiteout (char device 0:0) hides, an
+// opaque directory (trusted.overlay.opaque=y) stops the descent, a
+// redirected directory (trusted.overlay.redirect) continues in lower layers
+// at the redirect path. Readdir merges and de-duplicates. Inode numbers are
+// allocated per mount and keyed by (layer, backing inode), so they are
+// stable for the life of the mount, across checkpoints and copy-ups.
+//
+// Copy-up happens on the first data or metadata change of an entry that is
+// not in the writable upper: FICLONE when the store's file system supports
+// it, else copy_file_range, into an O_TMPFILE linked into place, preserving
+// mode, owner, times and xattrs. A file handle records the layer its host
+// fd lives in; a write through a handle whose fd is in a frozen layer first
+// copies the file up into the current upper and reopens it there, so a
+// frozen layer is never written.
+//
+// Kernel caching is on (long entry/attr/negative timeouts, keep_cache);
+// correctness across a switch comes from explicit invalidation of exactly
+// the paths the layers above the common ancestor touch.
+package fs

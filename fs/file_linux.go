@@ -1,0 +1,277 @@
+package fs
+
+import (
+	"context"
+	"sync"
+	"syscall"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+)
+
+// handle is an open file. Its host fd lives in layer l; a write through a
+// handle whose fd is not in the current upper first copies the file up and
+// reopens it there (lazy fd redirection), so frozen layers are never
+// written. After a switch the handle follows its path into the new view.
+type handle struct {
+	n       *node
+	mu      sync.Mutex
+	fd      int
+	l       *layerDir
+	flags   uint32
+	viewGen uint64
+}
+
+var (
+	_ gofs.FileReader    = (*handle)(nil)
+	_ gofs.FileWriter    = (*handle)(nil)
+	_ gofs.FileReleaser  = (*handle)(nil)
+	_ gofs.FileFsyncer   = (*handle)(nil)
+	_ gofs.FileFlusher   = (*handle)(nil)
+	_ gofs.FileGetattrer = (*handle)(nil)
+	_ gofs.FileAllocater = (*handle)(nil)
+	_ gofs.FileLseeker   = (*handle)(nil)
+)
+
+// hostFlags maps FUSE open flags to the flags of the host fd.
+func hostFlags(flags uint32, write bool) int {
+	f := int(flags) & (unix.O_ACCMODE | unix.O_APPEND | unix.O_SYNC | unix.O_DSYNC)
+	if !write {
+		f &^= unix.O_ACCMODE | unix.O_APPEND
+		f |= unix.O_RDONLY
+	}
+	return f
+}
+
+func wantsWrite(flags uint32) bool {
+	return flags&unix.O_ACCMODE != unix.O_RDONLY || flags&unix.O_TRUNC != 0
+}
+
+// Open opens a regular file; opening for writing copies it up first.
+func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	write := wantsWrite(flags)
+	st, done, errno := n.begin(write)
+	if errno != 0 {
+		return nil, 0, errno
+	}
+	defer done()
+	trunc := flags&unix.O_TRUNC != 0
+	if write {
+		if err := n.f.copyUp(st, n, trunc); err != nil {
+			return nil, 0, errnoOf(err)
+		}
+	}
+	l, p := n.top(st)
+	hf := hostFlags(flags, write)
+	if trunc {
+		hf |= unix.O_TRUNC
+	}
+	fd, err := openBeneath(l.fd, p, hf, 0)
+	if err != nil {
+		return nil, 0, errnoOf(err)
+	}
+	if trunc {
+		n.f.dirty.Store(true)
+		n.f.record("modify", n, "", 0)
+	}
+	return &handle{n: n, fd: fd, l: l, flags: flags, viewGen: n.f.viewGen.Load()}, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+func (h *handle) writableIn(u *layerDir) bool {
+	return h.l == u && h.flags&unix.O_ACCMODE != unix.O_RDONLY
+}
+
+// refresh re-targets the handle after a switch (for reads) or into the
+// upper (for writes). The caller holds f.mu shared and not h.mu.
+func (h *handle) refresh(st *stack, forWrite bool) syscall.Errno {
+	f := h.n.f
+	if forWrite {
+		f.ns.Lock()
+		defer f.ns.Unlock()
+	} else {
+		f.ns.RLock()
+		defer f.ns.RUnlock()
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	vg := f.viewGen.Load()
+	if h.viewGen == vg && (!forWrite || h.l == st.upper) {
+		return 0
+	}
+	n := h.n
+	gone := n.resolve(st, f.gen.Load()) != 0
+	if h.viewGen != vg && gone {
+		// The file does not exist in the new view: keep the old fd, as
+		// for an unlinked open file.
+		h.viewGen = vg
+		if !forWrite || h.l == st.upper {
+			return 0
+		}
+	}
+	if gone {
+		// An unlinked file whose fd is in a frozen layer: move its data
+		// to an anonymous file in the upper.
+		tmp, err := openBeneath(st.upper.fd, ".", unix.O_TMPFILE|unix.O_RDWR, 0o600)
+		if err != nil {
+			return errnoOf(err)
+		}
+		var s unix.Stat_t
+		if err := unix.Fstat(h.fd, &s); err != nil {
+			unix.Close(tmp)
+			return errnoOf(err)
+		}
+		if err := copyData(h.fd, tmp, s.Size); err != nil {
+			unix.Close(tmp)
+			return errnoOf(err)
+		}
+		unix.Close(h.fd)
+		h.fd, h.l = tmp, st.upper
+		return 0
+	}
+	if forWrite {
+		if err := f.copyUp(st, n, false); err != nil {
+			return errnoOf(err)
+		}
+	}
+	l, p := n.top(st)
+	hf := hostFlags(h.flags, forWrite || h.flags&unix.O_ACCMODE != unix.O_RDONLY && l == st.upper)
+	fd, err := openBeneath(l.fd, p, hf, 0)
+	if err != nil {
+		return errnoOf(err)
+	}
+	unix.Close(h.fd)
+	h.fd, h.l, h.viewGen = fd, l, vg
+	return 0
+}
+
+// Read reads at off.
+func (h *handle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	f := h.n.f
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if h.viewGenStale() {
+		if errno := h.refresh(f.st, false); errno != 0 {
+			return nil, errno
+		}
+	}
+	h.mu.Lock()
+	k, err := unix.Pread(h.fd, dest, off)
+	h.mu.Unlock()
+	if err != nil {
+		return nil, errnoOf(err)
+	}
+	return fuse.ReadResultData(dest[:k]), 0
+}
+
+func (h *handle) viewGenStale() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.viewGen != h.n.f.viewGen.Load()
+}
+
+// prepareWrite makes sure the handle's fd is writable in the current upper.
+// The caller holds f.mu shared.
+func (h *handle) prepareWrite(st *stack) syscall.Errno {
+	h.mu.Lock()
+	ok := h.l == st.upper && h.viewGen == h.n.f.viewGen.Load()
+	h.mu.Unlock()
+	if ok {
+		return 0
+	}
+	return h.refresh(st, true)
+}
+
+// Write writes at off, redirecting into the current upper first if needed.
+func (h *handle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
+	f := h.n.f
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if errno := h.prepareWrite(f.st); errno != 0 {
+		return 0, errno
+	}
+	h.mu.Lock()
+	k, err := unix.Pwrite(h.fd, data, off)
+	h.mu.Unlock()
+	if err != nil {
+		return 0, errnoOf(err)
+	}
+	f.dirty.Store(true)
+	f.record("modify", h.n, "", uint64(k))
+	return uint32(k), 0
+}
+
+// Allocate implements fallocate.
+func (h *handle) Allocate(ctx context.Context, off uint64, size uint64, mode uint32) syscall.Errno {
+	f := h.n.f
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if errno := h.prepareWrite(f.st); errno != 0 {
+		return errno
+	}
+	h.mu.Lock()
+	err := unix.Fallocate(h.fd, mode, int64(off), int64(size))
+	h.mu.Unlock()
+	if err != nil {
+		return errnoOf(err)
+	}
+	f.dirty.Store(true)
+	f.record("modify", h.n, "", 0)
+	return 0
+}
+
+// Getattr stats the open file.
+func (h *handle) Getattr(ctx context.Context, out *fuse.AttrOut) syscall.Errno {
+	f := h.n.f
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if h.viewGenStale() {
+		if errno := h.refresh(f.st, false); errno != 0 {
+			return errno
+		}
+	}
+	h.mu.Lock()
+	var s unix.Stat_t
+	err := unix.Fstat(h.fd, &s)
+	h.mu.Unlock()
+	if err != nil {
+		return errnoOf(err)
+	}
+	fillAttr(&out.Attr, &s, h.n.StableAttr().Ino)
+	return 0
+}
+
+// Lseek supports SEEK_DATA and SEEK_HOLE.
+func (h *handle) Lseek(ctx context.Context, off uint64, whence uint32) (uint64, syscall.Errno) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	r, err := unix.Seek(h.fd, int64(off), int(whence))
+	if err != nil {
+		return 0, errnoOf(err)
+	}
+	return uint64(r), 0
+}
+
+// Fsync flushes the host file.
+func (h *handle) Fsync(ctx context.Context, flags uint32) syscall.Errno {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err := unix.Fsync(h.fd); err != nil && err != unix.EBADF && err != unix.EINVAL {
+		return errnoOf(err)
+	}
+	return 0
+}
+
+// Flush is a no-op: data goes to the host file on every write.
+func (h *handle) Flush(ctx context.Context) syscall.Errno { return 0 }
+
+// Release closes the host fd.
+func (h *handle) Release(ctx context.Context) syscall.Errno {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.fd >= 0 {
+		unix.Close(h.fd)
+		h.fd = -1
+	}
+	return 0
+}

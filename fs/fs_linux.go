@@ -1,0 +1,664 @@
+package fs
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// Options configure a mount.
+type Options struct {
+	// MountID names the mount in the store; "" picks a random id. If a
+	// record for MountID exists and its process is dead (a crash), the
+	// mount resumes from it: same frozen layers, same upper.
+	MountID string
+	// From is a checkpoint id to start from (a fork); "" starts empty over
+	// Lowers.
+	From string
+	// Lowers are read-only base directories, topmost first (like
+	// overlayfs's lowerdir). Ignored when From is set (the checkpoint
+	// records its lowers).
+	Lowers []string
+	// CacheTimeout is the kernel entry/attr/negative cache timeout; 0 means
+	// one hour (correctness comes from explicit invalidation).
+	CacheTimeout time.Duration
+	// NoDurable skips the fsync of checkpoint records (tests, benchmarks).
+	NoDurable bool
+	// Debug logs every FUSE request.
+	Debug bool
+	// Logger receives diagnostics; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// FS is a mounted DeltaFS view. It implements layer.FS.
+type FS struct {
+	store      *layer.Store
+	id         string
+	mountpoint string
+	opts       Options
+	log        *slog.Logger
+
+	server *fuse.Server
+	root   *node
+	reg    layers
+
+	// mu is the write barrier: every request holds it shared; Checkpoint
+	// and Switch hold it exclusively while they swap the stack.
+	mu  sync.RWMutex
+	st  *stack        // guarded by mu
+	gen atomic.Uint64 // bumped by every checkpoint and switch
+	// viewGen is bumped by switches only (content changes).
+	viewGen atomic.Uint64
+
+	// ns serialises namespace mutations and copy-ups (exclusive) against
+	// resolutions (shared).
+	ns sync.RWMutex
+
+	// dirty is set when the upper receives anything.
+	dirty atomic.Bool
+
+	inoMu   sync.Mutex
+	inos    map[inoKey]uint64
+	nextIno uint64
+	nodes   map[uint64]*node
+
+	spareMu sync.Mutex
+	spare   string // a pre-created empty layer id for the next upper
+
+	effMu sync.Mutex
+	eff   effect.FS
+
+	unmountOnce sync.Once
+	unmountErr  error
+}
+
+type inoKey struct {
+	l   *layerDir
+	ino uint64
+}
+
+var _ layer.FS = (*FS)(nil)
+
+// Mount mounts a view of store at mountpoint and starts serving it. It
+// returns once the mount is ready.
+func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
+	mp, err := filepath.Abs(mountpoint)
+	if err != nil {
+		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	if opts.MountID == "" {
+		opts.MountID = layer.NewID()
+	}
+	if !layer.ValidID(opts.MountID) {
+		return nil, fmt.Errorf("mount %s: invalid mount id %q", mp, opts.MountID)
+	}
+	if opts.CacheTimeout == 0 {
+		opts.CacheTimeout = time.Hour
+	}
+	lg := opts.Logger
+	if lg == nil {
+		lg = slog.Default()
+	}
+	f := &FS{
+		store: store, id: opts.MountID, mountpoint: mp, opts: opts, log: lg,
+		reg:     layers{byID: map[string]*layerDir{}},
+		inos:    map[inoKey]uint64{},
+		nextIno: 2,
+		nodes:   map[uint64]*node{},
+	}
+	st, err := f.initialStack()
+	if err != nil {
+		f.reg.closeAll()
+		return nil, fmt.Errorf("mount %s: %w", mp, err)
+	}
+	f.st = st
+	f.gen.Store(1)
+	if err := f.saveMount(true); err != nil {
+		f.reg.closeAll()
+		return nil, fmt.Errorf("mount %s: %w", mp, err)
+	}
+	f.root = &node{f: f}
+	f.root.srcs = rootSrcs(st)
+	f.root.gen = 1
+	f.nodes[1] = f.root
+	to := opts.CacheTimeout
+	fo := &gofs.Options{
+		EntryTimeout:    &to,
+		AttrTimeout:     &to,
+		NegativeTimeout: &to,
+		NullPermissions: true,
+		RootStableAttr:  &gofs.StableAttr{Ino: 1},
+		MountOptions: fuse.MountOptions{
+			AllowOther:           true,
+			DirectMount:          true,
+			FsName:               "rewind:" + f.id,
+			Name:                 "rewind",
+			Options:              []string{"default_permissions", "suid", "dev"},
+			MaxWrite:             1 << 20,
+			MaxReadAhead:         1 << 20,
+			EnableSymlinkCaching: true,
+			Debug:                opts.Debug,
+		},
+	}
+	srv, err := gofs.Mount(mp, f.root, fo)
+	if err != nil {
+		_ = store.RemoveMount(f.id)
+		f.reg.closeAll()
+		return nil, fmt.Errorf("mount %s: %w", mp, err)
+	}
+	f.server = srv
+	go f.refillSpare()
+	return f, nil
+}
+
+func rootSrcs(st *stack) []src {
+	s := make([]src, len(st.top))
+	for i, l := range st.top {
+		s[i] = src{l, "."}
+	}
+	return s
+}
+
+// initialStack builds the first stack: resume a crashed mount, start from a
+// checkpoint, or start empty over the lowers.
+func (f *FS) initialStack() (*stack, error) {
+	if rec, err := f.store.Mount(f.id); err == nil {
+		if layer.ProcessAlive(rec.PID) && rec.PID != os.Getpid() {
+			return nil, fmt.Errorf("mount id %s is in use by pid %d", f.id, rec.PID)
+		}
+		if f.opts.From == "" {
+			return f.buildStack(rec.Lowers, rec.Layers, rec.Upper, rec.Base)
+		}
+		// Starting anew from a checkpoint replaces the crashed record.
+	}
+	if f.opts.From != "" {
+		cp, err := f.store.Checkpoint(f.opts.From)
+		if err != nil {
+			return nil, err
+		}
+		up, err := f.store.NewLayer(cp.ID)
+		if err != nil {
+			return nil, err
+		}
+		return f.buildStack(cp.Lowers, cp.Layers, up, cp.ID)
+	}
+	var lowers []string
+	for _, l := range f.opts.Lowers {
+		a, err := filepath.Abs(l)
+		if err != nil {
+			return nil, err
+		}
+		if st, err := os.Stat(a); err != nil || !st.IsDir() {
+			return nil, fmt.Errorf("lower %s: not a directory", l)
+		}
+		lowers = append(lowers, a)
+	}
+	up, err := f.store.NewLayer("")
+	if err != nil {
+		return nil, err
+	}
+	return f.buildStack(lowers, nil, up, "")
+}
+
+func (f *FS) buildStack(lowers, frozen []string, upper, base string) (*stack, error) {
+	var fl, ll []*layerDir
+	for _, id := range frozen {
+		if err := f.store.CheckLayer(id); err != nil {
+			return nil, err
+		}
+		l, err := f.reg.open(id, f.store.LayerPath(id))
+		if err != nil {
+			return nil, err
+		}
+		fl = append(fl, l)
+	}
+	for _, p := range lowers {
+		l, err := f.reg.open("", p)
+		if err != nil {
+			return nil, err
+		}
+		ll = append(ll, l)
+	}
+	if err := f.store.CheckLayer(upper); err != nil {
+		return nil, err
+	}
+	ul, err := f.reg.open(upper, f.store.LayerPath(upper))
+	if err != nil {
+		return nil, err
+	}
+	return newStack(ul, fl, ll, base), nil
+}
+
+func (f *FS) saveMount(durable bool) error {
+	st := f.st
+	return f.store.SaveMount(layer.MountRecord{
+		ID: f.id, PID: os.Getpid(), Mountpoint: f.mountpoint,
+		Lowers: st.lowerPaths(), Layers: st.frozenIDs(), Upper: st.upper.id, Base: st.base,
+	}, durable)
+}
+
+func (f *FS) refillSpare() {
+	f.spareMu.Lock()
+	defer f.spareMu.Unlock()
+	if f.spare != "" {
+		return
+	}
+	id, err := f.store.NewSpareLayer()
+	if err != nil {
+		f.log.Warn("pre-create upper layer", "err", err)
+		return
+	}
+	f.spare = id
+}
+
+func (f *FS) takeSpare(parent string) (string, error) {
+	f.spareMu.Lock()
+	id := f.spare
+	f.spare = ""
+	f.spareMu.Unlock()
+	if id != "" {
+		if err := f.store.TakeSpareLayer(id, parent); err == nil {
+			return id, nil
+		}
+	}
+	return f.store.NewLayer(parent)
+}
+
+// MountID implements layer.FS.
+func (f *FS) MountID() string { return f.id }
+
+// Mountpoint implements layer.FS.
+func (f *FS) Mountpoint() string { return f.mountpoint }
+
+// Store returns the store the mount lives in.
+func (f *FS) Store() *layer.Store { return f.store }
+
+// Wait blocks until the file system is unmounted.
+func (f *FS) Wait() { f.server.Wait() }
+
+// Base returns the checkpoint the view was last checkpointed or switched to.
+func (f *FS) Base() string {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.st.base
+}
+
+// Depth returns the number of frozen store layers under the upper.
+func (f *FS) Depth() int {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return len(f.st.frozen)
+}
+
+// Checkpoint implements layer.FS: a short write barrier, the upper is
+// frozen as a new layer, a fresh empty upper is pushed. No data is copied
+// and no tree is walked.
+func (f *FS) Checkpoint() (string, error) {
+	id := layer.NewID()
+	f.mu.Lock()
+	old := f.st
+	frozen := old.frozen
+	var next *stack
+	if f.dirty.Load() {
+		upID, err := f.takeSpare(id)
+		if err != nil {
+			f.mu.Unlock()
+			return "", fmt.Errorf("checkpoint: %w", err)
+		}
+		ul, err := f.reg.open(upID, f.store.LayerPath(upID))
+		if err != nil {
+			f.mu.Unlock()
+			return "", fmt.Errorf("checkpoint: %w", err)
+		}
+		frozen = append(append([]*layerDir(nil), old.frozen...), old.upper)
+		next = newStack(ul, frozen, old.lowers, id)
+	} else {
+		// Nothing changed since the last checkpoint: a new id for the
+		// same stack, no layer pushed.
+		next = newStack(old.upper, frozen, old.lowers, id)
+	}
+	cp := layer.Checkpoint{
+		ID: id, Mount: f.id, Parent: old.base, Created: time.Now().UTC(),
+		Lowers: next.lowerPaths(), Layers: next.frozenIDs(),
+	}
+	var err error
+	if f.opts.NoDurable {
+		err = layer.WriteFileAtomic(filepath.Join(f.store.Dir(), "meta/checkpoints", id+".json"), mustJSON(cp), false)
+	} else {
+		err = f.store.SaveCheckpoint(cp)
+	}
+	if err != nil {
+		if next.upper != old.upper {
+			f.reg.drop(next.upper)
+			_ = os.Remove(f.store.LayerPath(next.upper.id))
+		}
+		f.mu.Unlock()
+		return "", fmt.Errorf("checkpoint: %w", err)
+	}
+	f.st = next
+	if next.upper != old.upper {
+		f.dirty.Store(false)
+		f.gen.Add(1)
+	}
+	if err := f.saveMount(false); err != nil {
+		f.log.Warn("save mount record", "err", err)
+	}
+	f.mu.Unlock()
+	if next.upper != old.upper {
+		go f.refillSpare()
+	}
+	return id, nil
+}
+
+// Switch implements layer.FS: the view becomes checkpoint id's content plus
+// a fresh empty upper. Only the entries that differ are invalidated in the
+// kernel. The current upper's un-checkpointed changes are discarded.
+func (f *FS) Switch(id string) error {
+	cp, err := f.store.Checkpoint(id)
+	if err != nil {
+		return fmt.Errorf("switch: %w", err)
+	}
+	if cp.Mount != f.id {
+		return fmt.Errorf("switch to %s: checkpoint belongs to mount %s, not %s (fork a new mount from it instead)", id, cp.Mount, f.id)
+	}
+	upID, err := f.takeSpare(id)
+	if err != nil {
+		return fmt.Errorf("switch to %s: %w", id, err)
+	}
+	next, err := f.buildStack(cp.Lowers, cp.Layers, upID, cp.ID)
+	if err != nil {
+		_ = os.Remove(f.store.LayerPath(upID))
+		return fmt.Errorf("switch to %s: %w", id, err)
+	}
+	f.mu.Lock()
+	old := f.st
+	// The delta: layers above the common ancestor on both sides, plus the
+	// current upper.
+	k := 0
+	for k < len(old.frozen) && k < len(next.frozen) && old.frozen[k] == next.frozen[k] {
+		k++
+	}
+	sameLowers := len(old.lowers) == len(next.lowers)
+	for i := 0; sameLowers && i < len(old.lowers); i++ {
+		sameLowers = old.lowers[i] == next.lowers[i]
+	}
+	var delta []*layerDir
+	delta = append(delta, old.upper)
+	delta = append(delta, old.frozen[k:]...)
+	delta = append(delta, next.frozen[k:]...)
+	touched, terr := touchedPaths(delta)
+	f.st = next
+	f.gen.Add(1)
+	f.viewGen.Add(1)
+	f.dirty.Store(false)
+	if err := f.saveMount(false); err != nil {
+		f.log.Warn("save mount record", "err", err)
+	}
+	f.mu.Unlock()
+	go f.refillSpare()
+
+	// Discard the old upper (nothing references it any more).
+	if old.upper != next.upper {
+		f.reg.drop(old.upper)
+		go func(id string) {
+			tmp := filepath.Join(f.store.WorkDir(), "gc-"+id)
+			if os.Rename(f.store.LayerPath(id), tmp) == nil {
+				_ = os.RemoveAll(tmp)
+				_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", id+".json"))
+			}
+		}(old.upper.id)
+	}
+	if terr != nil || !sameLowers {
+		f.invalidateAll()
+		return nil
+	}
+	f.invalidate(touched)
+	return nil
+}
+
+// touchedPaths lists the relative paths present in the given layers.
+func touchedPaths(ls []*layerDir) (map[string]bool, error) {
+	t := map[string]bool{}
+	for _, l := range ls {
+		err := layer.Walk(l.path, func(rel string, _ os.DirEntry) error {
+			t[rel] = true
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+// invalidate drops the kernel's cached entries and attributes for the
+// given view paths. It must be called without f.mu held.
+func (f *FS) invalidate(paths map[string]bool) {
+	type inval struct {
+		parent *gofs.Inode
+		name   string
+		child  *gofs.Inode
+	}
+	var list []inval
+	rootIn := f.root.EmbeddedInode()
+	for p := range paths {
+		dir, name := filepath.Split(p)
+		parent := rootIn
+		for _, c := range splitPath(dir) {
+			if parent = parent.GetChild(c); parent == nil {
+				break
+			}
+		}
+		if parent == nil {
+			continue
+		}
+		list = append(list, inval{parent, name, parent.GetChild(name)})
+	}
+	// The root's attributes (mtime, nlink) may differ too.
+	_ = rootIn.NotifyContent(0, 0)
+	for _, iv := range list {
+		if iv.child != nil && iv.child.IsDir() && f.stillDir(iv.child) {
+			// Same directory on both sides: keep the dentry (it may be a
+			// cwd or a mount point), refresh its attributes only.
+			_ = iv.child.NotifyContent(0, 0)
+			continue
+		}
+		_ = iv.parent.NotifyEntry(iv.name)
+		if iv.child != nil {
+			_ = iv.child.NotifyContent(0, 0)
+		}
+	}
+}
+
+// stillDir reports whether directory node in resolves to a plain directory
+// in the new view (not opaque or redirected there).
+func (f *FS) stillDir(in *gofs.Inode) bool {
+	n, ok := in.Operations().(*node)
+	if !ok {
+		return false
+	}
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	f.ns.RLock()
+	defer f.ns.RUnlock()
+	st := f.st
+	if n.resolve(st, f.gen.Load()) != 0 {
+		return false
+	}
+	n.mu.Lock()
+	srcs := n.srcs
+	n.mu.Unlock()
+	for _, s := range srcs {
+		hp := s.l.path + "/" + s.path
+		if layer.IsOpaque(hp) || layer.Redirect(hp) != "" {
+			return false
+		}
+	}
+	return true
+}
+
+func (f *FS) invalidateAll() {
+	var walk func(in *gofs.Inode)
+	walk = func(in *gofs.Inode) {
+		for name, ch := range in.Children() {
+			_ = in.NotifyEntry(name)
+			_ = ch.NotifyContent(0, 0)
+			if ch.IsDir() {
+				walk(ch)
+			}
+		}
+	}
+	walk(f.root.EmbeddedInode())
+}
+
+func splitPath(p string) []string {
+	var out []string
+	for _, c := range strings.Split(p, "/") {
+		if c != "" {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+func mustJSON(v any) []byte {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// Unmount implements layer.FS.
+func (f *FS) Unmount() error {
+	f.unmountOnce.Do(func() {
+		var err error
+		for i := 0; i < 50; i++ {
+			if err = f.server.Unmount(); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err != nil {
+			// Lazy detach so the mount never lingers.
+			if derr := unix.Unmount(f.mountpoint, unix.MNT_DETACH); derr == nil {
+				err = nil
+			}
+		}
+		f.server.Wait()
+		f.reg.closeAll()
+		f.spareMu.Lock()
+		if f.spare != "" {
+			f.store.DropSpareLayer(f.spare)
+			f.spare = ""
+		}
+		f.spareMu.Unlock()
+		if rerr := f.store.RemoveMount(f.id); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			f.unmountErr = fmt.Errorf("unmount %s: %w", f.mountpoint, err)
+		}
+	})
+	return f.unmountErr
+}
+
+// TakeFSEffects implements layer.FS and the probe seam: counts of mutating
+// operations since the previous call, bounded samples, and whether the
+// upper holds anything.
+func (f *FS) TakeFSEffects() effect.FS {
+	f.effMu.Lock()
+	e := f.eff
+	f.eff = effect.FS{}
+	f.effMu.Unlock()
+	e.UpperNonEmpty = f.dirty.Load()
+	return e
+}
+
+func (f *FS) record(op string, n *node, name string, bytes uint64) {
+	f.effMu.Lock()
+	defer f.effMu.Unlock()
+	switch op {
+	case "create":
+		f.eff.Created++
+	case "modify":
+		f.eff.Modified++
+	case "delete":
+		f.eff.Deleted++
+	case "rename":
+		f.eff.Renamed++
+	case "meta":
+		f.eff.MetaChanged++
+	}
+	f.eff.BytesWritten += bytes
+	if len(f.eff.Samples) < effect.MaxSamples && n != nil {
+		p := "/" + join(n.vpath(), name)
+		if name == "" {
+			p = "/" + n.vpath()
+		}
+		if k := len(f.eff.Samples); k > 0 && f.eff.Samples[k-1].Path == p && f.eff.Samples[k-1].Op == op {
+			return
+		}
+		f.eff.Samples = append(f.eff.Samples, effect.PathSample{Op: op, Path: filepath.Clean(p)})
+	}
+}
+
+// inoFor returns the inode number for the entry whose top source is
+// (l, ino), allocating one if needed.
+func (f *FS) inoFor(l *layerDir, ino uint64) uint64 {
+	f.inoMu.Lock()
+	defer f.inoMu.Unlock()
+	k := inoKey{l, ino}
+	if v, ok := f.inos[k]; ok {
+		return v
+	}
+	v := f.nextIno
+	f.nextIno++
+	f.inos[k] = v
+	return v
+}
+
+// freshIno allocates a new inode number for a newly created entry.
+func (f *FS) freshIno(l *layerDir, ino uint64) uint64 {
+	f.inoMu.Lock()
+	defer f.inoMu.Unlock()
+	v := f.nextIno
+	f.nextIno++
+	f.inos[inoKey{l, ino}] = v
+	return v
+}
+
+func (f *FS) aliasIno(l *layerDir, ino, v uint64) {
+	f.inoMu.Lock()
+	f.inos[inoKey{l, ino}] = v
+	f.inoMu.Unlock()
+}
+
+func errnoOf(err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	var e syscall.Errno
+	if errors.As(err, &e) {
+		return e
+	}
+	return syscall.EIO
+}
+
+var _ = context.Background

@@ -1,0 +1,474 @@
+package fs
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"syscall"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// node is one inode of the view. Its resolution (srcs) is valid for the
+// generation gen; a checkpoint or switch makes it stale and the next use
+// re-resolves it through its parent.
+type node struct {
+	gofs.Inode
+	f *FS
+
+	mu   sync.Mutex
+	gen  uint64
+	srcs []src // top-down
+	gone bool  // does not exist in the view of generation gen
+}
+
+var (
+	_ gofs.NodeLookuper      = (*node)(nil)
+	_ gofs.NodeGetattrer     = (*node)(nil)
+	_ gofs.NodeSetattrer     = (*node)(nil)
+	_ gofs.NodeReaddirer     = (*node)(nil)
+	_ gofs.NodeMkdirer       = (*node)(nil)
+	_ gofs.NodeMknoder       = (*node)(nil)
+	_ gofs.NodeCreater       = (*node)(nil)
+	_ gofs.NodeSymlinker     = (*node)(nil)
+	_ gofs.NodeLinker        = (*node)(nil)
+	_ gofs.NodeUnlinker      = (*node)(nil)
+	_ gofs.NodeRmdirer       = (*node)(nil)
+	_ gofs.NodeRenamer       = (*node)(nil)
+	_ gofs.NodeReadlinker    = (*node)(nil)
+	_ gofs.NodeOpener        = (*node)(nil)
+	_ gofs.NodeStatfser      = (*node)(nil)
+	_ gofs.NodeGetxattrer    = (*node)(nil)
+	_ gofs.NodeSetxattrer    = (*node)(nil)
+	_ gofs.NodeListxattrer   = (*node)(nil)
+	_ gofs.NodeRemovexattrer = (*node)(nil)
+	_ gofs.NodeOnForgetter   = (*node)(nil)
+)
+
+// vpath is the node's path in the view, "." for the root.
+func (n *node) vpath() string {
+	p := n.Path(nil)
+	if p == "" {
+		return "."
+	}
+	return p
+}
+
+func (n *node) isRoot() bool { return n == n.f.root }
+
+// resolve makes n's resolution current for stack st at generation gen. The
+// caller holds f.mu (shared) and f.ns (shared or exclusive).
+func (n *node) resolve(st *stack, gen uint64) syscall.Errno {
+	n.mu.Lock()
+	if n.gen == gen {
+		gone := n.gone
+		n.mu.Unlock()
+		if gone {
+			return syscall.ENOENT
+		}
+		return 0
+	}
+	n.mu.Unlock()
+	if n.isRoot() {
+		n.mu.Lock()
+		n.srcs, n.gen, n.gone = rootSrcs(st), gen, false
+		n.mu.Unlock()
+		return 0
+	}
+	name, pin := n.Parent()
+	var e entry
+	found := false
+	if pin != nil {
+		p := pin.Operations().(*node)
+		if errno := p.resolve(st, gen); errno == 0 {
+			var err error
+			e, found, err = lookupEntry(st, p.getSrcs(), p.vpath(), name, false)
+			if err != nil {
+				return errnoOf(err)
+			}
+		}
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !found || e.st.Mode&unix.S_IFMT != n.StableAttr().Mode&unix.S_IFMT {
+		n.gen, n.gone = gen, true
+		return syscall.ENOENT
+	}
+	n.srcs, n.gen, n.gone = e.srcs, gen, false
+	return 0
+}
+
+func (n *node) getSrcs() []src {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.srcs
+}
+
+func (n *node) setSrcs(srcs []src, gen uint64) {
+	n.mu.Lock()
+	n.srcs, n.gen, n.gone = srcs, gen, false
+	n.mu.Unlock()
+}
+
+// top returns the layer and host-relative path of the entry's top source.
+func (n *node) top(st *stack) (*layerDir, string) {
+	s := n.getSrcs()[0]
+	if s.l == st.upper {
+		return s.l, n.vpath()
+	}
+	return s.l, s.path
+}
+
+func (n *node) inUpper(st *stack) bool { return n.getSrcs()[0].l == st.upper }
+
+// begin takes the shared barrier and resolves n. The returned function
+// releases what was taken.
+func (n *node) begin(excl bool) (*stack, func(), syscall.Errno) {
+	f := n.f
+	f.mu.RLock()
+	if excl {
+		f.ns.Lock()
+	} else {
+		f.ns.RLock()
+	}
+	done := func() {
+		if excl {
+			f.ns.Unlock()
+		} else {
+			f.ns.RUnlock()
+		}
+		f.mu.RUnlock()
+	}
+	st := f.st
+	if errno := n.resolve(st, f.gen.Load()); errno != 0 {
+		done()
+		return nil, nil, errno
+	}
+	return st, done, 0
+}
+
+func fillAttr(out *fuse.Attr, st *unix.Stat_t, ino uint64) {
+	var s syscall.Stat_t
+	s.Dev, s.Ino, s.Nlink, s.Mode = st.Dev, st.Ino, st.Nlink, st.Mode
+	s.Uid, s.Gid, s.Rdev, s.Size = st.Uid, st.Gid, st.Rdev, st.Size
+	s.Blksize, s.Blocks = st.Blksize, st.Blocks
+	s.Atim = syscall.Timespec(st.Atim)
+	s.Mtim = syscall.Timespec(st.Mtim)
+	s.Ctim = syscall.Timespec(st.Ctim)
+	out.FromStat(&s)
+	out.Ino = ino
+}
+
+// child returns the node for entry e named name in directory n, reusing a
+// known node of the same type.
+func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fresh bool) *gofs.Inode {
+	f := n.f
+	mode := e.st.Mode & unix.S_IFMT
+	if !fresh {
+		if ch := n.GetChild(name); ch != nil && ch.StableAttr().Mode == mode {
+			if cn, ok := ch.Operations().(*node); ok {
+				cn.setSrcs(e.srcs, gen)
+				f.aliasIno(e.srcs[0].l, e.st.Ino, ch.StableAttr().Ino)
+				return ch
+			}
+		}
+	}
+	var ino uint64
+	if fresh {
+		ino = f.freshIno(e.srcs[0].l, e.st.Ino)
+	} else {
+		ino = f.inoFor(e.srcs[0].l, e.st.Ino)
+	}
+	f.inoMu.Lock()
+	if cn := f.nodes[ino]; cn != nil && cn.StableAttr().Mode == mode && !fresh {
+		f.inoMu.Unlock()
+		cn.setSrcs(e.srcs, gen)
+		return cn.EmbeddedInode()
+	}
+	cn := &node{f: f, gen: gen, srcs: e.srcs}
+	f.nodes[ino] = cn
+	f.inoMu.Unlock()
+	return n.NewInode(ctx, cn, gofs.StableAttr{Mode: mode, Ino: ino})
+}
+
+// OnForget drops the node from the inode table.
+func (n *node) OnForget() {
+	f := n.f
+	ino := n.StableAttr().Ino
+	f.inoMu.Lock()
+	if f.nodes[ino] == n {
+		delete(f.nodes, ino)
+	}
+	f.inoMu.Unlock()
+}
+
+// Lookup resolves name in the merged view.
+func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*gofs.Inode, syscall.Errno) {
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return nil, errno
+	}
+	defer done()
+	gen := n.f.gen.Load()
+	e, found, err := lookupEntry(st, n.getSrcs(), n.vpath(), name, false)
+	if err != nil {
+		return nil, errnoOf(err)
+	}
+	if !found {
+		return nil, syscall.ENOENT
+	}
+	ch := n.child(ctx, name, &e, gen, false)
+	fillAttr(&out.Attr, &e.st, ch.StableAttr().Ino)
+	return ch, 0
+}
+
+// Getattr returns the attributes of the top source (or of the open handle).
+func (n *node) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	if h, ok := fh.(*handle); ok {
+		return h.Getattr(ctx, out)
+	}
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return errno
+	}
+	defer done()
+	l, p := n.top(st)
+	var s unix.Stat_t
+	if err := unix.Fstatat(l.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return errnoOf(err)
+	}
+	fillAttr(&out.Attr, &s, n.StableAttr().Ino)
+	return 0
+}
+
+// Setattr applies chmod/chown/truncate/utimens to the upper copy.
+func (n *node) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	st, done, errno := n.begin(true)
+	if errno != 0 {
+		return errno
+	}
+	defer done()
+	f := n.f
+	size, hasSize := in.GetSize()
+	if err := f.copyUp(st, n, hasSize && size == 0); err != nil {
+		return errnoOf(err)
+	}
+	_, p := n.top(st)
+	u := st.upper
+	if m, ok := in.GetMode(); ok {
+		if err := unix.Fchmodat(u.fd, p, m&07777, 0); err != nil {
+			return errnoOf(err)
+		}
+	}
+	uid, hasUID := in.GetUID()
+	gid, hasGID := in.GetGID()
+	if hasUID || hasGID {
+		iu, ig := -1, -1
+		if hasUID {
+			iu = int(uid)
+		}
+		if hasGID {
+			ig = int(gid)
+		}
+		if err := unix.Fchownat(u.fd, p, iu, ig, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return errnoOf(err)
+		}
+	}
+	if hasSize {
+		var err error
+		if h, ok := fh.(*handle); ok && h.writableIn(u) {
+			err = unix.Ftruncate(h.fd, int64(size))
+		} else {
+			var fd int
+			fd, err = openBeneath(u.fd, p, unix.O_WRONLY, 0)
+			if err == nil {
+				err = unix.Ftruncate(fd, int64(size))
+				unix.Close(fd)
+			}
+		}
+		if err != nil {
+			return errnoOf(err)
+		}
+		f.record("modify", n, "", 0)
+	} else {
+		f.record("meta", n, "", 0)
+	}
+	atime, hasA := in.GetATime()
+	mtime, hasM := in.GetMTime()
+	if hasA || hasM {
+		ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_OMIT}}
+		if hasA {
+			ts[0] = unix.NsecToTimespec(atime.UnixNano())
+			if in.Valid&fuse.FATTR_ATIME_NOW != 0 {
+				ts[0] = unix.Timespec{Nsec: unix.UTIME_NOW}
+			}
+		}
+		if hasM {
+			ts[1] = unix.NsecToTimespec(mtime.UnixNano())
+			if in.Valid&fuse.FATTR_MTIME_NOW != 0 {
+				ts[1] = unix.Timespec{Nsec: unix.UTIME_NOW}
+			}
+		}
+		if err := unix.UtimesNanoAt(u.fd, p, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return errnoOf(err)
+		}
+	}
+	var s unix.Stat_t
+	if err := unix.Fstatat(u.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return errnoOf(err)
+	}
+	fillAttr(&out.Attr, &s, n.StableAttr().Ino)
+	return 0
+}
+
+// Readdir lists the merged directory.
+func (n *node) Readdir(ctx context.Context) (gofs.DirStream, syscall.Errno) {
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return nil, errno
+	}
+	defer done()
+	ents, err := readMerged(st, n.getSrcs(), n.vpath())
+	if err != nil {
+		return nil, errnoOf(err)
+	}
+	list := make([]fuse.DirEntry, 0, len(ents))
+	for _, e := range ents {
+		list = append(list, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino)})
+	}
+	return gofs.NewListDirStream(list), 0
+}
+
+// Readlink reads a symlink's target.
+func (n *node) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return nil, errno
+	}
+	defer done()
+	l, p := n.top(st)
+	buf := make([]byte, 4096)
+	k, err := unix.Readlinkat(l.fd, p, buf)
+	if err != nil {
+		return nil, errnoOf(err)
+	}
+	return buf[:k], 0
+}
+
+// Statfs reports the store's file system.
+func (n *node) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
+	n.f.mu.RLock()
+	fd := n.f.st.upper.fd
+	var s unix.Statfs_t
+	err := unix.Fstatfs(fd, &s)
+	n.f.mu.RUnlock()
+	if err != nil {
+		return errnoOf(err)
+	}
+	out.Blocks, out.Bfree, out.Bavail = s.Blocks, s.Bfree, s.Bavail
+	out.Files, out.Ffree = s.Files, s.Ffree
+	out.Bsize, out.Frsize = uint32(s.Bsize), uint32(s.Frsize)
+	out.NameLen = uint32(s.Namelen)
+	return 0
+}
+
+func hiddenXattr(name string) bool { return strings.HasPrefix(name, layer.XattrPrefixOverlay) }
+
+// Getxattr reads an xattr of the top source; overlay xattrs are hidden.
+func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	if hiddenXattr(attr) {
+		return 0, syscall.ENODATA
+	}
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return 0, errno
+	}
+	defer done()
+	l, p := n.top(st)
+	sz, err := unix.Lgetxattr(l.path+"/"+p, attr, dest)
+	if err != nil {
+		return uint32(max(sz, 0)), errnoOf(err)
+	}
+	return uint32(sz), 0
+}
+
+// Listxattr lists the xattrs of the top source, without overlay ones.
+func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return 0, errno
+	}
+	defer done()
+	l, p := n.top(st)
+	buf := make([]byte, 64<<10)
+	sz, err := unix.Llistxattr(l.path+"/"+p, buf)
+	if err != nil {
+		return 0, errnoOf(err)
+	}
+	var out []byte
+	for _, a := range strings.Split(string(buf[:sz]), "\x00") {
+		if a == "" || hiddenXattr(a) {
+			continue
+		}
+		out = append(append(out, a...), 0)
+	}
+	if len(dest) == 0 {
+		return uint32(len(out)), 0
+	}
+	if len(dest) < len(out) {
+		return uint32(len(out)), syscall.ERANGE
+	}
+	copy(dest, out)
+	return uint32(len(out)), 0
+}
+
+// Setxattr copies the entry up and sets the xattr there.
+func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	if hiddenXattr(attr) {
+		return syscall.EPERM
+	}
+	st, done, errno := n.begin(true)
+	if errno != 0 {
+		return errno
+	}
+	defer done()
+	if err := n.f.copyUp(st, n, false); err != nil {
+		return errnoOf(err)
+	}
+	_, p := n.top(st)
+	if err := unix.Lsetxattr(st.upper.path+"/"+p, attr, data, int(flags)); err != nil {
+		return errnoOf(err)
+	}
+	n.f.record("meta", n, "", 0)
+	return 0
+}
+
+// Removexattr copies the entry up and removes the xattr there.
+func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	if hiddenXattr(attr) {
+		return syscall.ENODATA
+	}
+	st, done, errno := n.begin(true)
+	if errno != 0 {
+		return errno
+	}
+	defer done()
+	l, p := n.top(st)
+	var b [1]byte
+	if _, err := unix.Lgetxattr(l.path+"/"+p, attr, b[:0]); err != nil {
+		return errnoOf(err)
+	}
+	if err := n.f.copyUp(st, n, false); err != nil {
+		return errnoOf(err)
+	}
+	_, p = n.top(st)
+	if err := unix.Lremovexattr(st.upper.path+"/"+p, attr); err != nil {
+		return errnoOf(err)
+	}
+	n.f.record("meta", n, "", 0)
+	return 0
+}

@@ -1,0 +1,385 @@
+package fs
+
+import (
+	"errors"
+	"fmt"
+	"path"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// layerDir is one layer of a stack: a store layer (id != "") or an external
+// read-only lower directory.
+type layerDir struct {
+	id   string
+	path string
+	fd   int // O_PATH directory fd of the layer root
+
+	// Frozen layers never change: their directory listings are cached.
+	idxMu sync.Mutex
+	idx   map[string]map[string]bool // dir path -> names (frozen layers only)
+}
+
+// stack is an immutable description of a view: a writable upper over
+// frozen store layers over external lowers.
+type stack struct {
+	upper  *layerDir
+	frozen []*layerDir // bottom first
+	lowers []*layerDir // external, topmost first
+	top    []*layerDir // every layer, top-down: upper, frozen (top first), lowers
+	base   string      // checkpoint id the view was last checkpointed/switched to
+}
+
+func newStack(upper *layerDir, frozen, lowers []*layerDir, base string) *stack {
+	s := &stack{upper: upper, frozen: frozen, lowers: lowers, base: base}
+	s.top = append(s.top, upper)
+	for i := len(frozen) - 1; i >= 0; i-- {
+		s.top = append(s.top, frozen[i])
+	}
+	s.top = append(s.top, lowers...)
+	return s
+}
+
+func (s *stack) frozenIDs() []string {
+	ids := make([]string, len(s.frozen))
+	for i, l := range s.frozen {
+		ids[i] = l.id
+	}
+	return ids
+}
+
+func (s *stack) lowerPaths() []string {
+	ps := make([]string, len(s.lowers))
+	for i, l := range s.lowers {
+		ps[i] = l.path
+	}
+	return ps
+}
+
+// layers is the registry of open layer directories of one FS, so that the
+// same layer in two stacks is the same *layerDir (inode keys stay stable).
+type layers struct {
+	mu   sync.Mutex
+	byID map[string]*layerDir
+}
+
+func (r *layers) open(id, p string) (*layerDir, error) {
+	key := id
+	if key == "" {
+		key = "ext:" + p
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if l := r.byID[key]; l != nil {
+		return l, nil
+	}
+	fd, err := unix.Open(p, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open layer %s: %w", p, err)
+	}
+	l := &layerDir{id: id, path: p, fd: fd}
+	r.byID[key] = l
+	return l, nil
+}
+
+func (r *layers) drop(l *layerDir) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	key := l.id
+	if key == "" {
+		key = "ext:" + l.path
+	}
+	if r.byID[key] == l {
+		delete(r.byID, key)
+		unix.Close(l.fd)
+	}
+}
+
+func (r *layers) closeAll() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, l := range r.byID {
+		unix.Close(l.fd)
+		delete(r.byID, k)
+	}
+}
+
+// src is one layer holding an entry, and the entry's path in that layer.
+type src struct {
+	l    *layerDir
+	path string // relative to the layer root; "." for the root
+}
+
+// entry is the resolution of a name in a view.
+type entry struct {
+	srcs []src // top-down; non-directories have exactly one
+	st   unix.Stat_t
+}
+
+func (e *entry) isDir() bool { return e.st.Mode&unix.S_IFMT == unix.S_IFDIR }
+
+func join(dir, name string) string {
+	if dir == "." || dir == "" {
+		return name
+	}
+	return dir + "/" + name
+}
+
+// hasName reports whether frozen layer l may hold dir/name, using a cached
+// listing of dir. It returns true when unsure.
+func (l *layerDir) hasName(dir, name string) bool {
+	l.idxMu.Lock()
+	defer l.idxMu.Unlock()
+	if l.idx == nil {
+		l.idx = map[string]map[string]bool{}
+	}
+	names, ok := l.idx[dir]
+	if !ok {
+		if len(l.idx) > 65536 {
+			clear(l.idx) // bound memory; rebuilt on demand
+		}
+		names = map[string]bool{}
+		fd, err := openBeneath(l.fd, dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			l.idx[dir] = names
+			return !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENOTDIR)
+		}
+		ents, err := readDirNames(fd)
+		unix.Close(fd)
+		if err != nil {
+			return true
+		}
+		for _, n := range ents {
+			names[n] = true
+		}
+		l.idx[dir] = names
+	}
+	return names[name]
+}
+
+// lookupEntry resolves name in the directory whose sources are psrcs (a
+// resolution in stack st) and whose view path is pvpath. With skipUpper the
+// upper layer is ignored (used to decide whether a whiteout is needed).
+func lookupEntry(st *stack, psrcs []src, pvpath, name string, skipUpper bool) (entry, bool, error) {
+	var e entry
+	found := false
+	redirect := ""    // absolute path (relative to the layer root) in lower layers
+	relRedirect := "" // a same-directory rename: the name in lower layers
+	pi := 0
+	for _, l := range st.top {
+		var pp string
+		hasParent := pi < len(psrcs) && psrcs[pi].l == l
+		if hasParent {
+			pp = psrcs[pi].path
+			if l == st.upper {
+				pp = pvpath
+			}
+			pi++
+		}
+		if skipUpper && l == st.upper {
+			continue
+		}
+		var p string
+		switch {
+		case redirect != "":
+			p = redirect
+		case !hasParent:
+			continue
+		case relRedirect != "":
+			p = join(pp, relRedirect)
+		default:
+			p = join(pp, name)
+		}
+		if l != st.upper && redirect == "" {
+			dir := path.Dir(p)
+			if !l.hasName(dir, path.Base(p)) {
+				continue
+			}
+		}
+		var s unix.Stat_t
+		err := unix.Fstatat(l.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW)
+		if err == unix.ENOENT || err == unix.ENOTDIR {
+			continue
+		}
+		if err != nil {
+			return e, false, err
+		}
+		if layer.IsWhiteout(&s) {
+			break
+		}
+		isDir := s.Mode&unix.S_IFMT == unix.S_IFDIR
+		if !found {
+			found = true
+			e.st = s
+			e.srcs = []src{{l, p}}
+			if !isDir {
+				break
+			}
+		} else {
+			if !isDir {
+				break
+			}
+			e.srcs = append(e.srcs, src{l, p})
+		}
+		if l == st.top[len(st.top)-1] {
+			break
+		}
+		hp := l.path + "/" + p
+		if layer.IsOpaque(hp) {
+			break
+		}
+		if r := layer.Redirect(hp); r != "" {
+			if strings.HasPrefix(r, "/") {
+				redirect = path.Clean(strings.TrimPrefix(r, "/"))
+				if redirect == "" || redirect == "." || strings.HasPrefix(redirect, "../") {
+					return e, false, fmt.Errorf("bad redirect %q in layer %s: %w", r, l.path, layer.ErrCorrupt)
+				}
+			} else if !strings.Contains(r, "/") && r != ".." && r != "." {
+				relRedirect = r
+			}
+		}
+	}
+	return e, found, nil
+}
+
+// readMerged lists the merged content of a directory with sources srcs:
+// names in first-seen order with their type and the key of the top entry.
+type mergedEnt struct {
+	name string
+	mode uint32
+	l    *layerDir
+	ino  uint64
+}
+
+func readMerged(st *stack, srcs []src, vpath string) ([]mergedEnt, error) {
+	seen := map[string]bool{}
+	var out []mergedEnt
+	for _, s := range srcs {
+		p := s.path
+		if s.l == st.upper {
+			p = vpath
+		}
+		fd, err := openBeneath(s.l.fd, p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			if err == unix.ENOENT {
+				continue
+			}
+			return nil, err
+		}
+		ents, err := readDirEnts(fd)
+		if err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+		for _, d := range ents {
+			if seen[d.name] {
+				continue
+			}
+			seen[d.name] = true
+			if d.typ == unix.DT_CHR {
+				var cs unix.Stat_t
+				if unix.Fstatat(fd, d.name, &cs, unix.AT_SYMLINK_NOFOLLOW) == nil && layer.IsWhiteout(&cs) {
+					continue
+				}
+			}
+			out = append(out, mergedEnt{name: d.name, mode: dtToMode(d.typ), l: s.l, ino: d.ino})
+		}
+		unix.Close(fd)
+	}
+	return out, nil
+}
+
+func dtToMode(t uint8) uint32 {
+	switch t {
+	case unix.DT_DIR:
+		return unix.S_IFDIR
+	case unix.DT_LNK:
+		return unix.S_IFLNK
+	case unix.DT_CHR:
+		return unix.S_IFCHR
+	case unix.DT_BLK:
+		return unix.S_IFBLK
+	case unix.DT_FIFO:
+		return unix.S_IFIFO
+	case unix.DT_SOCK:
+		return unix.S_IFSOCK
+	}
+	return unix.S_IFREG
+}
+
+type dirent struct {
+	name string
+	typ  uint8
+	ino  uint64
+}
+
+func readDirEnts(fd int) ([]dirent, error) {
+	var out []dirent
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := unix.Getdents(fd, buf)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		if n <= 0 {
+			return out, nil
+		}
+		b := buf[:n]
+		for len(b) > 0 {
+			reclen := int(b[16]) | int(b[17])<<8
+			ino := uint64(b[0]) | uint64(b[1])<<8 | uint64(b[2])<<16 | uint64(b[3])<<24 |
+				uint64(b[4])<<32 | uint64(b[5])<<40 | uint64(b[6])<<48 | uint64(b[7])<<56
+			typ := b[18]
+			nb := b[19:reclen]
+			end := 0
+			for end < len(nb) && nb[end] != 0 {
+				end++
+			}
+			name := string(nb[:end])
+			b = b[reclen:]
+			if name == "." || name == ".." {
+				continue
+			}
+			out = append(out, dirent{name: name, typ: typ, ino: ino})
+		}
+	}
+}
+
+func readDirNames(fd int) ([]string, error) {
+	ents, err := readDirEnts(fd)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, len(ents))
+	for i, e := range ents {
+		names[i] = e.name
+	}
+	return names, nil
+}
+
+// openBeneath opens p beneath the layer root dirfd, never following a
+// symlink or magic link and never escaping the root.
+func openBeneath(dirfd int, p string, flags int, mode uint32) (int, error) {
+	how := unix.OpenHow{
+		Flags:   uint64(flags | unix.O_CLOEXEC | unix.O_NOFOLLOW),
+		Mode:    uint64(mode),
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	}
+	if flags&(unix.O_CREAT|unix.O_TMPFILE) == 0 {
+		how.Mode = 0
+	}
+	for {
+		fd, err := unix.Openat2(dirfd, p, &how)
+		if err == unix.EINTR || err == unix.EAGAIN {
+			continue
+		}
+		return fd, err
+	}
+}

@@ -1,0 +1,439 @@
+package layer
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Store is a state directory holding layers, checkpoint records and mount
+// records. Several mounts (in one or several processes) may share a Store.
+type Store struct {
+	dir string
+}
+
+// Checkpoint is a checkpoint record: an id naming an immutable stack.
+type Checkpoint struct {
+	// ID is unique in the store.
+	ID string `json:"id"`
+	// Mount is the id of the mount that took the checkpoint.
+	Mount string `json:"mount"`
+	// Parent is the checkpoint this one was taken on top of ("" if none).
+	Parent string `json:"parent,omitempty"`
+	// Created is the creation time.
+	Created time.Time `json:"created"`
+	// Lowers are external read-only base directories, topmost first.
+	Lowers []string `json:"lowers,omitempty"`
+	// Layers are the frozen layer ids of the stack, bottom first.
+	Layers []string `json:"layers"`
+}
+
+// MountRecord describes a live (or crashed) mount of the store.
+type MountRecord struct {
+	ID         string   `json:"id"`
+	PID        int      `json:"pid"`
+	Mountpoint string   `json:"mountpoint"`
+	Lowers     []string `json:"lowers,omitempty"`
+	// Layers are the frozen layers under the upper, bottom first.
+	Layers []string `json:"layers"`
+	// Upper is the id of the writable upper layer.
+	Upper string `json:"upper"`
+	// Base is the last checkpoint taken or switched to ("" if none).
+	Base string `json:"base,omitempty"`
+}
+
+// LayerMeta is the metadata of one layer.
+type LayerMeta struct {
+	ID      string    `json:"id"`
+	Parent  string    `json:"parent,omitempty"`
+	Created time.Time `json:"created"`
+	// Size is the byte size of a compacted layer (0 when not computed).
+	Size int64 `json:"size,omitempty"`
+}
+
+// ErrNotFound is returned (wrapped) for an unknown checkpoint, layer or mount.
+var ErrNotFound = errors.New("not found")
+
+// OpenStore opens (creating if needed) the state directory dir.
+func OpenStore(dir string) (*Store, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, fmt.Errorf("open store %s: %w", dir, err)
+	}
+	for _, d := range []string{"", "layers", "meta", "meta/checkpoints", "meta/mounts", "meta/layers", "work", "ctl"} {
+		if err := os.MkdirAll(filepath.Join(abs, d), 0o700); err != nil {
+			return nil, fmt.Errorf("open store %s: %w", dir, err)
+		}
+	}
+	if err := os.Chmod(filepath.Join(abs, "ctl"), 0o700); err != nil {
+		return nil, fmt.Errorf("open store %s: %w", dir, err)
+	}
+	return &Store{dir: abs}, nil
+}
+
+// Dir is the absolute state directory.
+func (s *Store) Dir() string { return s.dir }
+
+// LayerPath is the directory of layer id.
+func (s *Store) LayerPath(id string) string { return filepath.Join(s.dir, "layers", id) }
+
+// ControlSocket is the path of the control socket of mount id (in a
+// root-only directory of the store, never inside a mount).
+func (s *Store) ControlSocket(mountID string) string {
+	return filepath.Join(s.dir, "ctl", mountID+".sock")
+}
+
+// WorkDir is a scratch directory on the store's file system.
+func (s *Store) WorkDir() string { return filepath.Join(s.dir, "work") }
+
+// NewID returns a fresh random id.
+func NewID() string {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b[:])
+}
+
+// ValidID reports whether id is usable as a file name component.
+func ValidID(id string) bool {
+	if id == "" || len(id) > 128 || id == "." || id == ".." {
+		return false
+	}
+	for _, c := range id {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return false
+		}
+	}
+	return true
+}
+
+// NewLayer creates an empty layer directory and its metadata and returns
+// its id.
+func (s *Store) NewLayer(parent string) (string, error) {
+	id := NewID()
+	if err := os.Mkdir(s.LayerPath(id), 0o755); err != nil {
+		return "", fmt.Errorf("new layer: %w", err)
+	}
+	m := LayerMeta{ID: id, Parent: parent, Created: time.Now().UTC()}
+	if err := s.writeJSON(filepath.Join("meta/layers", id+".json"), m, false); err != nil {
+		return "", fmt.Errorf("new layer %s: %w", id, err)
+	}
+	return id, nil
+}
+
+// NewSpareLayer creates an empty layer outside the layers directory (so GC
+// never sees it) and returns its id; TakeSpareLayer moves it into place.
+// This keeps the directory creation out of a checkpoint's critical path.
+func (s *Store) NewSpareLayer() (string, error) {
+	id := NewID()
+	if err := os.Mkdir(filepath.Join(s.WorkDir(), "spare-"+id), 0o755); err != nil {
+		return "", fmt.Errorf("new spare layer: %w", err)
+	}
+	return id, nil
+}
+
+// TakeSpareLayer moves spare layer id into the store with the given parent.
+func (s *Store) TakeSpareLayer(id, parent string) error {
+	if err := os.Rename(filepath.Join(s.WorkDir(), "spare-"+id), s.LayerPath(id)); err != nil {
+		return fmt.Errorf("take spare layer %s: %w", id, err)
+	}
+	m := LayerMeta{ID: id, Parent: parent, Created: time.Now().UTC()}
+	if err := s.writeJSON(filepath.Join("meta/layers", id+".json"), m, false); err != nil {
+		return fmt.Errorf("take spare layer %s: %w", id, err)
+	}
+	return nil
+}
+
+// DropSpareLayer removes an unused spare layer.
+func (s *Store) DropSpareLayer(id string) {
+	_ = os.RemoveAll(filepath.Join(s.WorkDir(), "spare-"+id))
+}
+
+// Layer returns the metadata of layer id.
+func (s *Store) Layer(id string) (LayerMeta, error) {
+	var m LayerMeta
+	if !ValidID(id) {
+		return m, fmt.Errorf("layer %q: %w", id, ErrNotFound)
+	}
+	err := s.readJSON(filepath.Join("meta/layers", id+".json"), &m)
+	return m, err
+}
+
+// SaveCheckpoint writes a checkpoint record durably (temp, fsync, rename).
+func (s *Store) SaveCheckpoint(c Checkpoint) error {
+	if !ValidID(c.ID) {
+		return fmt.Errorf("save checkpoint: invalid id %q", c.ID)
+	}
+	if err := s.writeJSON(filepath.Join("meta/checkpoints", c.ID+".json"), c, true); err != nil {
+		return fmt.Errorf("save checkpoint %s: %w", c.ID, err)
+	}
+	return nil
+}
+
+// Checkpoint reads the record of checkpoint id and checks that its layers
+// exist.
+func (s *Store) Checkpoint(id string) (Checkpoint, error) {
+	var c Checkpoint
+	if !ValidID(id) {
+		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
+	}
+	if err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c); err != nil {
+		return c, fmt.Errorf("checkpoint %s: %w", id, err)
+	}
+	if c.ID != id {
+		return c, fmt.Errorf("checkpoint %s: corrupted record (id %q)", id, c.ID)
+	}
+	for _, l := range c.Layers {
+		if !ValidID(l) {
+			return c, fmt.Errorf("checkpoint %s: corrupted record (layer %q)", id, l)
+		}
+		st, err := os.Lstat(s.LayerPath(l))
+		if err != nil || !st.IsDir() {
+			return c, fmt.Errorf("checkpoint %s: layer %s missing or corrupted", id, l)
+		}
+	}
+	return c, nil
+}
+
+// Checkpoints lists every checkpoint of the store, oldest first.
+func (s *Store) Checkpoints() ([]Checkpoint, error) {
+	ents, err := os.ReadDir(filepath.Join(s.dir, "meta/checkpoints"))
+	if err != nil {
+		return nil, fmt.Errorf("list checkpoints: %w", err)
+	}
+	var out []Checkpoint
+	for _, e := range ents {
+		name, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || !ValidID(name) {
+			continue
+		}
+		var c Checkpoint
+		if err := s.readJSON(filepath.Join("meta/checkpoints", e.Name()), &c); err != nil {
+			continue
+		}
+		out = append(out, c)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if !out[i].Created.Equal(out[j].Created) {
+			return out[i].Created.Before(out[j].Created)
+		}
+		return out[i].ID < out[j].ID
+	})
+	return out, nil
+}
+
+// DeleteCheckpoint removes the record of checkpoint id. Its layers are freed
+// by the next GC if nothing else references them.
+func (s *Store) DeleteCheckpoint(id string) error {
+	if !ValidID(id) {
+		return fmt.Errorf("delete checkpoint %q: %w", id, ErrNotFound)
+	}
+	err := os.Remove(filepath.Join(s.dir, "meta/checkpoints", id+".json"))
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("delete checkpoint %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return fmt.Errorf("delete checkpoint %s: %w", id, err)
+	}
+	return nil
+}
+
+// SaveMount writes a mount record (rename-atomic; durable=true adds fsync).
+func (s *Store) SaveMount(m MountRecord, durable bool) error {
+	if !ValidID(m.ID) {
+		return fmt.Errorf("save mount: invalid id %q", m.ID)
+	}
+	if err := s.writeJSON(filepath.Join("meta/mounts", m.ID+".json"), m, durable); err != nil {
+		return fmt.Errorf("save mount %s: %w", m.ID, err)
+	}
+	return nil
+}
+
+// Mount reads the record of mount id.
+func (s *Store) Mount(id string) (MountRecord, error) {
+	var m MountRecord
+	if !ValidID(id) {
+		return m, fmt.Errorf("mount %q: %w", id, ErrNotFound)
+	}
+	err := s.readJSON(filepath.Join("meta/mounts", id+".json"), &m)
+	return m, err
+}
+
+// Mounts lists the mount records (live or left by a crash).
+func (s *Store) Mounts() ([]MountRecord, error) {
+	ents, err := os.ReadDir(filepath.Join(s.dir, "meta/mounts"))
+	if err != nil {
+		return nil, fmt.Errorf("list mounts: %w", err)
+	}
+	var out []MountRecord
+	for _, e := range ents {
+		name, ok := strings.CutSuffix(e.Name(), ".json")
+		if !ok || !ValidID(name) {
+			continue
+		}
+		m, err := s.Mount(name)
+		if err == nil {
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
+// RemoveMount deletes the record of mount id (on a clean unmount). Its
+// upper layer is freed by the next GC.
+func (s *Store) RemoveMount(id string) error {
+	err := os.Remove(filepath.Join(s.dir, "meta/mounts", id+".json"))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove mount %s: %w", id, err)
+	}
+	return nil
+}
+
+// ProcessAlive reports whether pid names a live process.
+func ProcessAlive(pid int) bool {
+	if pid <= 0 {
+		return false
+	}
+	err := syscall.Kill(pid, 0)
+	return err == nil || errors.Is(err, syscall.EPERM)
+}
+
+// Referenced returns the set of layer ids referenced by a checkpoint record
+// or a mount record (live or crashed: a crashed mount can be resumed).
+func (s *Store) Referenced() (map[string]bool, error) {
+	refs := map[string]bool{}
+	cps, err := s.Checkpoints()
+	if err != nil {
+		return nil, err
+	}
+	for _, c := range cps {
+		for _, l := range c.Layers {
+			refs[l] = true
+		}
+	}
+	ms, err := s.Mounts()
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range ms {
+		for _, l := range m.Layers {
+			refs[l] = true
+		}
+		refs[m.Upper] = true
+	}
+	return refs, nil
+}
+
+// GC removes every layer referenced by no checkpoint and no mount record
+// and returns the removed ids. Layers younger than minAge are kept, so a
+// layer being created concurrently by another process is never freed.
+func (s *Store) GC(minAge time.Duration) ([]string, error) {
+	refs, err := s.Referenced()
+	if err != nil {
+		return nil, fmt.Errorf("gc: %w", err)
+	}
+	ents, err := os.ReadDir(filepath.Join(s.dir, "layers"))
+	if err != nil {
+		return nil, fmt.Errorf("gc: %w", err)
+	}
+	var removed []string
+	for _, e := range ents {
+		id := e.Name()
+		if refs[id] || !ValidID(id) {
+			continue
+		}
+		if m, err := s.Layer(id); err == nil && time.Since(m.Created) < minAge {
+			continue
+		}
+		// Rename first so a half-removed layer is never mistaken for a
+		// valid one.
+		tmp := filepath.Join(s.WorkDir(), "gc-"+id)
+		if err := os.Rename(s.LayerPath(id), tmp); err != nil {
+			return removed, fmt.Errorf("gc layer %s: %w", id, err)
+		}
+		if err := os.RemoveAll(tmp); err != nil {
+			return removed, fmt.Errorf("gc layer %s: %w", id, err)
+		}
+		_ = os.Remove(filepath.Join(s.dir, "meta/layers", id+".json"))
+		removed = append(removed, id)
+	}
+	return removed, nil
+}
+
+func (s *Store) writeJSON(rel string, v any, durable bool) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return WriteFileAtomic(filepath.Join(s.dir, rel), b, durable)
+}
+
+func (s *Store) readJSON(rel string, v any) error {
+	b, err := os.ReadFile(filepath.Join(s.dir, rel))
+	if errors.Is(err, os.ErrNotExist) {
+		return ErrNotFound
+	}
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("corrupted record %s: %w", filepath.Base(rel), err)
+	}
+	return nil
+}
+
+// WriteFileAtomic writes data to path via a temporary file and a rename;
+// with durable it fsyncs the file before the rename and the directory after.
+func WriteFileAtomic(path string, data []byte, durable bool) error {
+	dir := filepath.Dir(path)
+	tmp := filepath.Join(dir, "."+filepath.Base(path)+"."+NewID()+".tmp")
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	_, err = f.Write(data)
+	if err == nil && durable {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		_ = os.Remove(tmp)
+		return err
+	}
+	if durable {
+		if d, err := os.Open(dir); err == nil {
+			_ = d.Sync()
+			_ = d.Close()
+		}
+	}
+	return nil
+}
+
+// AdoptLayer moves the directory dir (on the store's file system) into the
+// store as layer id with metadata m.
+func (s *Store) AdoptLayer(id, dir string, m LayerMeta) error {
+	if !ValidID(id) {
+		return fmt.Errorf("adopt layer: invalid id %q", id)
+	}
+	if err := s.writeJSON(filepath.Join("meta/layers", id+".json"), m, true); err != nil {
+		return fmt.Errorf("adopt layer %s: %w", id, err)
+	}
+	if err := os.Rename(dir, s.LayerPath(id)); err != nil {
+		return fmt.Errorf("adopt layer %s: %w", id, err)
+	}
+	return nil
+}
