@@ -149,3 +149,33 @@ func TestWATModulesReproducible(t *testing.T) {
 		}
 	}
 }
+
+// TestWATExamplePolicy checks that the hand-written WAT example implements
+// the effects rule: same modes as the built-in on every fixture.
+func TestWATExamplePolicy(t *testing.T) {
+	ctx := context.Background()
+	h, err := policy.NewHost(ctx, policy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	p, err := h.LoadFile(ctx, "../examples/policy-wat/policy.wasm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	reports, exps := readFixtures(t, rules.NameEffects)
+	for i := range reports {
+		d, err := p.Decide(ctx, &reports[i])
+		if err != nil || d.Fallback || d.Mode != exps[i].Mode {
+			t.Errorf("turn %d: %+v, %v; want %v", reports[i].Turn, d, err, exps[i].Mode)
+		}
+	}
+	// A report big enough to make the module grow its memory for the input.
+	big := reports[1]
+	for i := 0; i < effect.MaxSamples; i++ {
+		big.FS.Samples = append(big.FS.Samples, effect.PathSample{Op: "modify", Path: string(bytes.Repeat([]byte("p"), effect.MaxWireString))})
+	}
+	if d, _ := p.Decide(ctx, &big); d.Fallback || d.Mode != policy.FS {
+		t.Fatalf("big report: %+v", d)
+	}
+}
