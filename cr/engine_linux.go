@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"sort"
 	"sync"
 	"time"
@@ -123,6 +124,10 @@ type Parts struct {
 // what the template had (/dev/null).
 type Stdio struct {
 	Stdin, Stdout, Stderr string
+	// Files are the same three files open in the caller (the daemon's
+	// child ends); a CRIU restore hands them over directly. When nil, the
+	// paths are opened through /proc/<init>/root.
+	Files [3]*os.File
 	// Started, if set, is called with the host pid of the copy once it runs.
 	Started func(pid int) error
 }
@@ -243,6 +248,13 @@ func (e *Engine) templatePids(sb string) map[int]bool {
 
 // Processes lists the live processes of t (templates and init excluded).
 func (e *Engine) Processes(t Target) ([]Proc, error) {
+	l := e.sandboxLock(t.ID())
+	l.Lock()
+	defer l.Unlock()
+	return e.processes(t)
+}
+
+func (e *Engine) processes(t Target) ([]Proc, error) {
 	return descendants(t.InitPID(), e.templatePids(t.ID()))
 }
 
@@ -275,7 +287,7 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		return nil, fmt.Errorf("checkpoint %s: id already used", opts.ID)
 	}
 	rec := Checkpoint{ID: opts.ID, Sandbox: t.ID(), Taken: time.Now()}
-	procs, err := e.Processes(t)
+	procs, err := e.processes(t)
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint %s: %w", opts.ID, err)
 	}
@@ -472,7 +484,7 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 // killLive SIGKILLs every live process of t and waits until each is gone.
 func (e *Engine) killLive(ctx context.Context, t Target) error {
 	for round := 0; round < 10; round++ {
-		procs, err := e.Processes(t)
+		procs, err := e.processes(t)
 		if err != nil {
 			return err
 		}
@@ -502,11 +514,11 @@ func (e *Engine) killLive(ctx context.Context, t Target) error {
 		}
 		// Zombies still listed until init reaps them: wait briefly.
 		waitUntil(ctx, 2*time.Second, func() bool {
-			ps, err := e.Processes(t)
+			ps, err := e.processes(t)
 			return err == nil && allZombie(ps)
 		})
 	}
-	procs, _ := e.Processes(t)
+	procs, _ := e.processes(t)
 	if !allZombie(procs) {
 		return fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
 	}

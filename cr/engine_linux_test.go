@@ -38,7 +38,7 @@ func TestTemplateBash(t *testing.T) {
 			if got := bashChat(t, live, `cd /; export V=2; f() { echo other; }; echo "$PWD $V $(f x)"`); got != "/ 2 other" {
 				t.Fatalf("live shell after checkpoint: %q", got)
 			}
-			stdio, sessions := freshStdio(t)
+			stdio, sessions := freshStdio(t, sb)
 			switched := false
 			res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{SwitchFS: func() error { switched = true; return nil }, Stdio: stdio})
 			if err != nil {
@@ -112,7 +112,7 @@ func TestTemplatePython200MB(t *testing.T) {
 	if got := pyChat(t, live, probe); got == want {
 		t.Fatal("live change not visible")
 	}
-	stdio, sessions := freshStdio(t)
+	stdio, sessions := freshStdio(t, sb)
 	if _, err := e.Restore(ctxT(t), sb, "py", RestoreOptions{Stdio: stdio}); err != nil {
 		t.Fatal(err)
 	}

@@ -28,9 +28,19 @@ func TestMain(m *testing.M) {
 }
 
 func testInit() {
+	// Like the sandbox: a private mount namespace whose /proc shows this
+	// PID namespace; the host's /proc stays reachable at $CR_TEST_HOSTPROC
+	// so tests can hand pipes to restored processes.
+	if hp := os.Getenv("CR_TEST_HOSTPROC"); hp != "" {
+		must(unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""))
+		must(unix.Mount("/proc", hp, "", unix.MS_BIND|unix.MS_REC, ""))
+		must(unix.Mount("proc", "/proc", "proc", 0, ""))
+	}
+	// Like the sandbox init: nothing but stdio reaches the children.
+	must(unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC))
 	var env []string
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "CR_TEST_INIT=") {
+		if !strings.HasPrefix(kv, "CR_TEST_") {
 			env = append(env, kv)
 		}
 	}
@@ -49,11 +59,19 @@ func testInit() {
 	}
 }
 
+func must(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "test init:", err)
+		os.Exit(1)
+	}
+}
+
 // testSandbox is a PID namespace with the test init as PID 1 and one
 // program as its child.
 type testSandbox struct {
-	id   string
-	init *exec.Cmd
+	id       string
+	hostProc string // host /proc as seen inside
+	init     *exec.Cmd
 	in   *os.File
 	out  *bufio.Reader
 }
@@ -73,15 +91,16 @@ func startSandbox(t *testing.T, argv ...string) *testSandbox {
 	inR, inW, _ := os.Pipe()
 	outR, outW, _ := os.Pipe()
 	cmd := exec.Command(exe, append([]string{path}, argv[1:]...)...)
-	cmd.Env = append(os.Environ(), "CR_TEST_INIT=1")
+	hostProc := t.TempDir()
+	cmd.Env = append(os.Environ(), "CR_TEST_INIT=1", "CR_TEST_HOSTPROC="+hostProc)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWPID, Pdeathsig: unix.SIGKILL}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWPID | unix.CLONE_NEWNS, Pdeathsig: unix.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	inR.Close()
 	outW.Close()
-	sb := &testSandbox{id: fmt.Sprintf("%s-%d", t.Name(), cmd.Process.Pid), init: cmd, in: inW, out: bufio.NewReader(outR)}
+	sb := &testSandbox{id: fmt.Sprintf("%s-%d", t.Name(), cmd.Process.Pid), hostProc: hostProc, init: cmd, in: inW, out: bufio.NewReader(outR)}
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill() // PID 1 dies: the kernel kills the namespace
 		_ = cmd.Wait()
@@ -148,7 +167,7 @@ type session struct {
 
 // freshStdio returns RestoreOptions.Stdio creating new pipes for every
 // copy; the test ends are sent on the returned channel.
-func freshStdio(t *testing.T) (func(Proc) (*Stdio, error), chan session) {
+func freshStdio(t *testing.T, sb *testSandbox) (func(Proc) (*Stdio, error), chan session) {
 	ch := make(chan session, 64)
 	return func(Proc) (*Stdio, error) {
 		inR, inW, err := os.Pipe()
@@ -161,9 +180,10 @@ func freshStdio(t *testing.T) (func(Proc) (*Stdio, error), chan session) {
 		}
 		self := os.Getpid()
 		st := &Stdio{
-			Stdin:  fmt.Sprintf("/proc/%d/fd/%d", self, inR.Fd()),
-			Stdout: fmt.Sprintf("/proc/%d/fd/%d", self, outW.Fd()),
-			Stderr: fmt.Sprintf("/proc/%d/fd/%d", self, outW.Fd()),
+			Stdin:  fmt.Sprintf("%s/%d/fd/%d", sb.hostProc, self, inR.Fd()),
+			Stdout: fmt.Sprintf("%s/%d/fd/%d", sb.hostProc, self, outW.Fd()),
+			Stderr: fmt.Sprintf("%s/%d/fd/%d", sb.hostProc, self, outW.Fd()),
+			Files:  [3]*os.File{inR, outW, outW},
 			Started: func(int) error {
 				inR.Close()
 				outW.Close()

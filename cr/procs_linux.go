@@ -104,3 +104,5 @@ func descendants(init int, skip map[int]bool) ([]Proc, error) {
 	}
 	return out, nil
 }
+
+func itoa(i int) string { return strconv.Itoa(i) }

@@ -1,0 +1,255 @@
+// Package criu drives CRIU (through go-criu) for rewind: dumps and restores
+// of process subtrees that live inside a sandbox's PID and mount
+// namespaces.
+//
+// CRIU refuses to dump a subtree of a foreign PID namespace ("Can't dump a
+// pid namespace without the process init"), and run in that PID namespace
+// with the host's /proc it cannot even read its targets. So criu runs
+// inside the sandbox's PID and mount namespaces: go-criu starts a small
+// wrapper that enters them with nsenter(1) and execs criu (go-criu has no
+// hook to enter namespaces). Image directories are passed as inherited file
+// descriptors, so they need not be visible inside the sandbox.
+package criu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	gocriu "github.com/checkpoint-restore/go-criu/v8"
+	"github.com/checkpoint-restore/go-criu/v8/rpc"
+)
+
+// DefaultPath is where scripts/deps.sh installs CRIU.
+const DefaultPath = "/opt/rewind/criu/sbin/criu"
+
+// Find returns the criu binary: explicit if set, else $REWIND_CRIU, else
+// DefaultPath, else criu from PATH.
+func Find(explicit string) (string, error) {
+	for _, p := range []string{explicit, os.Getenv("REWIND_CRIU"), DefaultPath} {
+		if p == "" {
+			continue
+		}
+		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
+			return p, nil
+		} else if p == explicit || p == os.Getenv("REWIND_CRIU") {
+			return "", fmt.Errorf("criu binary %s is not usable: %v", p, err)
+		}
+	}
+	p, err := exec.LookPath("criu")
+	if err != nil {
+		return "", errors.New("criu not found (set REWIND_CRIU, install it to " + DefaultPath + " or put it on PATH)")
+	}
+	return p, nil
+}
+
+// Runner runs CRIU operations.
+type Runner struct {
+	// Path is the criu binary.
+	Path string
+	// WrapDir holds the generated namespace-entering wrappers.
+	WrapDir string
+}
+
+// NewRunner finds criu (see Find) and prepares a private wrapper directory.
+func NewRunner(explicit string) (*Runner, error) {
+	p, err := Find(explicit)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := exec.LookPath("nsenter"); err != nil {
+		return nil, fmt.Errorf("criu runner: nsenter not found: %w", err)
+	}
+	d, err := os.MkdirTemp("", "rewind-criu-")
+	if err != nil {
+		return nil, err
+	}
+	return &Runner{Path: p, WrapDir: d}, nil
+}
+
+// Close removes the wrapper directory.
+func (r *Runner) Close() error { return os.RemoveAll(r.WrapDir) }
+
+// wrapper returns a script that execs criu inside the PID and mount
+// namespaces of nsPID (host pid), or criu itself when nsPID is 0.
+func (r *Runner) wrapper(nsPID int) (string, error) {
+	if nsPID == 0 {
+		return r.Path, nil
+	}
+	p := filepath.Join(r.WrapDir, "ns-"+strconv.Itoa(nsPID))
+	if _, err := os.Stat(p); err == nil {
+		return p, nil
+	}
+	nsenter, err := exec.LookPath("nsenter")
+	if err != nil {
+		return "", err
+	}
+	script := fmt.Sprintf("#!/bin/sh\nexec %s -t %d -p -m -- %s \"$@\"\n", nsenter, nsPID, r.Path)
+	tmp := p + ".tmp"
+	if err := os.WriteFile(tmp, []byte(script), 0o700); err != nil {
+		return "", err
+	}
+	return p, os.Rename(tmp, p)
+}
+
+// Error is a failed CRIU operation with the path of its log.
+type Error struct {
+	Op  string
+	Log string
+	Err error
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("criu %s failed: %v (log: %s%s)", e.Op, e.Err, e.Log, lastErrorLine(e.Log))
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+func lastErrorLine(log string) string {
+	b, err := os.ReadFile(log)
+	if err != nil {
+		return ""
+	}
+	var last string
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.Contains(l, "Error") && !strings.Contains(l, "RLIMIT_NOFILE") {
+			last = l
+		}
+	}
+	if last == "" {
+		return ""
+	}
+	return "; " + strings.TrimSpace(last)
+}
+
+// DumpOptions describe one dump.
+type DumpOptions struct {
+	// NSInit is the host pid of the PID 1 whose PID and mount namespaces
+	// criu must run in (0: run in the caller's namespaces).
+	NSInit int
+	// Pid is the root of the dumped subtree, as seen inside NSInit's PID
+	// namespace (or the host pid when NSInit is 0).
+	Pid int
+	// Dir is the image directory (created if missing).
+	Dir string
+	// LeaveRunning leaves the processes running (or stopped, if they were)
+	// after the dump; otherwise they are killed.
+	LeaveRunning bool
+}
+
+// LogName is the log file criu writes into an image directory.
+const (
+	DumpLog    = "dump.log"
+	RestoreLog = "restore.log"
+)
+
+func ptr[T any](v T) *T { return &v }
+
+// baseOpts: the image dir is criu's inherited fd 3, named through criu's own
+// /proc/self (images_dir_fd would be resolved in the *caller's* /proc, which
+// criu cannot see from inside the sandbox's PID namespace).
+func baseOpts(log string) *rpc.CriuOpts {
+	return &rpc.CriuOpts{
+		ImagesDirFd:     ptr(int32(-1)),
+		ImagesDir:       ptr("/proc/self/fd/3"),
+		LogFile:         ptr(log),
+		LogLevel:        ptr(int32(4)),
+		ShellJob:        ptr(true),
+		TcpEstablished:  ptr(true),
+		ExtUnixSk:       ptr(true),
+		FileLocks:       ptr(true),
+		OrphanPtsMaster: ptr(false),
+	}
+}
+
+// Dump dumps the subtree rooted at o.Pid into o.Dir.
+func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
+	if err := os.MkdirAll(o.Dir, 0o700); err != nil {
+		return fmt.Errorf("criu dump: %w", err)
+	}
+	dir, err := os.Open(o.Dir)
+	if err != nil {
+		return fmt.Errorf("criu dump: %w", err)
+	}
+	defer dir.Close()
+	w, err := r.wrapper(o.NSInit)
+	if err != nil {
+		return fmt.Errorf("criu dump: %w", err)
+	}
+	c := gocriu.MakeCriu()
+	c.SetCriuPath(w)
+	// The image dir travels as an inherited fd (fd 3 in criu).
+	c.AddInheritFd("0-images-dir", dir)
+	opts := baseOpts(DumpLog)
+	opts.Pid = ptr(int32(o.Pid))
+	opts.LeaveRunning = ptr(o.LeaveRunning)
+	if err := runCtx(ctx, c, func() error { return c.Dump(opts, nil) }); err != nil {
+		return &Error{Op: "dump", Log: filepath.Join(o.Dir, DumpLog), Err: err}
+	}
+	return nil
+}
+
+// RestoreOptions describe one restore.
+type RestoreOptions struct {
+	// NSInit: as in DumpOptions. The restored root is reparented to it.
+	NSInit int
+	// Dir is the image directory.
+	Dir string
+	// Inherit maps CRIU file keys (e.g. "pipe:[12345]") to files the
+	// restored processes get in place of the dumped ones.
+	Inherit map[string]*os.File
+}
+
+type notify struct {
+	gocriu.NoNotify
+	pid int32
+}
+
+func (n *notify) PostRestore(pid int32) error { n.pid = pid; return nil }
+
+// Restore restores the images in o.Dir detached (the restored root becomes
+// a child of NSInit's PID 1) and returns its pid as criu reports it (in the
+// namespace of NSInit).
+func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
+	dir, err := os.Open(o.Dir)
+	if err != nil {
+		return 0, fmt.Errorf("criu restore: %w", err)
+	}
+	defer dir.Close()
+	w, err := r.wrapper(o.NSInit)
+	if err != nil {
+		return 0, fmt.Errorf("criu restore: %w", err)
+	}
+	c := gocriu.MakeCriu()
+	c.SetCriuPath(w)
+	c.AddInheritFd("0-images-dir", dir)
+	for k, f := range o.Inherit {
+		c.AddInheritFd(k, f)
+	}
+	opts := baseOpts(RestoreLog)
+	opts.RstSibling = ptr(false)
+	n := &notify{}
+	if err := runCtx(ctx, c, func() error { return c.Restore(opts, n) }); err != nil {
+		return 0, &Error{Op: "restore", Log: filepath.Join(o.Dir, RestoreLog), Err: err}
+	}
+	return int(n.pid), nil
+}
+
+// runCtx runs f, killing criu if ctx ends first.
+func runCtx(ctx context.Context, c *gocriu.Criu, f func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- f() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		_ = c.Cleanup()
+		<-done
+		return ctx.Err()
+	}
+}
