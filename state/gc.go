@@ -241,3 +241,25 @@ func (m *Manager) maybeAutoGC() {
 		m.mu.Unlock()
 	}()
 }
+
+// Stats summarizes the tree.
+type Stats struct {
+	Sandboxes   int   `json:"sandboxes"`
+	Checkpoints int   `json:"checkpoints"`
+	Pins        int   `json:"pins"`
+	Bytes       int64 `json:"bytes"`
+}
+
+// Stats returns counts and the bytes held by checkpoints.
+func (m *Manager) Stats() Stats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	st := Stats{Sandboxes: len(m.byID), Checkpoints: len(m.ckpts), Pins: len(m.pins)}
+	for _, c := range m.ckpts {
+		st.Bytes += c.rec.FSBytes
+		if c.rec.Proc != nil && c.rec.ProcFrom == c.rec.ID {
+			st.Bytes += c.rec.Proc.Bytes
+		}
+	}
+	return st
+}

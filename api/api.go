@@ -1,0 +1,163 @@
+// Package api holds the request and response bodies of rewind's HTTP/JSON
+// API (version 1, every path under /v1). The daemon serves it over a
+// root-only unix socket; package client calls it. README.md in this
+// directory is the reference.
+package api
+
+import (
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// Version is the API version, the first element of every path.
+const Version = "v1"
+
+// DefaultSocket is where the daemon listens unless told otherwise.
+const DefaultSocket = "/run/rewind/rewind.sock"
+
+// DefaultStateDir is where the daemon keeps its state unless told otherwise.
+const DefaultStateDir = "/var/lib/rewind"
+
+// Error is the body of every non-2xx answer.
+type Error struct {
+	Error ErrorBody `json:"error"`
+}
+
+// ErrorBody carries a stable code (see state.Code*) and a one-line message.
+type ErrorBody struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// VersionInfo answers GET /v1/version.
+type VersionInfo struct {
+	Version string `json:"version"`
+	API     string `json:"api"`
+	PID     int    `json:"pid"`
+	// Backends says which back ends the daemon runs with.
+	Backends map[string]string `json:"backends"`
+	StateDir string            `json:"state_dir"`
+}
+
+// CreateRequest is the body of POST /v1/sandboxes.
+type CreateRequest struct {
+	Name   string   `json:"name"`
+	Bases  []string `json:"bases,omitempty"`
+	FS     string   `json:"fs,omitempty"`
+	Policy string   `json:"policy,omitempty"`
+}
+
+// SandboxList answers GET /v1/sandboxes.
+type SandboxList struct {
+	Sandboxes []*state.Sandbox `json:"sandboxes"`
+}
+
+// ExecRequest is the body of POST /v1/sandboxes/{name}/exec. The answer is
+// a stream of ExecFrame objects, one JSON object per line, ending with one
+// that has Exit or Error set.
+type ExecRequest struct {
+	Argv  []string `json:"argv"`
+	Env   []string `json:"env,omitempty"`
+	Dir   string   `json:"dir,omitempty"`
+	Stdin string   `json:"stdin,omitempty"`
+	Epoch uint64   `json:"epoch,omitempty"`
+}
+
+// ExecFrame is one line of an exec stream.
+type ExecFrame struct {
+	Stdout string     `json:"stdout,omitempty"`
+	Stderr string     `json:"stderr,omitempty"`
+	Exit   *int       `json:"exit,omitempty"`
+	Error  *ErrorBody `json:"error,omitempty"`
+}
+
+// SessionRequest is the body of POST /v1/sandboxes/{name}/sessions.
+type SessionRequest struct {
+	ID    string   `json:"id,omitempty"`
+	Argv  []string `json:"argv"`
+	Env   []string `json:"env,omitempty"`
+	Epoch uint64   `json:"epoch,omitempty"`
+}
+
+// SessionInfo answers a session start.
+type SessionInfo struct {
+	ID string `json:"id"`
+}
+
+// SendRequest is the body of POST /v1/sandboxes/{name}/sessions/{id}/send.
+type SendRequest struct {
+	Text string `json:"text"`
+	// IdleMS ends the read after this much quiet output (default 300).
+	IdleMS int `json:"idle_ms,omitempty"`
+	// Until is a regular expression that ends the read when matched.
+	Until string `json:"until,omitempty"`
+	// TimeoutMS bounds the call (default 60000).
+	TimeoutMS int    `json:"timeout_ms,omitempty"`
+	Epoch     uint64 `json:"epoch,omitempty"`
+}
+
+// SendResult answers a send.
+type SendResult struct {
+	Output string `json:"output"`
+}
+
+// TurnRequest is the body of POST /v1/sandboxes/{name}/turn (and of
+// .../checkpoint, which forces mode full).
+type TurnRequest struct {
+	Mode  string `json:"mode,omitempty"`
+	Wait  bool   `json:"wait,omitempty"`
+	Epoch uint64 `json:"epoch,omitempty"`
+}
+
+// TurnResult answers a turn. ElapsedUS is the daemon-side time of the call;
+// the client replaces it by the time the caller saw.
+type TurnResult struct {
+	state.TurnResult
+	ElapsedUS int64 `json:"elapsed_us"`
+}
+
+// RestoreRequest is the body of POST /v1/sandboxes/{name}/restore.
+type RestoreRequest struct {
+	Checkpoint string `json:"checkpoint"`
+	Epoch      uint64 `json:"epoch,omitempty"`
+}
+
+// RestoreResult answers a restore.
+type RestoreResult struct {
+	state.RestoreResult
+	ElapsedUS int64 `json:"elapsed_us"`
+}
+
+// Log answers GET /v1/sandboxes/{name}/log.
+type Log struct {
+	Sandbox     *state.Sandbox      `json:"sandbox"`
+	Checkpoints []*state.Checkpoint `json:"checkpoints"`
+	Pins        []string            `json:"pins,omitempty"`
+}
+
+// ForkRequest is the body of POST /v1/checkpoints/{id}/fork.
+type ForkRequest struct {
+	Count  int    `json:"count"`
+	Prefix string `json:"prefix,omitempty"`
+	NoWait bool   `json:"no_wait,omitempty"`
+}
+
+// ForkResult answers a fork.
+type ForkResult struct {
+	Sandboxes []string `json:"sandboxes"`
+	ElapsedUS int64    `json:"elapsed_us"`
+}
+
+// PinRequest is the body of POST /v1/pins and POST /v1/unpin.
+type PinRequest struct {
+	IDs []string `json:"ids"`
+}
+
+// PinList answers pin calls and GET /v1/pins.
+type PinList struct {
+	Pins []string `json:"pins"`
+}
+
+// GCRequest is the body of POST /v1/gc.
+type GCRequest struct {
+	DryRun bool `json:"dry_run,omitempty"`
+}

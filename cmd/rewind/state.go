@@ -1,0 +1,691 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/client"
+	"github.com/rewind-sandbox/rewind/daemon"
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// newStateCmds returns the product commands: sandboxes, turns, restore,
+// fork, the tree, pins, GC, the daemon, bench and demo.
+func newStateCmds() []*cobra.Command {
+	return []*cobra.Command{
+		newCreateCmd(), newExecCmd(), newSessionCmd(), newTurnCmd(), newCheckpointCmd(), newRestoreCmd(),
+		newForkCmd(), newLsCmd(), newLogCmd(), newRmCmd(), newPinCmd(), newUnpinCmd(), newGCCmd(),
+		newDaemonCmd(), newBenchCmd(), newDemoCmd(),
+	}
+}
+
+// clientOpts are the flags every client command shares.
+type clientOpts struct {
+	socket string
+	json   bool
+}
+
+func (o *clientOpts) add(cmd *cobra.Command) {
+	cmd.Flags().StringVar(&o.socket, "socket", "", "daemon socket (default $REWIND_SOCKET or "+api.DefaultSocket+")")
+	cmd.Flags().BoolVar(&o.json, "json", false, "print JSON for scripts")
+}
+
+// connect returns a client, starting a daemon with default settings when
+// none runs on the socket (and saying so on stderr).
+func (o *clientOpts) connect(cmd *cobra.Command) (*client.Client, error) {
+	sock := o.socket
+	if sock == "" {
+		sock = client.SocketFromEnv()
+	}
+	c := client.New(sock)
+	ctx, cancel := context.WithTimeout(cmd.Context(), 5*time.Second)
+	defer cancel()
+	_, err := c.Version(ctx)
+	if err == nil {
+		return c, nil
+	}
+	if !errors.Is(err, client.ErrNoDaemon) {
+		return nil, err
+	}
+	if os.Getenv("REWIND_NO_AUTOSTART") == "1" {
+		return nil, err
+	}
+	pid, logPath, err := startDaemon(sock)
+	if err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(cmd.Context(), time.Second)
+		_, err = c.Version(ctx)
+		cancel()
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) || !processAlive(pid) {
+			tail := lastLines(logPath, 3)
+			return nil, fmt.Errorf("started a daemon (pid %d) but it did not come up on %s: %s", pid, sock, tail)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	fmt.Fprintf(cmd.ErrOrStderr(), "rewind: no daemon was running on %s; started one (pid %d, log %s)\n", sock, pid, logPath)
+	return c, nil
+}
+
+// startDaemon starts `rewind daemon` detached, with the socket given and
+// the state dir from $REWIND_STATE (or the default).
+func startDaemon(sock string) (int, string, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return 0, "", err
+	}
+	stateDir := os.Getenv("REWIND_STATE")
+	if stateDir == "" {
+		stateDir = api.DefaultStateDir
+	}
+	if err := os.MkdirAll(stateDir, 0o700); err != nil {
+		return 0, "", fmt.Errorf("start daemon: %w", err)
+	}
+	logPath := filepath.Join(stateDir, "daemon.log")
+	lf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return 0, "", fmt.Errorf("start daemon: %w", err)
+	}
+	defer lf.Close()
+	args := []string{"daemon", "--socket", sock, "--state", stateDir}
+	if b := os.Getenv("REWIND_BACKEND"); b != "" {
+		args = append(args, "--backend", b)
+	}
+	cmd := exec.Command(self, args...)
+	cmd.Stdout, cmd.Stderr = lf, lf
+	cmd.Dir = "/"
+	detach(cmd)
+	if err := cmd.Start(); err != nil {
+		return 0, "", fmt.Errorf("start daemon: %w", err)
+	}
+	pid := cmd.Process.Pid
+	go cmd.Wait()
+	return pid, logPath, nil
+}
+
+func processAlive(pid int) bool {
+	return syscall.Kill(pid, 0) == nil
+}
+
+func lastLines(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "no log"
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, " | ")
+}
+
+func printJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func ms(us int64) string { return fmt.Sprintf("%.2f ms", float64(us)/1000) }
+
+func newCreateCmd() *cobra.Command {
+	var o clientOpts
+	var req api.CreateRequest
+	cmd := &cobra.Command{
+		Use:   "create NAME",
+		Short: "Create a sandbox (the host's root read-only, or stacked --base dirs)",
+		Example: `  rewind create agent1
+  rewind create agent1 --base /srv/images/python --base /srv/project --policy effects`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			req.Name = args[0]
+			for i, b := range req.Bases {
+				if abs, err := filepath.Abs(b); err == nil {
+					req.Bases[i] = abs
+				}
+			}
+			sb, err := c.Create(cmd.Context(), req)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"name": sb.Name, "id": sb.ID, "epoch": sb.Epoch})
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), sb.Name)
+			return nil
+		},
+	}
+	cmd.Flags().StringArrayVar(&req.Bases, "base", nil, "read-only base directory (repeatable, bottom first); default: the host's root")
+	cmd.Flags().StringVar(&req.FS, "fs", "auto", "file-system path: auto, fuse or kernel")
+	cmd.Flags().StringVar(&req.Policy, "policy", "", "checkpoint policy for auto turns: a built-in NAME or FILE.wasm")
+	o.add(cmd)
+	return cmd
+}
+
+func newExecCmd() *cobra.Command {
+	var o clientOpts
+	var req api.ExecRequest
+	cmd := &cobra.Command{
+		Use:     "exec NAME -- CMD...",
+		Short:   "Run a one-shot command in a sandbox; streams its output and returns its exit code",
+		Example: "  rewind exec agent1 -- ls -la /\n  rewind exec agent1 --dir /work -- python3 -m pytest -q",
+		Args:    cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			req.Argv = args[1:]
+			code, err := c.Exec(cmd.Context(), args[0], req, cmd.OutOrStdout(), cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			if code != 0 {
+				return exitError{code: code}
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&req.Dir, "dir", "", "working directory inside the sandbox")
+	cmd.Flags().StringArrayVar(&req.Env, "env", nil, "environment variable K=V (repeatable)")
+	cmd.Flags().Uint64Var(&req.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	cmd.Flags().StringVar(&o.socket, "socket", "", "daemon socket (default $REWIND_SOCKET or "+api.DefaultSocket+")")
+	return cmd
+}
+
+func newSessionCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:     "session",
+		Short:   "Long-lived processes (bash, python) driven by the harness",
+		Example: "  rewind session start agent1 --id sh -- bash\n  rewind session send agent1 sh 'cd /tmp && pwd'",
+	}
+	var o clientOpts
+	var sreq api.SessionRequest
+	start := &cobra.Command{
+		Use:     "start NAME [--id S] -- CMD...",
+		Short:   "Start a session process; prints its id",
+		Example: "  rewind session start agent1 --id sh -- bash\n  rewind session start agent1 --id py -- python3 -i -q",
+		Args:    cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			sreq.Argv = args[1:]
+			id, err := c.StartSession(cmd.Context(), args[0], sreq)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]string{"id": id})
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), id)
+			return nil
+		},
+	}
+	start.Flags().StringVar(&sreq.ID, "id", "", "session id (default: generated)")
+	start.Flags().StringArrayVar(&sreq.Env, "env", nil, "environment variable K=V (repeatable)")
+	start.Flags().Uint64Var(&sreq.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	o.add(start)
+
+	var o2 clientOpts
+	var sendReq api.SendRequest
+	var idle, timeout time.Duration
+	send := &cobra.Command{
+		Use:   "send NAME S TEXT",
+		Short: "Write TEXT and a newline to a session; print its answer until quiet (--idle) or --until matches",
+		Example: `  rewind session send agent1 sh 'export X=1; echo $X'
+  rewind session send agent1 py 'print(6*7)' --until '>>> $'`,
+		Args: cobra.ExactArgs(3),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o2.connect(cmd)
+			if err != nil {
+				return err
+			}
+			sendReq.Text = args[2]
+			sendReq.IdleMS = int(idle.Milliseconds())
+			sendReq.TimeoutMS = int(timeout.Milliseconds())
+			out, err := c.Send(cmd.Context(), args[0], args[1], sendReq)
+			if err != nil {
+				return err
+			}
+			if o2.json {
+				return printJSON(cmd.OutOrStdout(), map[string]string{"output": out})
+			}
+			fmt.Fprint(cmd.OutOrStdout(), out)
+			return nil
+		},
+	}
+	send.Flags().DurationVar(&idle, "idle", 300*time.Millisecond, "return once the output has been quiet this long")
+	send.Flags().StringVar(&sendReq.Until, "until", "", "return once the output matches this regular expression")
+	send.Flags().DurationVar(&timeout, "timeout", time.Minute, "give up after this long")
+	send.Flags().Uint64Var(&sendReq.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	o2.add(send)
+	cmd.AddCommand(start, send)
+	return cmd
+}
+
+func printTurn(cmd *cobra.Command, o *clientOpts, r *api.TurnResult) error {
+	if o.json {
+		return printJSON(cmd.OutOrStdout(), map[string]any{
+			"id": r.ID, "decision": r.Decision, "reason": r.Reason, "elapsed_us": r.ElapsedUS,
+			"epoch": r.Epoch, "status": r.Status, "durable": r.Durable,
+		})
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "%s\t%s\t%s\t(%s)\n", r.ID, r.Decision, ms(r.ElapsedUS), r.Reason)
+	return nil
+}
+
+func newTurnCmd() *cobra.Command {
+	var o clientOpts
+	var req api.TurnRequest
+	cmd := &cobra.Command{
+		Use:   "turn NAME",
+		Short: "End a turn: decide skip / fs / full and checkpoint asynchronously; prints the checkpoint id and decision",
+		Long: `turn is the harness's one call after each tool call. It closes the effect-probe window,
+asks the sandbox's policy (mode auto) or takes --mode, and starts the checkpoint in the
+background: the call returns at once. Later operations on the sandbox wait for it; --wait
+blocks until it is durable. A skip returns the previous checkpoint's id.`,
+		Example: "  rewind turn agent1\n  rewind turn agent1 --mode fs --json\n  rewind turn agent1 --mode full --wait",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			r, err := c.Turn(cmd.Context(), args[0], req)
+			if err != nil {
+				return err
+			}
+			return printTurn(cmd, &o, r)
+		},
+	}
+	cmd.Flags().StringVar(&req.Mode, "mode", "auto", "auto, skip, fs or full")
+	cmd.Flags().BoolVar(&req.Wait, "wait", false, "block until the checkpoint is durable")
+	cmd.Flags().Uint64Var(&req.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	o.add(cmd)
+	return cmd
+}
+
+func newCheckpointCmd() *cobra.Command {
+	var o clientOpts
+	var wait bool
+	var epoch uint64
+	cmd := &cobra.Command{
+		Use:     "checkpoint NAME",
+		Short:   "Take a full checkpoint (= turn --mode full)",
+		Example: "  rewind checkpoint agent1 --wait",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			r, err := c.Checkpoint(cmd.Context(), args[0], wait, epoch)
+			if err != nil {
+				return err
+			}
+			return printTurn(cmd, &o, r)
+		},
+	}
+	cmd.Flags().BoolVar(&wait, "wait", false, "block until the checkpoint is durable")
+	cmd.Flags().Uint64Var(&epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	o.add(cmd)
+	return cmd
+}
+
+func newRestoreCmd() *cobra.Command {
+	var o clientOpts
+	var epoch uint64
+	cmd := &cobra.Command{
+		Use:     "restore NAME CKPT",
+		Short:   "Bring a sandbox back to one of its checkpoints (files and processes, all or nothing)",
+		Example: "  rewind restore agent1 ck-3f2a9b1c0d4e",
+		Args:    cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			r, err := c.Restore(cmd.Context(), args[0], args[1], epoch)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"id": r.ID, "elapsed_us": r.ElapsedUS, "path": r.Path, "epoch": r.Epoch})
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "restored %s to %s via %s in %s (epoch %d)\n", args[0], r.ID, r.Path, ms(r.ElapsedUS), r.Epoch)
+			return nil
+		},
+	}
+	cmd.Flags().Uint64Var(&epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	o.add(cmd)
+	return cmd
+}
+
+func newForkCmd() *cobra.Command {
+	var o clientOpts
+	var req api.ForkRequest
+	cmd := &cobra.Command{
+		Use:   "fork CKPT --count N",
+		Short: "Create N sandboxes from a checkpoint (each finds its copy number in /run/rewind/copy)",
+		Example: `  rewind fork ck-3f2a9b1c0d4e --count 8 --prefix rollout-
+  rewind fork ck-3f2a9b1c0d4e --count 32 --json`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			r, err := c.Fork(cmd.Context(), args[0], req)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"sandboxes": r.Sandboxes, "elapsed_us": r.ElapsedUS})
+			}
+			for _, n := range r.Sandboxes {
+				fmt.Fprintln(cmd.OutOrStdout(), n)
+			}
+			fmt.Fprintf(cmd.ErrOrStderr(), "forked %d sandboxes in %s\n", len(r.Sandboxes), ms(r.ElapsedUS))
+			return nil
+		},
+	}
+	cmd.Flags().IntVar(&req.Count, "count", 1, "number of sandboxes")
+	cmd.Flags().StringVar(&req.Prefix, "prefix", "", "name prefix (default: the source sandbox's name and -)")
+	cmd.Flags().BoolVar(&req.NoWait, "no-wait", false, "fail instead of waiting when the checkpoint is not ready yet")
+	o.add(cmd)
+	return cmd
+}
+
+func newLsCmd() *cobra.Command {
+	var o clientOpts
+	cmd := &cobra.Command{
+		Use:     "ls",
+		Short:   "List sandboxes",
+		Example: "  rewind ls\n  rewind ls --json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			l, err := c.List(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), l)
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "NAME\tSTATUS\tEPOCH\tTURNS\tHEAD\tORIGIN\tNOTE")
+			for _, s := range l {
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", s.Name, s.Status, s.Epoch, s.Turns, dash(s.Head), dash(s.Origin), s.Note)
+			}
+			return tw.Flush()
+		},
+	}
+	o.add(cmd)
+	return cmd
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func newLogCmd() *cobra.Command {
+	var o clientOpts
+	cmd := &cobra.Command{
+		Use:     "log NAME",
+		Short:   "Show a sandbox's checkpoint tree with decisions and timings",
+		Example: "  rewind log agent1\n  rewind log agent1 --json",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			l, err := c.Log(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), l)
+			}
+			printTree(cmd.OutOrStdout(), l)
+			return nil
+		},
+	}
+	o.add(cmd)
+	return cmd
+}
+
+// printTree prints the checkpoints as a tree, children under parents.
+func printTree(w io.Writer, l *api.Log) {
+	pinned := map[string]bool{}
+	for _, p := range l.Pins {
+		pinned[p] = true
+	}
+	in := map[string]*state.Checkpoint{}
+	kids := map[string][]*state.Checkpoint{}
+	for _, c := range l.Checkpoints {
+		in[c.ID] = c
+	}
+	var roots []*state.Checkpoint
+	for _, c := range l.Checkpoints {
+		if in[c.Parent] != nil {
+			kids[c.Parent] = append(kids[c.Parent], c)
+		} else {
+			roots = append(roots, c)
+		}
+	}
+	fmt.Fprintf(w, "sandbox %s (%s, epoch %d, %d turns)\n", l.Sandbox.Name, l.Sandbox.Status, l.Sandbox.Epoch, l.Sandbox.Turns)
+	var walk func(c *state.Checkpoint, prefix string, last bool)
+	walk = func(c *state.Checkpoint, prefix string, last bool) {
+		branch, next := "├─ ", "│  "
+		if last {
+			branch, next = "└─ ", "   "
+		}
+		var tags []string
+		if c.ID == l.Sandbox.Head {
+			tags = append(tags, "HEAD")
+		}
+		if pinned[c.ID] {
+			tags = append(tags, "pinned")
+		}
+		if c.Sandbox != l.Sandbox.ID {
+			tags = append(tags, "fork origin")
+		}
+		if !c.Restorable {
+			tags = append(tags, "not restorable")
+		} else if c.Durable {
+			tags = append(tags, "durable")
+		}
+		fmt.Fprintf(w, "%s%s%s #%d %-4s frozen %s, took %s  %s  [%s]\n", prefix, branch, c.ID, c.Seq, c.Decision,
+			ms(c.FrozenUS), ms(c.TookUS), c.Reason, strings.Join(tags, ", "))
+		ks := kids[c.ID]
+		sort.Slice(ks, func(i, j int) bool { return ks[i].Seq < ks[j].Seq })
+		for i, k := range ks {
+			walk(k, prefix+next, i == len(ks)-1)
+		}
+	}
+	for i, r := range roots {
+		walk(r, "", i == len(roots)-1)
+	}
+}
+
+func newRmCmd() *cobra.Command {
+	var o clientOpts
+	cmd := &cobra.Command{
+		Use:     "rm NAME...",
+		Short:   "Remove sandboxes (their checkpoints stay until GC; pinned ones stay usable by fork)",
+		Example: "  rewind rm agent1 rollout-1 rollout-2",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			for _, n := range args {
+				if err := c.Remove(cmd.Context(), n); err != nil {
+					return err
+				}
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"removed": args})
+			}
+			return nil
+		},
+	}
+	o.add(cmd)
+	return cmd
+}
+
+func newPinCmd() *cobra.Command {
+	var o clientOpts
+	cmd := &cobra.Command{
+		Use:     "pin CKPT...",
+		Short:   "Pin checkpoints: GC keeps them and all their ancestors",
+		Example: "  rewind pin ck-3f2a9b1c0d4e ck-77aa01bb02cc",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			pins, err := c.Pin(cmd.Context(), args)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"pins": pins})
+			}
+			return nil
+		},
+	}
+	o.add(cmd)
+	return cmd
+}
+
+func newUnpinCmd() *cobra.Command {
+	var o clientOpts
+	cmd := &cobra.Command{
+		Use:     "unpin CKPT...",
+		Short:   "Unpin checkpoints (GC may then free them if nothing else reaches them)",
+		Example: "  rewind unpin ck-3f2a9b1c0d4e",
+		Args:    cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			pins, err := c.Unpin(cmd.Context(), args)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"pins": pins})
+			}
+			return nil
+		},
+	}
+	o.add(cmd)
+	return cmd
+}
+
+func newGCCmd() *cobra.Command {
+	var o clientOpts
+	var dry bool
+	cmd := &cobra.Command{
+		Use:     "gc",
+		Short:   "Free checkpoints unreachable from pins and live sandboxes",
+		Example: "  rewind gc --dry-run\n  rewind gc --json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			r, err := c.GC(cmd.Context(), dry)
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), r)
+			}
+			verb := "freed"
+			if dry {
+				verb = "would free"
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s %d checkpoints (%d bytes), kept %d\n", verb, len(r.Freed), r.Bytes, r.Kept)
+			for _, e := range r.Errors {
+				fmt.Fprintln(cmd.ErrOrStderr(), "error:", e)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&dry, "dry-run", false, "list what would be freed, free nothing")
+	o.add(cmd)
+	return cmd
+}
+
+func newDaemonCmd() *cobra.Command {
+	var cfg daemon.Config
+	var level string
+	cmd := &cobra.Command{
+		Use:   "daemon",
+		Short: "Run the rewind daemon (HTTP/JSON API on a root-only unix socket)",
+		Example: `  rewind daemon
+  rewind daemon --state /tmp/rw --socket /tmp/rw/rewind.sock --max-checkpoints 5000`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			var lv slog.Level
+			if err := lv.UnmarshalText([]byte(level)); err != nil {
+				return fmt.Errorf("--log-level: %w", err)
+			}
+			cfg.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: lv}))
+			cfg.Version = version
+			if cfg.Socket == "" {
+				cfg.Socket = client.SocketFromEnv()
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return daemon.Run(ctx, cfg)
+		},
+	}
+	cmd.Flags().StringVar(&cfg.StateDir, "state", api.DefaultStateDir, "state directory")
+	cmd.Flags().StringVar(&cfg.Socket, "socket", "", "API socket (default $REWIND_SOCKET or "+api.DefaultSocket+")")
+	cmd.Flags().StringVar(&cfg.Backend, "backend", "real", "real, or fake (in-memory, no root needed: for tests)")
+	cmd.Flags().StringVar(&cfg.DefaultPolicy, "policy", "effects", "policy of sandboxes created without --policy")
+	cmd.Flags().IntVar(&cfg.Budget.MaxCheckpoints, "max-checkpoints", 0, "run GC automatically above this many checkpoints (0: never)")
+	cmd.Flags().Int64Var(&cfg.Budget.MaxBytes, "max-bytes", 0, "run GC automatically above this many checkpoint bytes (0: never)")
+	cmd.Flags().StringVar(&level, "log-level", "info", "debug, info, warn or error")
+	return cmd
+}

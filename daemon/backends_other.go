@@ -1,0 +1,13 @@
+//go:build !linux
+
+package daemon
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+)
+
+func realBackends(context.Context, *Config, *slog.Logger) (*backendSet, error) {
+	return nil, errors.New("the real back ends need Linux")
+}

@@ -1,0 +1,191 @@
+// Package daemon is rewind's daemon: it owns every sandbox and checkpoint
+// on a host through a state.Manager and serves the v1 HTTP/JSON API (see
+// package api) on a root-only unix socket, with Prometheus metrics at
+// /metrics.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/state"
+	"github.com/rewind-sandbox/rewind/state/statefake"
+)
+
+// Config configures a daemon.
+type Config struct {
+	// StateDir holds the metadata store and the back ends' data.
+	StateDir string
+	// Socket is the unix socket path of the API.
+	Socket string
+	// Backend is "real" (the default: FUSE fs, namespaces, cr, probe and
+	// WASM policies) or "fake" (in-memory back ends, for tests and
+	// machines without root).
+	Backend string
+	// DefaultPolicy is the policy of sandboxes created without one.
+	DefaultPolicy string
+	// Budget triggers automatic GC.
+	Budget state.Budget
+	// Version is reported by GET /v1/version.
+	Version string
+	Logger  *slog.Logger
+	// Ready, if set, is called once the socket accepts connections.
+	Ready func()
+}
+
+// backendSet is what a daemon runs on.
+type backendSet struct {
+	fs       state.FSBackend
+	proc     state.ProcBackend
+	probe    state.Probe
+	policies state.PolicyLoader
+	names    map[string]string
+	// collectors are extra metrics from the back ends.
+	collectors []prometheus.Collector
+	close      func()
+}
+
+func fakeBackends(cfg *Config) *backendSet {
+	b := statefake.New(nil)
+	return &backendSet{
+		fs: b.FS, proc: b.Proc, probe: statefake.Probe{}, policies: statefake.Policies{},
+		names: map[string]string{"fs": "fake", "proc": "fake", "probe": "fake", "policy": "fake"},
+		close: func() {},
+	}
+}
+
+// Run serves until ctx ends, then shuts down gracefully: in-flight calls
+// finish, pending checkpoints complete, sandboxes are stopped and stay
+// recoverable in the store.
+func Run(ctx context.Context, cfg Config) error {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	if cfg.StateDir == "" {
+		cfg.StateDir = api.DefaultStateDir
+	}
+	if cfg.Socket == "" {
+		cfg.Socket = api.DefaultSocket
+	}
+	if cfg.Version == "" {
+		cfg.Version = "dev"
+	}
+	stateDir, err := filepath.Abs(cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	cfg.StateDir = stateDir
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return fmt.Errorf("state dir: %w", err)
+	}
+	var be *backendSet
+	switch cfg.Backend {
+	case "fake":
+		be = fakeBackends(&cfg)
+	case "", "real":
+		be, err = realBackends(ctx, &cfg, log)
+		if err != nil {
+			return fmt.Errorf("back ends: %w (run `rewind doctor`; `rewind daemon --backend fake` runs without them)", err)
+		}
+	default:
+		return fmt.Errorf("unknown --backend %q (want real or fake)", cfg.Backend)
+	}
+	defer be.close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	for _, c := range be.collectors {
+		reg.MustRegister(c)
+	}
+	met := newMetrics(reg)
+	mgr, err := state.Open(ctx, state.Config{
+		Dir: filepath.Join(cfg.StateDir, "meta"), FS: be.fs, Proc: be.proc, Probe: be.probe, Policies: be.policies,
+		DefaultPolicy: cfg.DefaultPolicy, Hide: []string{cfg.StateDir, filepath.Dir(cfg.Socket)},
+		BootID: bootID(), Budget: cfg.Budget, Observer: met, Logger: log,
+	})
+	if err != nil {
+		return err
+	}
+	gauges(reg, mgr)
+
+	ln, err := listen(cfg.Socket)
+	if err != nil {
+		mgr.Close(context.Background())
+		return err
+	}
+	info := api.VersionInfo{Version: cfg.Version, API: api.Version, PID: os.Getpid(), Backends: be.names, StateDir: cfg.StateDir}
+	srv := newServer(mgr, met, reg, log, info)
+	hs := &http.Server{Handler: srv.handler, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	log.Info("rewind daemon listening", "socket", cfg.Socket, "state", cfg.StateDir, "backends", be.names, "pid", os.Getpid())
+	if cfg.Ready != nil {
+		cfg.Ready()
+	}
+	select {
+	case <-ctx.Done():
+	case err = <-errc:
+		log.Error("server stopped", "err", err)
+	}
+	log.Info("shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	hs.Shutdown(sctx)
+	os.Remove(cfg.Socket)
+	if cerr := mgr.Close(sctx); cerr != nil {
+		log.Error("close state", "err", cerr)
+	}
+	log.Info("stopped")
+	if errors.Is(err, http.ErrServerClosed) {
+		err = nil
+	}
+	return err
+}
+
+// listen opens the API socket: its directory is root-only (0700) and the
+// socket itself 0600. A stale socket from a dead daemon is replaced; a live
+// one is an error.
+func listen(path string) (net.Listener, error) {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("socket dir: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("socket dir: %w", err)
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("a daemon already listens on %s", path)
+	}
+	os.Remove(path)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("socket %s: %w", path, err)
+	}
+	return ln, nil
+}
+
+func bootID() string {
+	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}

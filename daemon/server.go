@@ -1,0 +1,417 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// server maps the v1 API onto a state.Manager.
+type server struct {
+	m       *state.Manager
+	log     *slog.Logger
+	met     *metrics
+	info    api.VersionInfo
+	handler http.Handler
+}
+
+func newServer(m *state.Manager, met *metrics, reg *prometheus.Registry, log *slog.Logger, info api.VersionInfo) *server {
+	s := &server{m: m, log: log, met: met, info: info}
+	mux := http.NewServeMux()
+	route := func(pattern string, h http.HandlerFunc) {
+		name := pattern
+		mux.Handle(pattern, s.instrument(name, h))
+	}
+	route("GET /v1/version", s.version)
+	route("GET /v1/sandboxes", s.list)
+	route("POST /v1/sandboxes", s.create)
+	route("GET /v1/sandboxes/{name}", s.get)
+	route("DELETE /v1/sandboxes/{name}", s.remove)
+	route("POST /v1/sandboxes/{name}/exec", s.exec)
+	route("POST /v1/sandboxes/{name}/sessions", s.startSession)
+	route("POST /v1/sandboxes/{name}/sessions/{id}/send", s.send)
+	route("POST /v1/sandboxes/{name}/turn", s.turn)
+	route("POST /v1/sandboxes/{name}/checkpoint", s.checkpoint)
+	route("POST /v1/sandboxes/{name}/restore", s.restore)
+	route("GET /v1/sandboxes/{name}/log", s.logTree)
+	route("GET /v1/checkpoints/{id}", s.getCheckpoint)
+	route("POST /v1/checkpoints/{id}/wait", s.wait)
+	route("POST /v1/checkpoints/{id}/fork", s.fork)
+	route("GET /v1/pins", s.pins)
+	route("POST /v1/pins", s.pin)
+	route("POST /v1/unpin", s.unpin)
+	route("POST /v1/gc", s.gc)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeErr(w, &state.Error{Code: state.CodeNotFound, Msg: "no route " + r.Method + " " + r.URL.Path + " (API " + api.Version + ")"})
+	})
+	s.handler = mux
+	return s
+}
+
+func (s *server) instrument(route string, h http.HandlerFunc) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		h(w, r)
+		s.met.request(route, time.Since(start))
+	})
+}
+
+func status(code string) int {
+	switch code {
+	case state.CodeNotFound:
+		return http.StatusNotFound
+	case state.CodeExists, state.CodeConflict:
+		return http.StatusConflict
+	case state.CodeBadRequest:
+		return http.StatusBadRequest
+	case state.CodeStaleEpoch:
+		return http.StatusPreconditionFailed
+	case state.CodeNotReady:
+		return http.StatusServiceUnavailable
+	}
+	return http.StatusInternalServerError
+}
+
+func errBody(err error) api.ErrorBody {
+	code := state.CodeOf(err)
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		code = state.CodeConflict
+	}
+	return api.ErrorBody{Code: code, Message: err.Error()}
+}
+
+func writeErr(w http.ResponseWriter, err error) {
+	b := errBody(err)
+	writeJSON(w, status(b.Code), api.Error{Error: b})
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	json.NewEncoder(w).Encode(v)
+}
+
+// decode reads a JSON body (an empty body is an empty object).
+func decode(r *http.Request, v any) error {
+	dec := json.NewDecoder(io.LimitReader(r.Body, 16<<20))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil && !errors.Is(err, io.EOF) {
+		return &state.Error{Code: state.CodeBadRequest, Msg: "bad request body", Err: err}
+	}
+	return nil
+}
+
+func (s *server) version(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, s.info)
+}
+
+func (s *server) list(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, api.SandboxList{Sandboxes: s.m.List()})
+}
+
+func (s *server) create(w http.ResponseWriter, r *http.Request) {
+	var req api.CreateRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	sb, err := s.m.Create(r.Context(), state.CreateRequest{Name: req.Name, Bases: req.Bases, FS: req.FS, Policy: req.Policy})
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, sb)
+}
+
+func (s *server) get(w http.ResponseWriter, r *http.Request) {
+	sb, err := s.m.Get(r.PathValue("name"))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, sb)
+}
+
+func (s *server) remove(w http.ResponseWriter, r *http.Request) {
+	if err := s.m.Remove(r.Context(), r.PathValue("name")); err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, struct{}{})
+}
+
+// frameWriter turns writes into exec frames on a streaming response.
+type frameWriter struct {
+	mu     *sync.Mutex
+	enc    *json.Encoder
+	fl     http.Flusher
+	stderr bool
+}
+
+func (f *frameWriter) Write(p []byte) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fr := api.ExecFrame{Stdout: string(p)}
+	if f.stderr {
+		fr = api.ExecFrame{Stderr: string(p)}
+	}
+	if err := f.enc.Encode(fr); err != nil {
+		return 0, err
+	}
+	if f.fl != nil {
+		f.fl.Flush()
+	}
+	return len(p), nil
+}
+
+func (s *server) exec(w http.ResponseWriter, r *http.Request) {
+	var req api.ExecRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	w.Header().Set("Content-Type", "application/x-ndjson")
+	var mu sync.Mutex
+	enc := json.NewEncoder(w)
+	fl, _ := w.(http.Flusher)
+	started := false
+	start := func() {
+		if !started {
+			started = true
+			w.WriteHeader(http.StatusOK)
+		}
+	}
+	out := &frameWriter{mu: &mu, enc: enc, fl: fl}
+	errw := &frameWriter{mu: &mu, enc: enc, fl: fl, stderr: true}
+	var stdin io.Reader
+	if req.Stdin != "" {
+		stdin = strings.NewReader(req.Stdin)
+	}
+	// Headers go out once the command starts (so early errors get a status).
+	lazy := &lazyStart{start: start, mu: &mu}
+	code, err := s.m.Exec(r.Context(), r.PathValue("name"), req.Epoch, state.ExecRequest{
+		Argv: req.Argv, Env: req.Env, Dir: req.Dir, Stdin: stdin,
+		Stdout: io.MultiWriter(lazy, out), Stderr: io.MultiWriter(lazy, errw),
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if err != nil && !started {
+		writeErr(w, err)
+		return
+	}
+	start()
+	if err != nil {
+		b := errBody(err)
+		enc.Encode(api.ExecFrame{Error: &b})
+		return
+	}
+	enc.Encode(api.ExecFrame{Exit: &code})
+}
+
+type lazyStart struct {
+	start func()
+	mu    *sync.Mutex
+}
+
+func (l *lazyStart) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	l.start()
+	l.mu.Unlock()
+	return len(p), nil
+}
+
+func (s *server) startSession(w http.ResponseWriter, r *http.Request) {
+	var req api.SessionRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	id, err := s.m.StartSession(r.Context(), r.PathValue("name"), req.Epoch, req.ID, req.Argv, req.Env)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusCreated, api.SessionInfo{ID: id})
+}
+
+func (s *server) send(w http.ResponseWriter, r *http.Request) {
+	var req api.SendRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	idle := 300 * time.Millisecond
+	if req.IdleMS > 0 {
+		idle = time.Duration(req.IdleMS) * time.Millisecond
+	}
+	timeout := time.Minute
+	if req.TimeoutMS > 0 {
+		timeout = time.Duration(req.TimeoutMS) * time.Millisecond
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), timeout+5*time.Second)
+	defer cancel()
+	out, err := s.m.Send(ctx, r.PathValue("name"), req.Epoch, state.SendRequest{
+		Session: r.PathValue("id"), Text: req.Text, Idle: idle, Until: req.Until, Timeout: timeout,
+	})
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.SendResult{Output: out})
+}
+
+func (s *server) doTurn(w http.ResponseWriter, r *http.Request, force state.Mode) {
+	start := time.Now()
+	var req api.TurnRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	mode, err := state.ParseMode(req.Mode)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	if force != "" {
+		mode = force
+	}
+	res, err := s.m.Turn(r.Context(), r.PathValue("name"), state.TurnRequest{Mode: mode, Wait: req.Wait, Epoch: req.Epoch})
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	s.met.turn(res.Decision, time.Since(start))
+	writeJSON(w, http.StatusOK, api.TurnResult{TurnResult: *res, ElapsedUS: time.Since(start).Microseconds()})
+}
+
+func (s *server) turn(w http.ResponseWriter, r *http.Request)       { s.doTurn(w, r, "") }
+func (s *server) checkpoint(w http.ResponseWriter, r *http.Request) { s.doTurn(w, r, state.ModeFull) }
+
+func (s *server) restore(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	var req api.RestoreRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	// A restore, once started, completes even if the client goes away:
+	// a half-done restore is never left behind.
+	ctx := context.WithoutCancel(r.Context())
+	res, err := s.m.Restore(ctx, r.PathValue("name"), req.Checkpoint, req.Epoch)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.RestoreResult{RestoreResult: *res, ElapsedUS: time.Since(start).Microseconds()})
+}
+
+func (s *server) logTree(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	sb, err := s.m.Get(name)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	cks, err := s.m.Log(name)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.Log{Sandbox: sb, Checkpoints: cks, Pins: s.m.Pins()})
+}
+
+func (s *server) getCheckpoint(w http.ResponseWriter, r *http.Request) {
+	c, err := s.m.GetCheckpoint(r.PathValue("id"))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, c)
+}
+
+func (s *server) wait(w http.ResponseWriter, r *http.Request) {
+	c, err := s.m.Wait(r.Context(), r.PathValue("id"))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, c)
+}
+
+func (s *server) fork(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	var req api.ForkRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	kids, err := s.m.Fork(context.WithoutCancel(r.Context()), state.ForkRequest{
+		Checkpoint: r.PathValue("id"), Count: req.Count, Prefix: req.Prefix, NoWait: req.NoWait,
+	})
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	res := api.ForkResult{Sandboxes: make([]string, len(kids)), ElapsedUS: time.Since(start).Microseconds()}
+	for i, k := range kids {
+		res.Sandboxes[i] = k.Name
+	}
+	writeJSON(w, http.StatusOK, res)
+}
+
+func (s *server) pins(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, api.PinList{Pins: s.m.Pins()})
+}
+
+func (s *server) pin(w http.ResponseWriter, r *http.Request) {
+	var req api.PinRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	if err := s.m.Pin(req.IDs); err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.PinList{Pins: s.m.Pins()})
+}
+
+func (s *server) unpin(w http.ResponseWriter, r *http.Request) {
+	var req api.PinRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	if err := s.m.Unpin(req.IDs); err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, api.PinList{Pins: s.m.Pins()})
+}
+
+func (s *server) gc(w http.ResponseWriter, r *http.Request) {
+	var req api.GCRequest
+	if err := decode(r, &req); err != nil {
+		writeErr(w, err)
+		return
+	}
+	res, err := s.m.GC(context.WithoutCancel(r.Context()), req.DryRun)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, res)
+}
