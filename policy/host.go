@@ -91,7 +91,7 @@ type Host struct {
 	metrics *metrics
 
 	mu       sync.Mutex
-	compiled map[[32]byte]wazero.CompiledModule
+	compiled map[string]wazero.CompiledModule // by builtin name or sha256
 	policies map[*Policy]struct{}
 	closed   bool
 }
@@ -123,7 +123,7 @@ func NewHost(ctx context.Context, opts Options) (*Host, error) {
 	}
 	return &Host{
 		opts: opts, rt: rt, cache: cache, metrics: newMetrics(),
-		compiled: map[[32]byte]wazero.CompiledModule{},
+		compiled: map[string]wazero.CompiledModule{},
 		policies: map[*Policy]struct{}{},
 	}, nil
 }
@@ -166,7 +166,7 @@ func (h *Host) LoadBuiltin(ctx context.Context, name string) (*Policy, error) {
 		err := fmt.Errorf("unknown built-in policy %q (built-ins: %v)", name, policies.Names())
 		return h.disabledPolicy(name, err), err
 	}
-	return h.Load(ctx, name, b)
+	return h.load(ctx, name, "builtin:"+name, b)
 }
 
 // LoadFile loads a policy module from a file; the policy is named after it.
@@ -195,7 +195,15 @@ func (h *Host) LoadRef(ctx context.Context, ref string) (*Policy, error) {
 // unusable and the returned policy is disabled: it decides Full for every
 // turn, so a caller may log err and go on with full checkpoints.
 func (h *Host) Load(ctx context.Context, name string, wasm []byte) (*Policy, error) {
-	cm, err := h.compile(ctx, wasm)
+	sum := sha256.Sum256(wasm)
+	return h.load(ctx, name, string(sum[:]), wasm)
+}
+
+// load is Load with the compiled-module cache key: the sha256 of the bytes,
+// or a built-in's name (its bytes are embedded and immutable, and hashing
+// 2 MB on every load would cost a millisecond).
+func (h *Host) load(ctx context.Context, name, key string, wasm []byte) (*Policy, error) {
+	cm, err := h.compile(ctx, key, wasm)
 	if err != nil {
 		err = fmt.Errorf("load policy %s: %w", name, err)
 		return h.disabledPolicy(name, err), err
@@ -215,14 +223,13 @@ func (h *Host) Load(ctx context.Context, name string, wasm []byte) (*Policy, err
 
 // compile returns the compiled module for wasm, from the Host's cache when
 // the same bytes were compiled before, and validates its imports and exports.
-func (h *Host) compile(ctx context.Context, wasm []byte) (wazero.CompiledModule, error) {
-	sum := sha256.Sum256(wasm)
+func (h *Host) compile(ctx context.Context, key string, wasm []byte) (wazero.CompiledModule, error) {
 	h.mu.Lock()
 	if h.closed {
 		h.mu.Unlock()
 		return nil, errors.New("policy host is closed")
 	}
-	cm, ok := h.compiled[sum]
+	cm, ok := h.compiled[key]
 	h.mu.Unlock()
 	if ok {
 		return cm, nil
@@ -242,10 +249,10 @@ func (h *Host) compile(ctx context.Context, wasm []byte) (wazero.CompiledModule,
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if prev, ok := h.compiled[sum]; ok {
+	if prev, ok := h.compiled[key]; ok {
 		_ = cm.Close(ctx)
 		return prev, nil
 	}
-	h.compiled[sum] = cm
+	h.compiled[key] = cm
 	return cm, nil
 }
