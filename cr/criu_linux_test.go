@@ -1,8 +1,12 @@
 package cr
 
 import (
+	"fmt"
+	"io"
+	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -15,7 +19,7 @@ func needCRIU(t *testing.T) *criu.Runner {
 	t.Helper()
 	r, err := criu.NewRunner("")
 	testenv.RequireNoErr(t, err, "criu")
-	t.Cleanup(func() { _ = r })
+	t.Cleanup(func() { _ = r.Close() })
 	return r
 }
 
@@ -56,5 +60,121 @@ func TestCRIURunnerInNamespace(t *testing.T) {
 	}
 	if st, _ := procState(got[0].PID); st != 'T' {
 		t.Fatalf("restored state %c, want T", st)
+	}
+}
+
+func TestTemplateMissRestoresFromImage(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	x := t.TempDir()
+	bashChat(t, live, "cd "+x+"; export V=1; f() { echo fun-$1; }")
+	e := newEngine(t, Config{ImagesDir: t.TempDir(), Logger: testLogger()})
+	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c1"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitImage(ctxT(t), "c1"); err != nil {
+		t.Fatal(err)
+	}
+	parts, _ := e.Parts("c1")
+	if !parts.Image || !parts.Template {
+		t.Fatalf("parts %+v", parts)
+	}
+	if err := e.Evict("c1"); err != nil {
+		t.Fatal(err)
+	}
+	if parts, _ := e.Parts("c1"); parts.Template {
+		t.Fatal("template still there after Evict")
+	}
+	bashChat(t, live, "cd /; export V=2; f() { echo other; }")
+	want := x + " 1 fun-x"
+	stdio, sessions := freshStdio(t, sb)
+	for i, path := range []string{"criu", "template"} {
+		res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{Stdio: stdio})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Path != path {
+			t.Fatalf("restore %d took path %q, want %q", i, res.Path, path)
+		}
+		if got := bashChat(t, <-sessions, `echo "$PWD $V $(f x)"`); got != want {
+			t.Fatalf("restore %d (%s): %q, want %q", i, path, got, want)
+		}
+	}
+}
+
+const unixServer = `
+import socketserver, sys
+class H(socketserver.StreamRequestHandler):
+    def handle(self):
+        self.wfile.write(b"pong " + self.rfile.readline())
+socketserver.UnixStreamServer(sys.argv[1], H).serve_forever()
+`
+
+// ask sends line to the unix socket server at path and returns its answer.
+func ask(path, line string) (string, error) {
+	var last error
+	for i := 0; i < 100; i++ {
+		c, err := net.DialTimeout("unix", path, 5*time.Second)
+		if err != nil {
+			last = err
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintln(c, line)
+		b, err := io.ReadAll(c)
+		c.Close()
+		return strings.TrimSpace(string(b)), err
+	}
+	return "", last
+}
+
+func TestProcessTreeViaCRIU(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	x := t.TempDir()
+	sock := filepath.Join(x, "srv.sock")
+	if err := os.WriteFile(filepath.Join(x, "srv.py"), []byte(unixServer), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	bashChat(t, live, fmt.Sprintf("cd %s; export V=1; f() { echo fun-$1; }; python3 srv.py %s >/dev/null 2>&1 & SRV=$!; sleep 1000 & BG=$!", x, sock))
+	if got, err := ask(sock, "one"); err != nil || got != "pong one" {
+		t.Fatalf("server before checkpoint: %q %v", got, err)
+	}
+	e := newEngine(t, Config{ImagesDir: t.TempDir(), Logger: testLogger()})
+	ck, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "tree"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Mode != ModeCRIU || ck.Reason == "" || len(ck.Procs) != 3 {
+		t.Fatalf("checkpoint %+v", ck)
+	}
+	before := bashChat(t, live, `echo "$SRV $BG $(jobs -p | tr '\n' ' ')"`)
+	bashChat(t, live, "kill $SRV $BG; wait; cd /; export V=2")
+	stdio, sessions := freshStdio(t, sb)
+	res, err := e.Restore(ctxT(t), sb, "tree", RestoreOptions{Stdio: stdio})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "criu" || len(res.Procs) != 1 {
+		t.Fatalf("restore %+v (checkpoint procs %+v)", res, ck.Procs)
+	}
+	if p, err := readProc(res.Procs[0].PID); err != nil || p.NSPID != ck.Procs[0].NSPID {
+		t.Fatalf("restored root %+v %v, want ns pid %d", p, err, ck.Procs[0].NSPID)
+	}
+	s := <-sessions
+	if got := bashChat(t, s, `echo "$PWD $V $(f x)"`); got != x+" 1 fun-x" {
+		t.Fatalf("restored shell: %q", got)
+	}
+	if got := bashChat(t, s, `echo "$SRV $BG $(jobs -p | tr '\n' ' ')"`); got != before {
+		t.Fatalf("jobs after restore %q, before %q", got, before)
+	}
+	if got := bashChat(t, s, `kill -0 $BG && kill -0 $SRV && echo alive`); got != "alive" {
+		t.Fatalf("background jobs: %q", got)
+	}
+	if got, err := ask(sock, "two"); err != nil || got != "pong two" {
+		t.Fatalf("server after restore: %q %v", got, err)
 	}
 }

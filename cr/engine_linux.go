@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rewind-sandbox/rewind/cr/criu"
 	"github.com/rewind-sandbox/rewind/cr/inject"
 	"golang.org/x/sys/unix"
 )
@@ -65,6 +66,8 @@ type Engine struct {
 	// sbMu serialises process-creating operations per sandbox, so a
 	// process being forked is never mistaken for a live one.
 	sbMu map[string]*sync.Mutex
+	// runner is the CRIU runner, made on first use.
+	runner *criu.Runner
 }
 
 func (e *Engine) sandboxLock(id string) *sync.Mutex {
@@ -178,6 +181,7 @@ type template struct {
 	orig    Proc
 	proc    *inject.Proc
 	spare   *inject.Proc // pre-forked warmed copy (Config.Warm)
+	aux     []int        // copies being dumped
 	dirty   int64
 }
 
@@ -188,6 +192,8 @@ type ckpt struct {
 	reachable bool
 	image     Parts
 	imageDone chan struct{}
+	images    []image
+	stoppedNS map[int]bool // ModeCRIU: ns pids stopped before the checkpoint
 	// busy counts restores/forks in progress using the templates.
 	busy int
 }
@@ -224,6 +230,9 @@ func (e *Engine) Close() error {
 		e.Drop(id)
 	}
 	e.tracer.Close()
+	if e.runner != nil {
+		return e.runner.Close()
+	}
 	return nil
 }
 
@@ -240,6 +249,9 @@ func (e *Engine) templatePids(sb string) map[int]bool {
 			m[t.proc.Pid()] = true
 			if t.spare != nil {
 				m[t.spare.Pid()] = true
+			}
+			for _, p := range t.aux {
+				m[p] = true
 			}
 		}
 	}
@@ -305,7 +317,15 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		return &rec, nil
 	}
 	if why := templatable(t.InitPID(), procs); why != "" {
-		return nil, fmt.Errorf("checkpoint %s: cannot template-fork (%s): %w", opts.ID, why, ErrNeedCRIU)
+		rec.Mode = ModeCRIU
+		rec.Reason = why
+		c := &ckpt{rec: rec}
+		if err := e.checkpointTrees(ctx, c, t, procs, opts.Barrier); err != nil {
+			// The image dir stays: it holds criu's log.
+			return nil, fmt.Errorf("checkpoint %s: CRIU path (%s): %w", opts.ID, why, err)
+		}
+		e.add(c)
+		return &c.rec, nil
 	}
 	tmpls, frozen, err := e.makeTemplates(ctx, t, procs, opts.Barrier)
 	if err != nil {
@@ -314,9 +334,15 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 	rec.Mode = ModeTemplate
 	rec.Frozen = frozen
 	c := &ckpt{rec: rec, templates: tmpls}
+	if e.cfg.ImagesDir != "" {
+		c.imageDone = make(chan struct{})
+	}
 	e.add(c)
 	for _, tm := range tmpls {
 		e.prepareTemplate(tm)
+	}
+	if c.imageDone != nil {
+		go e.dumpTemplates(c, t)
 	}
 	e.enforceBounds()
 	return &rec, nil
@@ -573,12 +599,39 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		res.Duration = time.Since(start)
 		return res, nil
 	}
-	if len(c.templates) == 0 {
-		return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
+	if c.rec.Mode == ModeCRIU {
+		procs, err := e.restoreTrees(ctx, c, t, opts)
+		if err != nil {
+			return nil, fmt.Errorf("restore %s: %w", id, err)
+		}
+		res.Path = "criu"
+		res.Procs = procs
+		res.Duration = time.Since(start)
+		return res, nil
 	}
-	procs, err := e.spawn(c, opts, true)
-	if err != nil {
-		return nil, fmt.Errorf("restore %s: %w", id, err)
+	var procs []Restored
+	if len(c.templates) > 0 {
+		procs, err = e.spawn(c, opts, true)
+		if err != nil {
+			if !e.imageReady(c) {
+				return nil, fmt.Errorf("restore %s: %w", id, err)
+			}
+			e.log.Warn("template restore failed, using the image", "checkpoint", id, "err", err)
+			e.dropTemplates(c)
+		}
+	}
+	if procs == nil {
+		if !e.imageReady(c) {
+			return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
+		}
+		if err := e.restoreTemplatesFromImage(ctx, c, t); err != nil {
+			return nil, fmt.Errorf("restore %s from image: %w", id, err)
+		}
+		res.Path = "criu"
+		procs, err = e.spawn(c, opts, false)
+		if err != nil {
+			return nil, fmt.Errorf("restore %s: %w", id, err)
+		}
 	}
 	res.Procs = procs
 	res.Duration = time.Since(start)
@@ -596,8 +649,16 @@ func (e *Engine) Fork(ctx context.Context, t Target, id string, n int, opts Rest
 		return nil, err
 	}
 	defer e.releaseCk(c)
+	if c.rec.Mode == ModeCRIU {
+		return nil, fmt.Errorf("fork %s: a CRIU-mode checkpoint cannot be forked in place (pids are restored exactly)", id)
+	}
 	if c.rec.Mode != ModeEmpty && len(c.templates) == 0 {
-		return nil, fmt.Errorf("fork %s: no templates", id)
+		if !e.imageReady(c) {
+			return nil, fmt.Errorf("fork %s: no templates and no image", id)
+		}
+		if err := e.restoreTemplatesFromImage(ctx, c, t); err != nil {
+			return nil, fmt.Errorf("fork %s from image: %w", id, err)
+		}
 	}
 	var out [][]Restored
 	for i := 0; i < n; i++ {
@@ -709,6 +770,12 @@ func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored,
 		}
 	}
 	return out, nil
+}
+
+func (e *Engine) imageReady(c *ckpt) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return c.image.Image
 }
 
 // Drop frees checkpoint id: its templates are killed and its image removed.

@@ -72,8 +72,8 @@ type testSandbox struct {
 	id       string
 	hostProc string // host /proc as seen inside
 	init     *exec.Cmd
-	in   *os.File
-	out  *bufio.Reader
+	in       *os.File
+	out      *bufio.Reader
 }
 
 func (s *testSandbox) ID() string   { return s.id }

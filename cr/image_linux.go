@@ -1,12 +1,257 @@
 package cr
 
-import "os"
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/cr/criu"
+	"github.com/rewind-sandbox/rewind/cr/inject"
+	"golang.org/x/sys/unix"
+)
+
+// image is the CRIU image of one process (ModeTemplate: of its template) or
+// one process tree (ModeCRIU: rooted at a child of init).
+type image struct {
+	orig Proc
+	dir  string
+	// stdio are CRIU's keys ("pipe:[ino]") of the root's fds 0-2 at dump
+	// time (ModeCRIU), so a restore can hand in fresh ends.
+	stdio [3]string
+	// stopped is true when the root was already stopped before the dump.
+	stopped bool
+}
+
+func (e *Engine) criuRunner() (*criu.Runner, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.runner != nil {
+		return e.runner, nil
+	}
+	r, err := criu.NewRunner(e.cfg.CRIUPath)
+	if err != nil {
+		return nil, err
+	}
+	e.runner = r
+	return r, nil
+}
+
+func (e *Engine) imageDir(c *ckpt, i int) string {
+	return filepath.Join(e.cfg.ImagesDir, safeName(c.rec.Sandbox), safeName(c.rec.ID), strconv.Itoa(i))
+}
+
+func safeName(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r == '/' || r == 0 {
+			return '_'
+		}
+		return r
+	}, s)
+}
+
+// dumpTemplates writes a CRIU image of every template of c in the
+// background: a stopped copy of each template is forked and dumped (the
+// template itself stays attached and usable meanwhile; the agent is never
+// stopped).
+func (e *Engine) dumpTemplates(c *ckpt, t Target) {
+	err := e.doDumpTemplates(c, t)
+	e.mu.Lock()
+	if err != nil {
+		c.image.ImageErr = err
+		e.log.Warn("checkpoint image failed; templates only", "checkpoint", c.rec.ID, "err", err)
+	} else {
+		c.image.Image = true
+		c.image.ImageDir = filepath.Dir(e.imageDir(c, 0))
+	}
+	close(c.imageDone)
+	e.mu.Unlock()
+	if err == nil {
+		e.enforceBounds()
+	}
+}
+
+func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
+	r, err := e.criuRunner()
+	if err != nil {
+		return err
+	}
+	var imgs []image
+	for i, tm := range c.templates {
+		cp, err := e.dumpCopy(tm)
+		if err != nil {
+			return err
+		}
+		p, err := readProc(cp)
+		if err == nil && p.NSPID == 0 {
+			err = errors.New("no NSpid")
+		}
+		if err != nil {
+			_ = unix.Kill(cp, unix.SIGKILL)
+			e.forgetAux(tm, cp)
+			return fmt.Errorf("dump copy %d: %w", cp, err)
+		}
+		dir := e.imageDir(c, i)
+		derr := r.Dump(context.Background(), criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir})
+		if derr != nil {
+			_ = unix.Kill(cp, unix.SIGKILL)
+		}
+		e.forgetAux(tm, cp)
+		if derr != nil {
+			return derr
+		}
+		imgs = append(imgs, image{orig: tm.orig, dir: dir, stopped: true})
+	}
+	e.mu.Lock()
+	c.images = imgs
+	e.mu.Unlock()
+	return nil
+}
+
+// dumpCopy forks a copy of tm and leaves it in a SIGSTOP stop, detached, for
+// criu to seize. The pid is registered so restores never mistake it for a
+// live process.
+func (e *Engine) dumpCopy(tm *template) (int, error) {
+	l := e.sandboxLock(tm.sandbox)
+	l.Lock()
+	defer l.Unlock()
+	e.mu.Lock()
+	dropped := tm.dropped
+	e.mu.Unlock()
+	if dropped {
+		return 0, errors.New("template dropped")
+	}
+	cp, err := tm.proc.Fork(true)
+	if err != nil {
+		return 0, err
+	}
+	e.mu.Lock()
+	tm.aux = append(tm.aux, cp.Pid())
+	e.mu.Unlock()
+	if err := cp.DetachStopped(); err != nil {
+		_ = cp.Kill()
+		return 0, err
+	}
+	if !waitUntil(context.Background(), 10*time.Second, func() bool { st, _ := procState(cp.Pid()); return st == 'T' }) {
+		return cp.Pid(), fmt.Errorf("dump copy %d did not stop", cp.Pid())
+	}
+	return cp.Pid(), nil
+}
+
+func (e *Engine) forgetAux(tm *template, pid int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, p := range tm.aux {
+		if p == pid {
+			tm.aux = append(tm.aux[:i], tm.aux[i+1:]...)
+			return
+		}
+	}
+}
+
+// WaitImage blocks until checkpoint id's image is written or failed.
+func (e *Engine) WaitImage(ctx context.Context, id string) error {
+	e.mu.Lock()
+	c, ok := e.ckpts[id]
+	e.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
+	}
+	if c.imageDone == nil {
+		return fmt.Errorf("checkpoint %s: no image configured", id)
+	}
+	select {
+	case <-c.imageDone:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return c.image.ImageErr
+}
+
+// restoreTemplatesFromImage recreates c's templates from its images (inside
+// the sandbox's namespaces) and attaches them. Caller holds the sandbox lock.
+func (e *Engine) restoreTemplatesFromImage(ctx context.Context, c *ckpt, t Target) error {
+	r, err := e.criuRunner()
+	if err != nil {
+		return err
+	}
+	e.mu.Lock()
+	imgs := c.images
+	e.mu.Unlock()
+	var tmpls []*template
+	fail := func(err error) error {
+		for _, tm := range tmpls {
+			_ = tm.proc.Kill()
+		}
+		return err
+	}
+	for _, im := range imgs {
+		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir})
+		if err != nil {
+			return fail(err)
+		}
+		pid, err := hostPID(t.InitPID(), nspid)
+		if err != nil {
+			return fail(err)
+		}
+		if !waitUntil(ctx, 10*time.Second, func() bool { st, _ := procState(pid); return st == 'T' }) {
+			_ = unix.Kill(pid, unix.SIGKILL)
+			return fail(fmt.Errorf("restored template %d did not stop", pid))
+		}
+		ip, err := e.tracer.Attach(pid)
+		if err != nil {
+			_ = unix.Kill(pid, unix.SIGKILL)
+			return fail(err)
+		}
+		tmpls = append(tmpls, &template{sandbox: t.ID(), orig: im.orig, proc: ip})
+	}
+	e.mu.Lock()
+	c.templates = tmpls
+	e.mu.Unlock()
+	return nil
+}
+
+// hostPID finds the host pid of the child of init whose pid in the
+// sandbox's namespace is nspid.
+func hostPID(init, nspid int) (int, error) {
+	var found int
+	waitUntil(context.Background(), 5*time.Second, func() bool {
+		ps, err := descendants(init, nil)
+		if err != nil {
+			return false
+		}
+		for _, p := range ps {
+			if p.NSPID == nspid {
+				found = p.PID
+				return true
+			}
+		}
+		return false
+	})
+	if found == 0 {
+		return 0, fmt.Errorf("restored pid %d not found under init %d", nspid, init)
+	}
+	return found, nil
+}
 
 // removeImage deletes the image directory of c, if any.
 func (e *Engine) removeImage(c *ckpt) {
+	if c.imageDone != nil {
+		<-c.imageDone
+	}
 	e.mu.Lock()
 	dir := c.image.ImageDir
+	if dir == "" && e.cfg.ImagesDir != "" {
+		dir = filepath.Join(e.cfg.ImagesDir, safeName(c.rec.Sandbox), safeName(c.rec.ID))
+	}
 	c.image = Parts{}
+	c.images = nil
 	e.mu.Unlock()
 	if dir != "" {
 		if err := os.RemoveAll(dir); err != nil {
@@ -14,3 +259,5 @@ func (e *Engine) removeImage(c *ckpt) {
 		}
 	}
 }
+
+var _ = inject.ErrMultiThreaded

@@ -131,6 +131,13 @@ func wait(pid int) (unix.WaitStatus, error) {
 
 const traceOpts = unix.PTRACE_O_TRACEFORK | unix.PTRACE_O_TRACECLONE | unix.PTRACE_O_TRACEVFORK | unix.PTRACE_O_EXITKILL
 
+// event returns the PTRACE_EVENT_* of a stop (0 for a signal-delivery
+// stop). Unlike WaitStatus.TrapCause it also decodes group stops of seized
+// tracees, reported as PTRACE_EVENT_STOP with the stop signal.
+func event(ws unix.WaitStatus) int {
+	return int(uint32(ws)>>16) & 0xff
+}
+
 // Attach seizes pid, interrupts it and waits until it is stopped. It refuses
 // multi-threaded processes (ErrMultiThreaded).
 func (t *Tracer) Attach(pid int) (*Proc, error) {
@@ -192,6 +199,7 @@ func (p *Proc) stop() error {
 // waitStop waits for a PTRACE_EVENT_STOP (interrupt or group stop) and saves
 // registers. Signals arriving meanwhile are kept for Detach.
 func (p *Proc) waitStop() error {
+	var seen []string
 	for {
 		ws, err := wait(p.pid)
 		if err != nil {
@@ -199,15 +207,16 @@ func (p *Proc) waitStop() error {
 		}
 		if ws.Exited() || ws.Signaled() {
 			p.gone = true
-			return fmt.Errorf("process %d exited while stopping", p.pid)
+			return fmt.Errorf("process %d exited while stopping (%v, after %v)", p.pid, ws, seen)
 		}
+		seen = append(seen, fmt.Sprintf("%#x", uint32(ws)))
 		if !ws.Stopped() {
 			continue
 		}
-		if ws.TrapCause() == unix.PTRACE_EVENT_STOP {
+		if event(ws) == unix.PTRACE_EVENT_STOP {
 			break
 		}
-		if ws.TrapCause() <= 0 {
+		if event(ws) <= 0 {
 			// Signal-delivery stop: suppress now, re-deliver on detach.
 			p.pendingSigs = append(p.pendingSigs, ws.StopSignal())
 		}
@@ -274,7 +283,7 @@ func (p *Proc) step(onEvent func(cause int) error) (unix.PtraceRegs, error) {
 		if !ws.Stopped() {
 			continue
 		}
-		if c := ws.TrapCause(); c > 0 {
+		if c := event(ws); c > 0 {
 			if c != unix.PTRACE_EVENT_STOP && onEvent != nil {
 				if err := onEvent(c); err != nil {
 					return out, err
@@ -383,7 +392,7 @@ func (p *Proc) fork(sibling bool) (*Proc, error) {
 		if ws.Exited() || ws.Signaled() {
 			return nil, fmt.Errorf("forked child %d died (%v)", childPid, ws)
 		}
-		if ws.Stopped() && ws.TrapCause() == unix.PTRACE_EVENT_STOP {
+		if ws.Stopped() && event(ws) == unix.PTRACE_EVENT_STOP {
 			break
 		}
 		if err := ptrace(unix.PTRACE_CONT, childPid, 0, 0); err != nil {
@@ -424,7 +433,9 @@ func (p *Proc) Detach() error {
 }
 
 // DetachStopped detaches leaving the process in a SIGSTOP group stop (for
-// another tracer such as CRIU to seize it).
+// another tracer such as CRIU to seize it). The process runs no user code in
+// between: SIGSTOP is queued while it is held, and the detach happens at the
+// signal's delivery stop.
 func (p *Proc) DetachStopped() error {
 	return p.t.Do(func() error {
 		if p.gone {
@@ -437,6 +448,34 @@ func (p *Proc) DetachStopped() error {
 		}
 		if err := setRegs(p.pid, &p.saved); err != nil {
 			return fmt.Errorf("setregs %d: %w", p.pid, err)
+		}
+		if err := unix.Tgkill(p.pid, p.pid, unix.SIGSTOP); err != nil {
+			return fmt.Errorf("sigstop %d: %w", p.pid, err)
+		}
+		if err := ptrace(unix.PTRACE_CONT, p.pid, 0, 0); err != nil {
+			return fmt.Errorf("cont %d: %w", p.pid, err)
+		}
+		for {
+			ws, err := wait(p.pid)
+			if err != nil {
+				return fmt.Errorf("wait %d: %w", p.pid, err)
+			}
+			if ws.Exited() || ws.Signaled() {
+				p.gone = true
+				return fmt.Errorf("process %d died while stopping", p.pid)
+			}
+			if !ws.Stopped() {
+				continue
+			}
+			if event(ws) <= 0 && ws.StopSignal() == unix.SIGSTOP {
+				break
+			}
+			if event(ws) <= 0 {
+				p.pendingSigs = append(p.pendingSigs, ws.StopSignal())
+			}
+			if err := ptrace(unix.PTRACE_CONT, p.pid, 0, 0); err != nil {
+				return fmt.Errorf("cont %d: %w", p.pid, err)
+			}
 		}
 		if err := ptrace(unix.PTRACE_DETACH, p.pid, 0, uintptr(unix.SIGSTOP)); err != nil {
 			return fmt.Errorf("detach %d: %w", p.pid, err)

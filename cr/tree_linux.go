@@ -1,0 +1,154 @@
+package cr
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/cr/criu"
+	"golang.org/x/sys/unix"
+)
+
+// checkpointTrees is the CRIU path of Checkpoint, for process trees and
+// multi-threaded processes: every process is stopped with SIGSTOP, the
+// barrier runs, each tree (rooted at a child of init) is dumped with
+// --leave-running, and the processes are continued. The sandbox is stopped
+// for the whole dump.
+func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs []Proc, barrier func() error) error {
+	if e.cfg.ImagesDir == "" {
+		return errors.New("CRIU path needs Config.ImagesDir")
+	}
+	r, err := e.criuRunner()
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	var stopped []int
+	wasStopped := map[int]bool{}
+	defer func() {
+		for _, pid := range stopped {
+			_ = unix.Kill(pid, unix.SIGCONT)
+		}
+	}()
+	for _, p := range procs {
+		if st, _ := procState(p.PID); st == 'T' {
+			wasStopped[p.NSPID] = true
+			continue
+		}
+		if err := unix.Kill(p.PID, unix.SIGSTOP); err == nil {
+			stopped = append(stopped, p.PID)
+		}
+	}
+	for _, pid := range stopped {
+		if !waitUntil(ctx, 10*time.Second, func() bool { st, _ := procState(pid); return st == 'T' || st == 'Z' }) {
+			return fmt.Errorf("process %d did not stop", pid)
+		}
+	}
+	if barrier != nil {
+		if err := barrier(); err != nil {
+			return fmt.Errorf("barrier: %w", err)
+		}
+	}
+	var imgs []image
+	for _, p := range procs {
+		if p.PPID != t.InitPID() {
+			continue
+		}
+		im := image{orig: p, dir: e.imageDir(c, len(imgs)), stopped: wasStopped[p.NSPID]}
+		for fd := 0; fd < 3; fd++ {
+			if l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", p.PID, fd)); err == nil && (strings.HasPrefix(l, "pipe:") || strings.HasPrefix(l, "socket:")) {
+				im.stdio[fd] = l
+			}
+		}
+		if err := r.Dump(ctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: im.dir, LeaveRunning: true}); err != nil {
+			return err
+		}
+		imgs = append(imgs, im)
+	}
+	c.images = imgs
+	c.stoppedNS = wasStopped
+	c.image = Parts{Image: true, ImageDir: filepath.Dir(e.imageDir(c, 0))}
+	c.rec.Frozen = time.Since(start)
+	return nil
+}
+
+// restoreTrees restores every tree of a CRIU-mode checkpoint with exact
+// pids, handing in fresh stdio ends for the dumped pipes.
+func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts RestoreOptions) ([]Restored, error) {
+	r, err := e.criuRunner()
+	if err != nil {
+		return nil, err
+	}
+	var out []Restored
+	for _, im := range c.images {
+		inherit := map[string]*os.File{}
+		var opened []*os.File
+		var st *Stdio
+		if opts.Stdio != nil {
+			if st, err = opts.Stdio(im.orig); err != nil {
+				return out, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
+			}
+		}
+		if st != nil {
+			paths := [3]string{st.Stdin, st.Stdout, st.Stderr}
+			for fd := 0; fd < 3; fd++ {
+				key := im.stdio[fd]
+				if key == "" || inherit[key] != nil {
+					continue
+				}
+				f := st.Files[fd]
+				if f == nil && paths[fd] != "" {
+					flags := unix.O_WRONLY
+					if fd == 0 {
+						flags = unix.O_RDONLY
+					}
+					// The path names a file inside the sandbox.
+					f, err = os.OpenFile(fmt.Sprintf("/proc/%d/root%s", t.InitPID(), paths[fd]), flags|unix.O_CLOEXEC, 0)
+					if err != nil {
+						return out, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
+					}
+					opened = append(opened, f)
+				}
+				if f != nil {
+					inherit[key] = f
+				}
+			}
+		}
+		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Inherit: inherit})
+		for _, f := range opened {
+			f.Close()
+		}
+		if err != nil {
+			return out, err
+		}
+		pid, err := hostPID(t.InitPID(), nspid)
+		if err != nil {
+			return out, err
+		}
+		// Continue every restored process that was not stopped before the
+		// checkpoint (they were dumped stopped by our SIGSTOP).
+		tree := append([]Proc{{PID: pid, NSPID: nspid}}, subtree(pid)...)
+		for _, p := range tree {
+			if !c.stoppedNS[p.NSPID] {
+				_ = unix.Kill(p.PID, unix.SIGCONT)
+			}
+		}
+		out = append(out, Restored{Orig: im.orig, PID: pid})
+		if st != nil && st.Started != nil {
+			if err := st.Started(pid); err != nil {
+				return out, fmt.Errorf("started hook for %d: %w", pid, err)
+			}
+		}
+	}
+	return out, nil
+}
+
+// subtree lists the descendants of pid.
+func subtree(pid int) []Proc {
+	ps, _ := descendants(pid, nil)
+	return ps
+}
