@@ -1,0 +1,503 @@
+package sandbox
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// initEnv selects the init stage when the binary is re-executed as a
+// sandbox's PID 1.
+const initEnv = "REWIND_SANDBOX_INIT"
+
+// ctlFD is the control socket's fd number in the init.
+const ctlFD = 3
+
+// keptCaps is the capability set of the init after setup and of every
+// sandbox process: roughly Docker's default set without CAP_MKNOD.
+var keptCaps = []uintptr{
+	unix.CAP_CHOWN, unix.CAP_DAC_OVERRIDE, unix.CAP_FOWNER, unix.CAP_FSETID,
+	unix.CAP_KILL, unix.CAP_SETGID, unix.CAP_SETUID, unix.CAP_SETPCAP,
+	unix.CAP_NET_BIND_SERVICE, unix.CAP_NET_RAW, unix.CAP_SYS_CHROOT,
+	unix.CAP_AUDIT_WRITE, unix.CAP_SETFCAP,
+}
+
+// MaybeRunInit runs the sandbox init and never returns when the current
+// process was started as one by Start; otherwise it returns at once. Call it
+// first thing in main (or TestMain) of every binary that starts sandboxes.
+func MaybeRunInit() {
+	stage := os.Getenv(initEnv)
+	if stage == "" {
+		return
+	}
+	var err error
+	switch stage {
+	case "1":
+		err = initStage1()
+	case "2":
+		err = initStage2()
+	default:
+		err = fmt.Errorf("unknown init stage %q", stage)
+	}
+	fmt.Fprintln(os.Stderr, "rewind init:", err)
+	os.Exit(1)
+}
+
+// initStage1 receives the setup, builds the mount namespace, switches root,
+// drops capabilities and re-executes itself as stage 2.
+func initStage1() error {
+	ctlFile := os.NewFile(ctlFD, "control")
+	c, err := newConn(ctlFile)
+	if err != nil {
+		return err
+	}
+	ctlFile.Close() // newConn dup'ed it; fd ctlFD is free again, refilled below
+	buf := make([]byte, maxMsg)
+	oob := make([]byte, 4096)
+	m, fds, err := c.recv(buf, oob)
+	if err != nil {
+		return fmt.Errorf("read setup: %w", err)
+	}
+	closeFDs(fds)
+	if m.Op != opSetup || m.Setup == nil {
+		return fmt.Errorf("expected setup, got %q", m.Op)
+	}
+	if err := setupNamespace(m.Setup); err != nil {
+		_ = c.send(&msg{Op: opReady, Err: err.Error()})
+		return err
+	}
+	// Hand the control socket to stage 2 as fd ctlFD, without close-on-exec.
+	raw, err := c.c.File()
+	if err != nil {
+		return err
+	}
+	if int(raw.Fd()) == ctlFD {
+		if _, err := unix.FcntlInt(ctlFD, unix.F_SETFD, 0); err != nil {
+			return fmt.Errorf("control fd: %w", err)
+		}
+	} else if err := unix.Dup3(int(raw.Fd()), ctlFD, 0); err != nil {
+		return fmt.Errorf("dup control fd: %w", err)
+	}
+	runtime.LockOSThread() // the bounding set is per thread: drop and exec on this one
+	if !m.Setup.KeepCaps {
+		if err := dropBoundingSet(); err != nil {
+			_ = c.send(&msg{Op: opReady, Err: err.Error()})
+			return err
+		}
+	}
+	env := []string{initEnv + "=2", "GOMAXPROCS=1"}
+	err = syscall.Exec("/proc/self/exe", []string{"rewind-init"}, env)
+	_ = c.send(&msg{Op: opReady, Err: "exec stage 2: " + err.Error()})
+	return fmt.Errorf("exec stage 2: %w", err)
+}
+
+func dropBoundingSet() error {
+	last := 40
+	if b, err := os.ReadFile("/proc/sys/kernel/cap_last_cap"); err == nil {
+		if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+			last = n
+		}
+	}
+	keep := map[uintptr]bool{}
+	for _, c := range keptCaps {
+		keep[c] = true
+	}
+	for c := uintptr(0); c <= uintptr(last); c++ {
+		if keep[c] {
+			continue
+		}
+		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil {
+			return fmt.Errorf("drop capability %d: %w", c, err)
+		}
+	}
+	return nil
+}
+
+// setupNamespace runs in the new mount namespace as PID 1.
+func setupNamespace(cfg *setupConfig) error {
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make mounts private: %w", err)
+	}
+	// Clone bind sources on the host side (detached mount trees) before the
+	// host disappears; they are attached after the root switch.
+	bindFDs := make([]int, 0, len(cfg.Binds))
+	defer func() { closeFDs(bindFDs) }()
+	for _, b := range cfg.Binds {
+		fd, err := unix.OpenTree(unix.AT_FDCWD, b.Source, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
+		if err != nil {
+			return fmt.Errorf("bind source %s: %w", b.Source, err)
+		}
+		bindFDs = append(bindFDs, fd)
+		if b.ReadOnly {
+			attr := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV}
+			if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH|unix.AT_RECURSIVE, attr); err != nil {
+				return fmt.Errorf("bind %s read-only: %w", b.Source, err)
+			}
+		}
+	}
+	root := cfg.Root
+	if err := unix.Mount(root, root, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("bind root %s: %w", root, err)
+	}
+	if err := unix.Chdir(root); err != nil {
+		return fmt.Errorf("chdir root: %w", err)
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("pivot_root %s: %w", root, err)
+	}
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("detach old root: %w", err)
+	}
+	if err := unix.Chdir("/"); err != nil {
+		return err
+	}
+	// From here on every path resolves inside the sandbox root.
+	if err := mountAt("/proc", "proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return err
+	}
+	if err := setupDev(); err != nil {
+		return err
+	}
+	for i, b := range cfg.Binds {
+		if err := bindAt(bindFDs[i], b); err != nil {
+			return err
+		}
+	}
+	if err := mountAt("/run/rewind", "tmpfs", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=0755,size=16m"); err != nil {
+		return err
+	}
+	for _, p := range cfg.Tmpfs {
+		if err := mountAt(p, "tmpfs", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777"); err != nil {
+			return err
+		}
+	}
+	for _, p := range cfg.Hide {
+		st, err := os.Lstat(p)
+		if err != nil {
+			continue // nothing to hide
+		}
+		if st.IsDir() {
+			if err := unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0000,size=4k"); err != nil {
+				return fmt.Errorf("hide %s: %w", p, err)
+			}
+		} else if err := unix.Mount("/dev/null", p, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("hide %s: %w", p, err)
+		}
+	}
+	if cfg.Hostname != "" {
+		if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
+			return fmt.Errorf("sethostname: %w", err)
+		}
+	}
+	if cfg.Net {
+		if err := loopbackUp(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func mountAt(target, source, fstype string, flags uintptr, data string) error {
+	if err := os.MkdirAll(target, 0o755); err != nil {
+		return fmt.Errorf("mkdir %s: %w", target, err)
+	}
+	if err := unix.Mount(source, target, fstype, flags, data); err != nil {
+		return fmt.Errorf("mount %s on %s: %w", fstype, target, err)
+	}
+	return nil
+}
+
+func bindAt(fd int, b Bind) error {
+	target := filepath.Join("/", b.Target)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("bind %s: %w", b.Source, err)
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		if err := os.MkdirAll(target, 0o755); err != nil {
+			return fmt.Errorf("mkdir %s: %w", target, err)
+		}
+	} else if _, err := os.Lstat(target); err != nil {
+		if err := os.MkdirAll(filepath.Dir(target), 0o755); err != nil {
+			return fmt.Errorf("mkdir %s: %w", target, err)
+		}
+		f, err := os.OpenFile(target, os.O_CREATE|os.O_WRONLY, 0o644)
+		if err != nil {
+			return fmt.Errorf("bind target %s: %w", target, err)
+		}
+		f.Close()
+	}
+	if err := unix.MoveMount(fd, "", unix.AT_FDCWD, target, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("bind %s on %s: %w", b.Source, target, err)
+	}
+	return nil
+}
+
+func setupDev() error {
+	if err := mountAt("/dev", "tmpfs", "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "mode=0755,size=1m"); err != nil {
+		return err
+	}
+	old := unix.Umask(0)
+	defer unix.Umask(old)
+	for _, d := range []struct {
+		name         string
+		major, minor uint32
+	}{{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0}} {
+		if err := unix.Mknod("/dev/"+d.name, unix.S_IFCHR|0o666, int(unix.Mkdev(d.major, d.minor))); err != nil {
+			return fmt.Errorf("mknod /dev/%s: %w", d.name, err)
+		}
+	}
+	if err := mountAt("/dev/pts", "devpts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"); err != nil {
+		return err
+	}
+	if err := mountAt("/dev/shm", "shm", "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=1777"); err != nil {
+		return err
+	}
+	for name, target := range map[string]string{
+		"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0",
+		"stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2",
+	} {
+		if err := os.Symlink(target, "/dev/"+name); err != nil {
+			return fmt.Errorf("symlink /dev/%s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("loopback: %w", err)
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return fmt.Errorf("loopback: %w", err)
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("loopback flags: %w", err)
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	if err := unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr); err != nil {
+		return fmt.Errorf("loopback up: %w", err)
+	}
+	return nil
+}
+
+// initState is the running stage-2 init.
+type initState struct {
+	c       *conn
+	devNull int
+	mu      sync.Mutex // serializes spawn replies with exit reports
+	held    map[int]bool
+}
+
+// initStage2 is the long-running PID 1: it serves the control channel and
+// reaps children until the daemon goes away.
+func initStage2() error {
+	// Ignore every signal a sandbox process could send us (PID 1 only gets
+	// signals it handles, and the Go runtime handles them all).
+	ign := []os.Signal{}
+	for s := syscall.Signal(1); s < 32; s++ {
+		switch s {
+		case unix.SIGCHLD, unix.SIGKILL, unix.SIGSTOP, unix.SIGSEGV, unix.SIGBUS, unix.SIGFPE, unix.SIGILL, unix.SIGTRAP, unix.SIGPROF, unix.SIGURG:
+			continue
+		}
+		ign = append(ign, s)
+	}
+	signal.Ignore(ign...)
+	chld := make(chan os.Signal, 16)
+	signal.Notify(chld, unix.SIGCHLD)
+
+	ctlFile := os.NewFile(ctlFD, "control")
+	c, err := newConn(ctlFile)
+	if err != nil {
+		return err
+	}
+	ctlFile.Close()
+	devNull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		_ = c.send(&msg{Op: opReady, Err: "open /dev/null: " + err.Error()})
+		return err
+	}
+	st := &initState{c: c, devNull: devNull, held: map[int]bool{}}
+	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
+		return err
+	}
+	go st.reaper(chld)
+	buf := make([]byte, maxMsg)
+	oob := make([]byte, unix.CmsgSpace(16*4))
+	for {
+		m, fds, err := c.recv(buf, oob)
+		if err != nil {
+			var bad badMsgError
+			if errors.As(err, &bad) {
+				continue
+			}
+			// The daemon is gone: take the whole sandbox down with us.
+			_ = unix.Kill(-1, unix.SIGKILL)
+			os.Exit(0)
+		}
+		st.handle(m, fds)
+	}
+}
+
+func (st *initState) reply(m *msg, r *msg) {
+	r.Op = opReply
+	r.ID = m.ID
+	_ = st.c.send(r)
+}
+
+func (st *initState) handle(m *msg, fds []int) {
+	defer func() {
+		if p := recover(); p != nil {
+			st.reply(m, &msg{Err: fmt.Sprint("init: ", p)})
+		}
+	}()
+	switch m.Op {
+	case opPing:
+		closeFDs(fds)
+		st.reply(m, &msg{})
+	case opSpawn:
+		st.spawn(m, fds)
+	case opKill:
+		closeFDs(fds)
+		pid := m.PID
+		if pid <= 1 {
+			st.reply(m, &msg{Err: "kill: bad pid"})
+			return
+		}
+		if m.Group {
+			pid = -pid
+		}
+		if err := unix.Kill(pid, syscall.Signal(m.Sig)); err != nil && err != unix.ESRCH {
+			st.reply(m, &msg{Err: "kill: " + err.Error()})
+			return
+		}
+		st.reply(m, &msg{})
+	case opHold:
+		st.mu.Lock()
+		for _, fd := range fds {
+			st.held[fd] = true
+		}
+		st.mu.Unlock()
+		st.reply(m, &msg{FDs: fds})
+	case opRelease:
+		closeFDs(fds)
+		st.mu.Lock()
+		for _, fd := range m.FDs {
+			if st.held[fd] {
+				delete(st.held, fd)
+				unix.Close(fd)
+			}
+		}
+		st.mu.Unlock()
+		st.reply(m, &msg{})
+	default:
+		closeFDs(fds)
+		st.reply(m, &msg{Err: "unknown op " + m.Op})
+	}
+}
+
+func (st *initState) spawn(m *msg, fds []int) {
+	defer closeFDs(fds)
+	if len(m.Argv) == 0 {
+		st.reply(m, &msg{Err: "spawn: empty argv"})
+		return
+	}
+	files := make([]uintptr, 3)
+	for i := range files {
+		files[i] = uintptr(st.devNull)
+		if i < len(m.Stdio) && m.Stdio[i] >= 0 {
+			if m.Stdio[i] >= len(fds) {
+				st.reply(m, &msg{Err: "spawn: bad stdio index"})
+				return
+			}
+			files[i] = uintptr(fds[m.Stdio[i]])
+		}
+	}
+	dir := m.Dir
+	if dir == "" {
+		dir = "/"
+	}
+	path, err := lookPath(m.Argv[0], m.Env, dir)
+	if err != nil {
+		st.reply(m, &msg{Err: err.Error()})
+		return
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	pid, err := syscall.ForkExec(path, m.Argv, &syscall.ProcAttr{
+		Dir:   dir,
+		Env:   m.Env,
+		Files: files,
+		Sys:   &syscall.SysProcAttr{Setsid: true},
+	})
+	if err != nil {
+		st.reply(m, &msg{Err: fmt.Sprintf("start %s: %v", m.Argv[0], err)})
+		return
+	}
+	st.reply(m, &msg{PID: pid})
+}
+
+// lookPath resolves argv0 like execvp, with the request's PATH.
+func lookPath(name string, env []string, dir string) (string, error) {
+	if strings.Contains(name, "/") {
+		return name, nil
+	}
+	path := "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "PATH="); ok {
+			path = v
+		}
+	}
+	for _, d := range filepath.SplitList(path) {
+		if d == "" {
+			d = "."
+		}
+		p := filepath.Join(d, name)
+		if !filepath.IsAbs(p) {
+			p = filepath.Join(dir, p)
+		}
+		if unix.Access(p, unix.X_OK) == nil {
+			if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() {
+				return p, nil
+			}
+		}
+	}
+	return "", fmt.Errorf("start %s: executable file not found in PATH", name)
+}
+
+func (st *initState) reaper(chld <-chan os.Signal) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-chld:
+		case <-tick.C:
+		}
+		st.mu.Lock()
+		for {
+			var ws unix.WaitStatus
+			pid, err := unix.Wait4(-1, &ws, unix.WNOHANG|unix.WALL, nil)
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil || pid <= 0 {
+				break
+			}
+			_ = st.c.send(&msg{Op: opExit, PID: pid, Status: int(ws)})
+		}
+		st.mu.Unlock()
+	}
+}

@@ -1,0 +1,152 @@
+package sandbox
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Control protocol between the daemon and the sandbox init: one JSON object
+// per SOCK_SEQPACKET message, file descriptors attached with SCM_RIGHTS.
+
+const (
+	opSetup   = "setup"   // daemon->init (stage 1): mount table and hostname
+	opReady   = "ready"   // init->daemon: setup done (or Err)
+	opSpawn   = "spawn"   // daemon->init: start a process; fds attached
+	opKill    = "kill"    // daemon->init: signal a pid or process group
+	opHold    = "hold"    // daemon->init: keep the attached fds, reply with their numbers
+	opRelease = "release" // daemon->init: close held fds
+	opPing    = "ping"    // daemon->init: round trip
+	opExit    = "exit"    // init->daemon: a child was reaped
+	opReply   = "reply"   // init->daemon: answer to request ID
+)
+
+// maxMsg bounds one control message.
+const maxMsg = 1 << 20
+
+type msg struct {
+	ID uint64 `json:"id,omitempty"`
+	Op string `json:"op"`
+
+	Setup *setupConfig `json:"setup,omitempty"`
+
+	// spawn
+	Argv  []string `json:"argv,omitempty"`
+	Env   []string `json:"env,omitempty"`
+	Dir   string   `json:"dir,omitempty"`
+	Stdio []int    `json:"stdio,omitempty"` // index into attached fds per stdio slot, -1 = /dev/null
+
+	// kill / spawn reply / exit
+	PID    int  `json:"pid,omitempty"`
+	Sig    int  `json:"sig,omitempty"`
+	Group  bool `json:"group,omitempty"`
+	Status int  `json:"status,omitempty"` // raw wait status
+
+	// hold reply / release
+	FDs []int `json:"fds,omitempty"`
+
+	Err string `json:"err,omitempty"`
+
+	waiter chan exitStatus // daemon side: exit of a spawned pid
+}
+
+type setupConfig struct {
+	Root     string   `json:"root"`
+	Hostname string   `json:"hostname"`
+	Net      bool     `json:"net"`
+	Tmpfs    []string `json:"tmpfs,omitempty"`
+	Hide     []string `json:"hide,omitempty"`
+	Binds    []Bind   `json:"binds,omitempty"`
+	KeepCaps bool     `json:"keep_caps,omitempty"`
+}
+
+// conn is a SOCK_SEQPACKET unix connection carrying msg values.
+type conn struct {
+	c   *net.UnixConn
+	wmu sync.Mutex
+}
+
+func newConn(f *os.File) (*conn, error) {
+	nc, err := net.FileConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	uc, ok := nc.(*net.UnixConn)
+	if !ok {
+		nc.Close()
+		return nil, errors.New("control socket: not a unix socket")
+	}
+	return &conn{c: uc}, nil
+}
+
+func (c *conn) send(m *msg, fds ...int) error {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	if len(b) > maxMsg {
+		return fmt.Errorf("control message too large (%d bytes)", len(b))
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	_, _, err = c.c.WriteMsgUnix(b, oob, nil)
+	return err
+}
+
+// recv returns the next message and the fds attached to it (close-on-exec).
+func (c *conn) recv(buf, oob []byte) (*msg, []int, error) {
+	n, oobn, flags, _, err := c.c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return nil, nil, err
+	}
+	var fds []int
+	if oobn > 0 {
+		scms, perr := unix.ParseSocketControlMessage(oob[:oobn])
+		if perr == nil {
+			for _, scm := range scms {
+				got, rerr := unix.ParseUnixRights(&scm)
+				if rerr == nil {
+					fds = append(fds, got...)
+				}
+			}
+		}
+	}
+	if n == 0 {
+		closeFDs(fds)
+		return nil, nil, errEOF
+	}
+	if flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
+		closeFDs(fds)
+		return nil, nil, badMsgError{errors.New("truncated")}
+	}
+	var m msg
+	if err := json.Unmarshal(buf[:n], &m); err != nil {
+		closeFDs(fds)
+		return nil, nil, badMsgError{err}
+	}
+	return &m, fds, nil
+}
+
+func (c *conn) close() error { return c.c.Close() }
+
+var errEOF = errors.New("control channel closed")
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
+
+// badMsgError is a malformed message; the channel itself is still usable.
+type badMsgError struct{ err error }
+
+func (e badMsgError) Error() string { return "control message: " + e.err.Error() }

@@ -1,0 +1,620 @@
+package sandbox
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Default cgroup parents (seam #1).
+const (
+	DefaultFreezerParent  = "/sys/fs/cgroup/freezer/rewind"
+	DefaultCgroupV2Parent = "/sys/fs/cgroup/unified/rewind"
+)
+
+// DefaultEnv is the base environment of sandbox processes when Config.Env is nil.
+var DefaultEnv = []string{
+	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+	"HOME=/root", "LANG=C.UTF-8", "TERM=dumb",
+}
+
+// Bind is a bind mount of a host path into the sandbox, made inside the
+// sandbox's mount namespace (it never appears on the host).
+type Bind struct {
+	// Source is the host path.
+	Source string `json:"source"`
+	// Target is the path inside the sandbox.
+	Target string `json:"target"`
+	// ReadOnly makes the bind read-only.
+	ReadOnly bool `json:"read_only,omitempty"`
+}
+
+// Config describes a sandbox to start.
+type Config struct {
+	// ID names the sandbox (letters, digits, '-', '_', '.'); it names the cgroups.
+	ID string
+	// Root is the host directory that becomes / inside (the sandbox's DeltaFS
+	// mount in production). proc, dev and run/rewind are created in it if missing.
+	Root string
+	// HostNet shares the host's network namespace. By default the sandbox
+	// gets its own network namespace with only loopback, up.
+	HostNet bool
+	// Env is the base environment of every process (DefaultEnv when nil).
+	Env []string
+	// Hostname inside the sandbox (default: ID).
+	Hostname string
+	// Tmpfs lists directories inside the sandbox that get a fresh tmpfs.
+	Tmpfs []string
+	// Hide lists paths inside the sandbox masked by an empty read-only tmpfs
+	// (directories) or /dev/null (files): the daemon's state dir when the
+	// base is the host root. /run/rewind is always a private tmpfs.
+	Hide []string
+	// Binds are host paths bind-mounted into the sandbox.
+	Binds []Bind
+	// KeepCaps keeps every capability for sandbox processes (debugging
+	// only). By default they run with a reduced bounding set (no
+	// CAP_SYS_ADMIN, CAP_SYS_PTRACE, CAP_MKNOD, CAP_DAC_READ_SEARCH, ...).
+	KeepCaps bool
+	// InitPath is the binary re-executed as the init (default /proc/self/exe;
+	// it must call MaybeRunInit).
+	InitPath string
+	// FreezerParent and CgroupV2Parent override the cgroup parents.
+	FreezerParent, CgroupV2Parent string
+	// Logger receives the init's log lines (default slog.Default()).
+	Logger *slog.Logger
+}
+
+var idRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$`)
+
+// Sandbox is a running sandbox. Its methods are safe for concurrent use.
+type Sandbox struct {
+	cfg        Config
+	log        *slog.Logger
+	cmd        *exec.Cmd
+	initPID    int
+	cli        *client
+	freezerDir string
+	v2Dir      string
+	cgroupID   uint64
+	initDone   chan struct{} // closed when the init process has been waited for
+
+	mu       sync.Mutex
+	sessions map[string]*Session
+	onClose  []func()
+	closed   bool
+	frozen   bool
+}
+
+// ErrClosed is returned by calls on a closed sandbox.
+var ErrClosed = errors.New("sandbox closed")
+
+// Start starts a sandbox: cgroups, namespaces, root switch and the init.
+func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
+	if !idRE.MatchString(cfg.ID) || strings.Contains(cfg.ID, "..") {
+		return nil, fmt.Errorf("start sandbox: invalid id %q", cfg.ID)
+	}
+	root, err := filepath.Abs(cfg.Root)
+	if err != nil {
+		return nil, fmt.Errorf("start sandbox %s: root: %w", cfg.ID, err)
+	}
+	if st, err := os.Stat(root); err != nil || !st.IsDir() {
+		return nil, fmt.Errorf("start sandbox %s: root %s is not a directory", cfg.ID, root)
+	}
+	cfg.Root = root
+	if cfg.Env == nil {
+		cfg.Env = DefaultEnv
+	}
+	if cfg.Hostname == "" {
+		cfg.Hostname = cfg.ID
+		if len(cfg.Hostname) > 64 {
+			cfg.Hostname = cfg.Hostname[:64]
+		}
+	}
+	if cfg.InitPath == "" {
+		cfg.InitPath = "/proc/self/exe"
+	}
+	if cfg.FreezerParent == "" {
+		cfg.FreezerParent = DefaultFreezerParent
+	}
+	if cfg.CgroupV2Parent == "" {
+		cfg.CgroupV2Parent = DefaultCgroupV2Parent
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	s := &Sandbox{
+		cfg:        cfg,
+		log:        cfg.Logger.With("sandbox", cfg.ID),
+		freezerDir: filepath.Join(cfg.FreezerParent, cfg.ID),
+		v2Dir:      filepath.Join(cfg.CgroupV2Parent, cfg.ID),
+		sessions:   map[string]*Session{},
+		initDone:   make(chan struct{}),
+	}
+	if err := makeCgroup(s.freezerDir); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	}
+	if err := makeCgroup(s.v2Dir); err != nil {
+		_ = unix.Rmdir(s.freezerDir)
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	}
+	defer func() {
+		if err != nil {
+			s.teardown()
+		}
+	}()
+	var st unix.Stat_t
+	if err := unix.Stat(s.v2Dir, &st); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	}
+	s.cgroupID = st.Ino
+
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("start sandbox %s: socketpair: %w", cfg.ID, err)
+	}
+	parentEnd := os.NewFile(uintptr(pair[0]), "ctl")
+	childEnd := os.NewFile(uintptr(pair[1]), "ctl-init")
+	c, err := newConn(parentEnd)
+	parentEnd.Close()
+	if err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	}
+
+	flags := uintptr(unix.CLONE_NEWPID | unix.CLONE_NEWNS | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC)
+	if !cfg.HostNet {
+		flags |= unix.CLONE_NEWNET
+	}
+	cmd := exec.Command(cfg.InitPath)
+	cmd.Args = []string{"rewind-init"}
+	cmd.Env = []string{initEnv + "=1", "GOMAXPROCS=1"}
+	cmd.Dir = "/"
+	cmd.ExtraFiles = []*os.File{childEnd}
+	logw := &lineLogger{log: s.log}
+	cmd.Stdout = logw
+	cmd.Stderr = logw
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags}
+	err = cmd.Start()
+	childEnd.Close()
+	if err != nil {
+		c.close()
+		return nil, fmt.Errorf("start sandbox %s: start init: %w", cfg.ID, err)
+	}
+	s.cmd = cmd
+	s.initPID = cmd.Process.Pid
+	go func() {
+		_ = cmd.Wait()
+		close(s.initDone)
+	}()
+	s.cli = newClient(c, s.log)
+	// The init waits for its setup message, so nothing runs outside the
+	// cgroups: join them first.
+	for _, dir := range []string{s.freezerDir, s.v2Dir} {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(s.initPID)), 0); err != nil {
+			return nil, fmt.Errorf("start sandbox %s: join cgroup %s: %w", cfg.ID, dir, err)
+		}
+	}
+	setup := &setupConfig{
+		Root: cfg.Root, Hostname: cfg.Hostname, Net: !cfg.HostNet,
+		Tmpfs: cfg.Tmpfs, Hide: cfg.Hide, Binds: cfg.Binds, KeepCaps: cfg.KeepCaps,
+	}
+	if err := s.cli.conn.send(&msg{Op: opSetup, Setup: setup}); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: send setup: %w", cfg.ID, err)
+	}
+	select {
+	case r := <-s.cli.ready:
+		if r.Err != "" {
+			return nil, fmt.Errorf("start sandbox %s: init: %s", cfg.ID, r.Err)
+		}
+	case <-s.cli.dead:
+		return nil, fmt.Errorf("start sandbox %s: init exited during setup (see log)", cfg.ID)
+	case <-s.initDone:
+		return nil, fmt.Errorf("start sandbox %s: init exited during setup (see log)", cfg.ID)
+	case <-ctx.Done():
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, ctx.Err())
+	}
+	return s, nil
+}
+
+func makeCgroup(dir string) error {
+	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		return fmt.Errorf("cgroup parent: %w", err)
+	}
+	err := unix.Mkdir(dir, 0o755)
+	if errors.Is(err, unix.EEXIST) {
+		// Left over from a crash: reuse it only if it is empty.
+		if rerr := unix.Rmdir(dir); rerr != nil {
+			return fmt.Errorf("cgroup %s exists and is in use: %w", dir, rerr)
+		}
+		err = unix.Mkdir(dir, 0o755)
+	}
+	if err != nil {
+		return fmt.Errorf("create cgroup %s: %w", dir, err)
+	}
+	return nil
+}
+
+// lineLogger logs each line written by the init.
+type lineLogger struct {
+	log *slog.Logger
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (l *lineLogger) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.buf = append(l.buf, p...)
+	for {
+		i := strings.IndexByte(string(l.buf), '\n')
+		if i < 0 {
+			break
+		}
+		l.log.Warn("sandbox init", "line", string(l.buf[:i]))
+		l.buf = l.buf[i+1:]
+	}
+	if len(l.buf) > 4096 {
+		l.log.Warn("sandbox init", "line", string(l.buf))
+		l.buf = nil
+	}
+	return len(p), nil
+}
+
+// ID returns the sandbox id.
+func (s *Sandbox) ID() string { return s.cfg.ID }
+
+// InitPID returns the host pid of the sandbox's PID 1 (the rewind init).
+func (s *Sandbox) InitPID() int { return s.initPID }
+
+// Root returns the host directory that is / inside the sandbox.
+func (s *Sandbox) Root() string { return s.cfg.Root }
+
+// CgroupV2Dir returns the sandbox's cgroup v2 directory.
+func (s *Sandbox) CgroupV2Dir() string { return s.v2Dir }
+
+// FreezerDir returns the sandbox's cgroup v1 freezer directory.
+func (s *Sandbox) FreezerDir() string { return s.freezerDir }
+
+// CgroupID returns the cgroup v2 id (inode of CgroupV2Dir), as reported by
+// bpf_get_current_cgroup_id for sandbox processes.
+func (s *Sandbox) CgroupID() uint64 { return s.cgroupID }
+
+// NSPath returns /proc/<init>/ns/<kind> for kind pid, mnt, net, uts, ipc...
+func (s *Sandbox) NSPath(kind string) string {
+	return fmt.Sprintf("/proc/%d/ns/%s", s.initPID, kind)
+}
+
+// Done is closed when the sandbox's init has exited (Close, or a crash).
+func (s *Sandbox) Done() <-chan struct{} { return s.initDone }
+
+// OnClose registers fn to run at the start of Close, before any process is
+// killed (the cr pool releases its ptrace-stopped templates there).
+func (s *Sandbox) OnClose(fn func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.onClose = append(s.onClose, fn)
+}
+
+// Ping makes a round trip through the init's control channel.
+func (s *Sandbox) Ping(ctx context.Context) error {
+	_, _, err := s.cli.call(ctx, &msg{Op: opPing})
+	return err
+}
+
+// Freeze stops every process of the sandbox atomically (cgroup v1 freezer)
+// and returns once the cgroup reports FROZEN. On failure (ctx done) it thaws
+// again and returns the error.
+func (s *Sandbox) Freeze(ctx context.Context) error {
+	state := filepath.Join(s.freezerDir, "freezer.state")
+	sleep := 10 * time.Microsecond
+	for {
+		if err := os.WriteFile(state, []byte("FROZEN"), 0); err != nil {
+			return fmt.Errorf("freeze %s: %w", s.cfg.ID, err)
+		}
+		b, err := os.ReadFile(state)
+		if err != nil {
+			return fmt.Errorf("freeze %s: %w", s.cfg.ID, err)
+		}
+		if strings.TrimSpace(string(b)) == "FROZEN" {
+			s.mu.Lock()
+			s.frozen = true
+			s.mu.Unlock()
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			_ = os.WriteFile(state, []byte("THAWED"), 0)
+			return fmt.Errorf("freeze %s: %w", s.cfg.ID, ctx.Err())
+		case <-time.After(sleep):
+		}
+		if sleep < time.Millisecond {
+			sleep *= 2
+		}
+	}
+}
+
+// Thaw resumes the processes stopped by Freeze.
+func (s *Sandbox) Thaw(ctx context.Context) error {
+	state := filepath.Join(s.freezerDir, "freezer.state")
+	for {
+		if err := os.WriteFile(state, []byte("THAWED"), 0); err != nil {
+			return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
+		}
+		b, err := os.ReadFile(state)
+		if err != nil {
+			return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
+		}
+		if strings.TrimSpace(string(b)) == "THAWED" {
+			s.mu.Lock()
+			s.frozen = false
+			s.mu.Unlock()
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("thaw %s: %w", s.cfg.ID, ctx.Err())
+		case <-time.After(50 * time.Microsecond):
+		}
+	}
+}
+
+// Process describes one process of a sandbox.
+type Process struct {
+	// PID and PPID are host pids; NSPID is the pid inside the sandbox.
+	PID, PPID, NSPID int
+	// Threads is the thread count.
+	Threads int
+	// Comm is the command name; State the one-letter state (R, S, T, t, Z...).
+	Comm, State string
+}
+
+// Processes lists the sandbox's processes (init included), from its cgroup.
+func (s *Sandbox) Processes() ([]Process, error) {
+	pids, err := cgroupPIDs(s.freezerDir)
+	if err != nil {
+		return nil, fmt.Errorf("processes of %s: %w", s.cfg.ID, err)
+	}
+	out := make([]Process, 0, len(pids))
+	for _, pid := range pids {
+		p, err := readProcess(pid)
+		if err != nil {
+			continue // exited meanwhile
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+func cgroupPIDs(dir string) ([]int, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	if err != nil {
+		return nil, err
+	}
+	var pids []int
+	for _, f := range strings.Fields(string(b)) {
+		if n, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, n)
+		}
+	}
+	return pids, nil
+}
+
+func readProcess(pid int) (Process, error) {
+	p := Process{PID: pid}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return p, err
+	}
+	s := string(b)
+	open, close := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+	if open < 0 || close < open {
+		return p, fmt.Errorf("parse /proc/%d/stat", pid)
+	}
+	p.Comm = s[open+1 : close]
+	f := strings.Fields(s[close+1:])
+	// f[0]=state f[1]=ppid ... f[17]=num_threads
+	if len(f) < 18 {
+		return p, fmt.Errorf("parse /proc/%d/stat", pid)
+	}
+	p.State = f[0]
+	p.PPID, _ = strconv.Atoi(f[1])
+	p.Threads, _ = strconv.Atoi(f[17])
+	p.NSPID = nsPID(pid)
+	return p, nil
+}
+
+// nsPID returns the innermost pid of host pid (0 if unknown).
+func nsPID(pid int) int {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "NSpid:"); ok {
+			fs := strings.Fields(v)
+			if len(fs) == 0 {
+				return 0
+			}
+			n, _ := strconv.Atoi(fs[len(fs)-1])
+			return n
+		}
+	}
+	return 0
+}
+
+// hostPID finds the host pid of the sandbox process whose pid inside is nspid.
+func (s *Sandbox) hostPID(nspid int) int {
+	pids, err := cgroupPIDs(s.freezerDir)
+	if err != nil {
+		return 0
+	}
+	for _, pid := range pids {
+		if nsPID(pid) == nspid {
+			return pid
+		}
+	}
+	return 0
+}
+
+// killPID sends SIGKILL to host pid if it is still in this sandbox's cgroup
+// (pidfd, so a recycled pid is never hit).
+func (s *Sandbox) killPID(pid int) error {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return nil // gone
+	}
+	defer unix.Close(fd)
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil || !strings.Contains(string(b), ":freezer:"+strings.TrimPrefix(s.freezerDir, "/sys/fs/cgroup/freezer")+"\n") {
+		return nil // not ours (any more)
+	}
+	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && err != unix.ESRCH {
+		return err
+	}
+	return nil
+}
+
+// KillProcesses SIGKILLs every process of the sandbox except the init and
+// those keep returns true for (keep may be nil), and waits until they are
+// gone. The sandbox must not be frozen.
+func (s *Sandbox) KillProcesses(ctx context.Context, keep func(Process) bool) error {
+	for {
+		procs, err := s.Processes()
+		if err != nil {
+			return err
+		}
+		left := 0
+		for _, p := range procs {
+			if p.PID == s.initPID || (keep != nil && keep(p)) {
+				continue
+			}
+			left++
+			if err := s.killPID(p.PID); err != nil {
+				return fmt.Errorf("kill %d in %s: %w", p.PID, s.cfg.ID, err)
+			}
+		}
+		if left == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("kill processes of %s: %d left: %w", s.cfg.ID, left, ctx.Err())
+		case <-time.After(200 * time.Microsecond):
+		}
+	}
+}
+
+// WriteRunFile writes /run/rewind/<name> inside the sandbox (a per-sandbox
+// tmpfs, e.g. the fork copy number). The path is resolved inside the
+// sandbox's root; no sandbox symlink is followed out of it.
+func (s *Sandbox) WriteRunFile(name string, data []byte) error {
+	if name == "" || strings.Contains(name, "/") || name == "." || name == ".." {
+		return fmt.Errorf("write run file %q: invalid name", name)
+	}
+	rootFD, err := unix.Open(fmt.Sprintf("/proc/%d/root", s.initPID), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("write run file %s: %w", name, err)
+	}
+	defer unix.Close(rootFD)
+	fd, err := unix.Openat2(rootFD, "run/rewind/"+name, &unix.OpenHow{
+		Flags:   unix.O_WRONLY | unix.O_CREAT | unix.O_TRUNC | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Mode:    0o644,
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		return fmt.Errorf("write run file %s: %w", name, err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	defer f.Close()
+	if _, err := f.Write(data); err != nil {
+		return fmt.Errorf("write run file %s: %w", name, err)
+	}
+	return nil
+}
+
+// Close kills every process of the sandbox (templates included, after the
+// OnClose hooks ran), waits for them and removes the cgroups.
+func (s *Sandbox) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	hooks := s.onClose
+	s.onClose = nil
+	sessions := make([]*Session, 0, len(s.sessions))
+	for _, ss := range s.sessions {
+		sessions = append(sessions, ss)
+	}
+	s.mu.Unlock()
+	for _, fn := range hooks {
+		fn()
+	}
+	for _, ss := range sessions {
+		ss.shutdown(ErrClosed)
+	}
+	return s.teardown()
+}
+
+// teardown kills everything and removes the cgroups.
+func (s *Sandbox) teardown() error {
+	var errs []error
+	if s.cmd != nil && s.cmd.Process != nil {
+		// Frozen tasks cannot die: thaw after signalling.
+		_ = s.cmd.Process.Kill()
+		if pids, err := cgroupPIDs(s.freezerDir); err == nil {
+			for _, pid := range pids {
+				_ = s.killPID(pid)
+			}
+		}
+		_ = os.WriteFile(filepath.Join(s.freezerDir, "freezer.state"), []byte("THAWED"), 0)
+		if s.cli != nil {
+			s.cli.close()
+		}
+		select {
+		case <-s.initDone:
+		case <-time.After(20 * time.Second):
+			errs = append(errs, fmt.Errorf("close %s: init %d did not exit", s.cfg.ID, s.initPID))
+		}
+	} else if s.cli != nil {
+		s.cli.close()
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for _, dir := range []string{s.freezerDir, s.v2Dir} {
+		for {
+			if pids, err := cgroupPIDs(dir); err == nil {
+				for _, pid := range pids {
+					_ = s.killPID(pid)
+				}
+			}
+			err := unix.Rmdir(dir)
+			if err == nil || errors.Is(err, unix.ENOENT) {
+				break
+			}
+			if time.Now().After(deadline) {
+				errs = append(errs, fmt.Errorf("close %s: remove cgroup %s: %w", s.cfg.ID, dir, err))
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+var _ io.Writer = (*lineLogger)(nil)

@@ -1,0 +1,443 @@
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestExec(t *testing.T) {
+	sb := startTest(t, nil)
+	tests := []struct {
+		name     string
+		argv     []string
+		stdin    string
+		wantOut  string
+		wantErr  string
+		wantCode int
+	}{
+		{"echo", []string{"echo", "hello", "world"}, "", "hello world\n", "", 0},
+		{"exit code", []string{"sh", "-c", "exit 3"}, "", "", "", 3},
+		{"stderr", []string{"sh", "-c", "echo out; echo err >&2; exit 1"}, "", "out\n", "err\n", 1},
+		{"stdin", []string{"tr", "a-z", "A-Z"}, "abc\n", "ABC\n", "", 0},
+		{"signal", []string{"sh", "-c", "kill -9 $$"}, "", "", "", 137},
+		{"env", []string{"sh", "-c", "echo $FOO $HOME"}, "", "bar /root\n", "", 0},
+		{"cwd", []string{"pwd"}, "", "/tmp\n", "", 0},
+		{"hostname", []string{"cat", "/proc/sys/kernel/hostname"}, "", sb.ID() + "\n", "", 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			req := ExecRequest{Argv: tc.argv, Stdout: &out, Stderr: &errb, Env: []string{"FOO=bar"}}
+			if tc.name == "cwd" {
+				req.Dir = "/tmp"
+			}
+			if tc.stdin != "" {
+				req.Stdin = strings.NewReader(tc.stdin)
+			}
+			code, err := sb.Exec(testCtx(t), req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if code != tc.wantCode || out.String() != tc.wantOut || errb.String() != tc.wantErr {
+				t.Fatalf("got code %d out %q err %q; want %d %q %q", code, out.String(), errb.String(), tc.wantCode, tc.wantOut, tc.wantErr)
+			}
+		})
+	}
+	t.Run("missing command", func(t *testing.T) {
+		_, err := sb.Exec(testCtx(t), ExecRequest{Argv: []string{"no-such-command-xyz"}})
+		if err == nil || !strings.Contains(err.Error(), "not found") {
+			t.Fatalf("want not found error, got %v", err)
+		}
+	})
+	t.Run("cancel kills", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		go func() { time.Sleep(100 * time.Millisecond); cancel() }()
+		_, err := sb.Exec(ctx, ExecRequest{Argv: []string{"sleep", "1000"}})
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("want context.Canceled, got %v", err)
+		}
+		waitFor(t, "sleep to die", func() bool {
+			procs, _ := sb.Processes()
+			for _, p := range procs {
+				if p.Comm == "sleep" {
+					return false
+				}
+			}
+			return true
+		})
+	})
+	t.Run("background child keeps stdout", func(t *testing.T) {
+		out, _, code := run(t, sb, "sh", "-c", "sleep 1000 & echo started")
+		if code != 0 || out != "started\n" {
+			t.Fatalf("got %d %q", code, out)
+		}
+	})
+}
+
+func TestPIDNamespace(t *testing.T) {
+	sb := startTest(t, nil)
+	if got := sh(t, sb, "cat /proc/1/cmdline | tr '\\0' ' '"); got != "rewind-init " {
+		t.Fatalf("pid 1 cmdline %q", got)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(sh(t, sb, "echo $$")))
+	if err != nil || pid < 2 || pid > 100 {
+		t.Fatalf("shell pid inside %d (%v), want a small pid", pid, err)
+	}
+	// Only the sandbox's processes are visible.
+	n := strings.Fields(sh(t, sb, "ls /proc | grep -c '^[0-9]'"))
+	if c, _ := strconv.Atoi(n[0]); c > 5 {
+		t.Fatalf("%d processes visible inside", c)
+	}
+	procs, err := sb.Processes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(procs) != 1 || procs[0].PID != sb.InitPID() || procs[0].NSPID != 1 || procs[0].Threads < 1 {
+		t.Fatalf("Processes() = %+v, want only the init (host pid %d, ns pid 1)", procs, sb.InitPID())
+	}
+	// Namespaces differ from the host's.
+	for _, ns := range []string{"pid", "mnt", "uts", "ipc", "net"} {
+		host, _ := os.Readlink("/proc/self/ns/" + ns)
+		in, err := os.Readlink(sb.NSPath(ns))
+		if err != nil || in == host {
+			t.Fatalf("%s namespace not separate: host %s sandbox %s (%v)", ns, host, in, err)
+		}
+	}
+	// cgroups.
+	var st os.FileInfo
+	if st, err = os.Stat(sb.CgroupV2Dir()); err != nil || sb.CgroupID() == 0 {
+		t.Fatalf("cgroup v2 dir %v id %d", err, sb.CgroupID())
+	}
+	_ = st
+	cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", sb.InitPID()))
+	if err != nil || !strings.Contains(string(cg), ":freezer:/rewind/"+sb.ID()+"\n") || !strings.Contains(string(cg), "0::/rewind/"+sb.ID()+"\n") {
+		t.Fatalf("init cgroups:\n%s", cg)
+	}
+}
+
+func TestIsolation(t *testing.T) {
+	marker := filepath.Join(t.TempDir(), "host-secret")
+	if err := os.WriteFile(marker, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hideDir := "/etc/rewind-test-hide"
+	sb := startTest(t, func(c *Config) { c.Hide = []string{"/etc/ssl"} })
+	_ = hideDir
+	other := startTest(t, nil)
+	sh(t, other, "sleep 1000 &")
+
+	// Host files outside the root are not visible.
+	if _, _, code := run(t, sb, "test", "-e", marker); code == 0 {
+		t.Fatalf("host file %s visible inside", marker)
+	}
+	// /run/rewind is a private empty tmpfs; hidden dirs are empty.
+	if out := sh(t, sb, "ls -A /run/rewind; ls -A /etc/ssl 2>&1 | head -1; echo end"); out != "end\n" && !strings.Contains(out, "Permission denied") {
+		t.Fatalf("masked dirs not empty: %q", out)
+	}
+	// Only loopback, and it is up.
+	if out := sh(t, sb, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"); out != "lo\n" {
+		t.Fatalf("interfaces %q", out)
+	}
+	// Reduced capabilities: no mount, no mknod.
+	if _, _, code := run(t, sb, "mount", "-t", "tmpfs", "x", "/mnt"); code == 0 {
+		t.Fatal("mount succeeded inside the sandbox")
+	}
+	if _, _, code := run(t, sb, "mknod", "/tmp/disk", "b", "8", "0"); code == 0 {
+		t.Fatal("mknod succeeded inside the sandbox")
+	}
+	// The other sandbox's processes are invisible and unreachable.
+	if out := sh(t, sb, "grep -l sleep /proc/[0-9]*/comm 2>/dev/null | wc -l"); strings.TrimSpace(out) != "0" {
+		t.Fatalf("other sandbox's sleep visible: %q", out)
+	}
+	// Signals from inside do not kill the init.
+	sh(t, sb, "for s in TERM INT HUP QUIT USR1 USR2 PIPE ALRM; do kill -$s 1; done; true")
+	time.Sleep(50 * time.Millisecond)
+	if err := sb.Ping(testCtx(t)); err != nil {
+		t.Fatalf("init died after signals: %v", err)
+	}
+	// WriteRunFile lands in /run/rewind inside.
+	if err := sb.WriteRunFile("copy", []byte("7\n")); err != nil {
+		t.Fatal(err)
+	}
+	if out := sh(t, sb, "cat /run/rewind/copy"); out != "7\n" {
+		t.Fatalf("run file %q", out)
+	}
+	// A sandbox symlink does not redirect WriteRunFile out of the sandbox.
+	sh(t, sb, "ln -s /etc/hostname-escape /run/rewind/evil || true")
+	if err := sb.WriteRunFile("evil", []byte("x")); err == nil {
+		t.Fatal("WriteRunFile followed a symlink")
+	}
+}
+
+func TestSession(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	ss, err := sb.StartSession(ctx, SessionConfig{ID: "bash", Argv: []string{"bash", "--norc"}, Dir: "/"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sb.Session("bash") != ss {
+		t.Fatal("Session lookup")
+	}
+	if _, err := sb.StartSession(ctx, SessionConfig{ID: "bash", Argv: []string{"bash"}}); !errors.Is(err, ErrSessionExists) {
+		t.Fatalf("duplicate session: %v", err)
+	}
+	steps := []struct{ send, want string }{
+		{"cd /tmp && export V=42 && f() { echo fn-$1; }", ""},
+		{"echo $V $(pwd)", "42 /tmp\n"},
+		{"f x", "fn-x\n"},
+		{"echo err >&2", "err\n"},
+	}
+	for _, st := range steps {
+		out, err := ss.Send(ctx, st.send, SendOptions{})
+		if err != nil || out != st.want {
+			t.Fatalf("Send %q = %q, %v; want %q", st.send, out, err, st.want)
+		}
+	}
+	// Until returns on the marker even when the command is slow.
+	out, err := ss.Send(ctx, "sleep 0.5; echo DONE-1", SendOptions{Until: regexp.MustCompile(`DONE-\d`)})
+	if err != nil || out != "DONE-1\n" {
+		t.Fatalf("until: %q %v", out, err)
+	}
+	// Output printed between sends is kept for the next call.
+	if _, err := ss.Send(ctx, "(sleep 0.3; echo late) &", SendOptions{Idle: 50 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(600 * time.Millisecond)
+	if out, err := ss.Send(ctx, "echo now", SendOptions{}); err != nil || out != "late\nnow\n" {
+		t.Fatalf("buffered output: %q %v", out, err)
+	}
+	if ss.PID() == 0 || ss.NSPID() < 2 {
+		t.Fatalf("pids %d %d", ss.PID(), ss.NSPID())
+	}
+	// Exit code of the session.
+	if _, err := ss.Send(ctx, "exit 5", SendOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ss.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("session did not exit")
+	}
+	if ss.ExitCode() != 5 {
+		t.Fatalf("exit code %d", ss.ExitCode())
+	}
+	if _, err := ss.Send(ctx, "echo x", SendOptions{}); !errors.Is(err, ErrSessionExited) {
+		t.Fatalf("send after exit: %v", err)
+	}
+	// Python REPL.
+	py, err := sb.StartSession(ctx, SessionConfig{ID: "py", Argv: []string{"python3", "-i", "-q"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := py.Send(ctx, "x = [i*i for i in range(10)]", SendOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	out, err = py.Send(ctx, "print(sum(x))", SendOptions{Until: regexp.MustCompile(`285\n`)})
+	if err != nil || !strings.Contains(out, "285\n") {
+		t.Fatalf("python: %q %v", out, err)
+	}
+	if err := py.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if sb.Session("py") != nil {
+		t.Fatal("closed session still listed")
+	}
+}
+
+func TestFreezeThaw(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	counter := filepath.Join(sb.Root(), "tmp", "counter")
+	if _, err := sb.StartSession(ctx, SessionConfig{ID: "count", Argv: []string{"sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; done"}}); err != nil {
+		t.Fatal(err)
+	}
+	read := func() int {
+		b, err := os.ReadFile(counter)
+		if err != nil {
+			return -1
+		}
+		n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil {
+			return -1
+		}
+		return n
+	}
+	waitFor(t, "counter to run", func() bool { return read() > 10 })
+	for round := 0; round < 3; round++ {
+		if err := sb.Freeze(ctx); err != nil {
+			t.Fatal(err)
+		}
+		a := read()
+		time.Sleep(200 * time.Millisecond)
+		if b := read(); b != a {
+			t.Fatalf("counter moved while frozen: %d -> %d", a, b)
+		}
+		procs, err := sb.Processes()
+		if err != nil || len(procs) < 2 {
+			t.Fatalf("processes while frozen: %v %v", procs, err)
+		}
+		if err := sb.Thaw(ctx); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "counter to move after thaw", func() bool { return read() > a })
+	}
+}
+
+func TestCloseLeavesNothing(t *testing.T) {
+	requireSandbox(t)
+	root, binds := testRoot(t)
+	ctx := testCtx(t)
+	sb, err := Start(ctx, Config{ID: fmt.Sprintf("close-%d", os.Getpid()), Root: root, Binds: binds})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hooked := false
+	sb.OnClose(func() { hooked = true })
+	ss, err := sb.StartSession(ctx, SessionConfig{ID: "s", Argv: []string{"bash"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, sb, "sleep 1000 & sleep 1000 & (sleep 1000 & kill -STOP $!) ; true")
+	sh(t, sb, "sh -c 'kill -STOP $$' & true")
+	procs, err := sb.Processes()
+	if err != nil || len(procs) < 5 {
+		t.Fatalf("processes: %+v %v", procs, err)
+	}
+	if err := sb.Freeze(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if !hooked {
+		t.Fatal("OnClose hook not run")
+	}
+	for _, p := range procs {
+		if alive(p.PID) {
+			t.Fatalf("process %+v survived Close", p)
+		}
+	}
+	for _, d := range []string{sb.FreezerDir(), sb.CgroupV2Dir()} {
+		if _, err := os.Stat(d); !os.IsNotExist(err) {
+			t.Fatalf("cgroup %s still exists (%v)", d, err)
+		}
+	}
+	if _, err := ss.Send(ctx, "echo", SendOptions{}); !errors.Is(err, ErrClosed) {
+		t.Fatalf("send after close: %v", err)
+	}
+	if _, err := sb.Exec(ctx, ExecRequest{Argv: []string{"true"}}); err == nil {
+		t.Fatal("exec after close succeeded")
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+}
+
+func TestKillProcesses(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	keep, err := sb.StartSession(ctx, SessionConfig{ID: "keep", Argv: []string{"cat"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, sb, "sleep 1000 & sleep 1000 & true")
+	keepPID := keep.PID()
+	if err := sb.KillProcesses(ctx, func(p Process) bool { return p.PID == keepPID }); err != nil {
+		t.Fatal(err)
+	}
+	procs, err := sb.Processes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(procs) != 2 {
+		t.Fatalf("after KillProcesses: %+v", procs)
+	}
+	if out, err := keep.Send(ctx, "still here", SendOptions{}); err != nil || out != "still here\n" {
+		t.Fatalf("kept session: %q %v", out, err)
+	}
+}
+
+// TestAdoptSession plays the cr side of seam #3: a process created inside the
+// sandbox picks up fresh channels from /proc/1/fd/N and becomes a session.
+func TestAdoptSession(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	old, err := sb.StartSession(ctx, SessionConfig{ID: "main", Argv: []string{"bash"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := sb.NewChannels()
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, out, err := sb.mustInitFDs(ctx, ch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The "restored" process: a bash whose stdio comes from the init's fds,
+	// reparented to init when its launcher exits.
+	script := fmt.Sprintf("(exec </proc/1/fd/%d >/proc/1/fd/%d 2>&1; exec bash) & echo $!", in, out)
+	nspid, err := strconv.Atoi(strings.TrimSpace(sh(t, sb, script)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var host int
+	waitFor(t, "restored process", func() bool {
+		host = sb.hostPID(nspid)
+		p, err := readProcess(host)
+		return host != 0 && err == nil && p.PPID == sb.InitPID()
+	})
+	ss, err := sb.AdoptSession("main", host, ch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sb.Session("main") != ss {
+		t.Fatal("session not replaced")
+	}
+	if _, err := old.Send(ctx, "echo", SendOptions{}); !errors.Is(err, ErrSessionReplaced) {
+		t.Fatalf("old session: %v", err)
+	}
+	if got, err := ss.Send(ctx, "echo adopted $$", SendOptions{}); err != nil || got != fmt.Sprintf("adopted %d\n", nspid) {
+		t.Fatalf("adopted send: %q %v", got, err)
+	}
+	// The init released its copies: only the daemon and the process hold the pipes.
+	if n := sh(t, sb, fmt.Sprintf("ls /proc/1/fd/%d /proc/1/fd/%d 2>/dev/null | wc -l", in, out)); strings.TrimSpace(n) != "0" {
+		t.Fatalf("init still holds channel fds: %s", n)
+	}
+	if _, err := ss.Send(ctx, "exit 9", SendOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ss.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("adopted session did not end")
+	}
+	if ss.ExitCode() != 9 {
+		t.Fatalf("adopted exit code %d", ss.ExitCode())
+	}
+	// Unused channels are released.
+	ch2, err := sb.NewChannels()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := ch2.InitFDs(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := ch2.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (s *Sandbox) mustInitFDs(ctx context.Context, ch *Channels) (int, int, error) {
+	return ch.InitFDs(ctx)
+}
