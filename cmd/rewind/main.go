@@ -23,6 +23,7 @@ func newRootCmd() *cobra.Command {
 	root.AddCommand(newVersionCmd())
 	root.AddCommand(newDoctorCmd())
 	root.AddCommand(newStateCmds()...)
+	root.AddCommand(newPolicyCmd())
 	// Each area registers its command tree here, one line each.
 	return root
 }
