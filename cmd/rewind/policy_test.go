@@ -13,7 +13,7 @@ import (
 func TestPolicyTestCommand(t *testing.T) {
 	reports := filepath.Join("..", "..", "policies", "testdata", "reports.jsonl")
 	wrong := filepath.Join(t.TempDir(), "wrong.jsonl")
-	if err := os.WriteFile(wrong, []byte(`{"turn":1,"mode":"full"}`+"\n"+`{"turn":99,"mode":"skip"}`+"\n"), 0o644); err != nil {
+	if err := os.WriteFile(wrong, []byte(`{"turn":1,"mode":"skip"}`+"\n"+`{"turn":99,"mode":"skip"}`+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	tests := []struct {
