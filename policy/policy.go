@@ -92,8 +92,10 @@ type Policy struct {
 	tokens chan struct{} // one per live instance
 
 	failures atomic.Int32 // consecutive
-	disabled atomic.Bool
-	closed   atomic.Bool
+	// lastFailure is when the last counted failure was recorded (unix ns).
+	lastFailure atomic.Int64
+	disabled    atomic.Bool
+	closed      atomic.Bool
 
 	mu             sync.Mutex
 	disabledReason string
@@ -252,8 +254,9 @@ func (p *Policy) drop(ctx context.Context, inst *instance) {
 
 // failure is a classification that did not produce a decision.
 type failure struct {
-	kind string // metric label
-	err  error
+	kind  string // metric label
+	err   error
+	start time.Time // when the failed Decide started
 }
 
 func (f *failure) Error() string { return f.kind + ": " + f.err.Error() }
@@ -279,6 +282,7 @@ func (p *Policy) Decide(ctx context.Context, r *effect.Report) (Decision, error)
 		var f *failure
 		d, f = p.run(ctx, r)
 		if f != nil {
+			f.start = start
 			d = p.fail(ctx, f)
 		} else {
 			p.failures.Store(0)
@@ -303,6 +307,17 @@ func (p *Policy) fail(ctx context.Context, f *failure) Decision {
 		return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " interrupted: " + ctx.Err().Error()}
 	}
 	p.pm.failure(f.kind)
+	// A wall-clock deadline also expires when the host stalls (an
+	// overloaded machine deschedules threads for several ms): calls that
+	// were already running when the previous failure was counted overlap
+	// the same stall and count once, so one stall cannot disable a policy
+	// shared by many sandboxes.
+	if f.kind == "deadline" && !f.start.IsZero() && f.start.UnixNano() < p.lastFailure.Load() {
+		p.h.opts.Logger.Warn("policy failed; full checkpoint instead", "policy", p.name, "kind", f.kind,
+			"err", f.err, "overlapping", true)
+		return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " failed: " + f.Error()}
+	}
+	p.lastFailure.Store(time.Now().UnixNano())
 	n := p.failures.Add(1)
 	p.h.opts.Logger.Warn("policy failed; full checkpoint instead", "policy", p.name, "kind", f.kind,
 		"err", f.err, "consecutive", n)
@@ -316,7 +331,7 @@ func (p *Policy) fail(ctx context.Context, f *failure) Decision {
 func (p *Policy) run(ctx context.Context, r *effect.Report) (Decision, *failure) {
 	inst, err := p.get(ctx)
 	if err != nil {
-		return Decision{}, &failure{"instantiate", err}
+		return Decision{}, &failure{kind: "instantiate", err: err}
 	}
 	d, f := p.call(ctx, inst, r)
 	if f != nil {
@@ -340,13 +355,13 @@ func (p *Policy) call(ctx context.Context, inst *instance, r *effect.Report) (De
 		}
 		ptr := uint32(inst.stack[0])
 		if uint64(ptr)+uint64(want) > uint64(inst.mem.Size()) || ptr == 0 {
-			return Decision{}, &failure{"malformed", fmt.Errorf("%s(%d) returned %#x, outside memory of %d bytes",
+			return Decision{}, &failure{kind: "malformed", err: fmt.Errorf("%s(%d) returned %#x, outside memory of %d bytes",
 				guest.ExportAlloc, want, ptr, inst.mem.Size())}
 		}
 		inst.inPtr, inst.inCap = ptr, want
 	}
 	if !inst.mem.Write(inst.inPtr, inst.buf) {
-		return Decision{}, &failure{"malformed", errors.New("input buffer outside memory")}
+		return Decision{}, &failure{kind: "malformed", err: errors.New("input buffer outside memory")}
 	}
 	inst.stack[0], inst.stack[1] = uint64(inst.inPtr), uint64(n)
 	if err := inst.classify.CallWithStack(cctx, inst.stack[:]); err != nil {
@@ -355,11 +370,11 @@ func (p *Policy) call(ctx context.Context, inst *instance, r *effect.Report) (De
 	res := inst.stack[0]
 	ptr, size := uint32(res>>32), uint32(res)
 	if size == 0 || size > 1+guest.MaxReason {
-		return Decision{}, &failure{"malformed", fmt.Errorf("output length %d outside [1, %d]", size, 1+guest.MaxReason)}
+		return Decision{}, &failure{kind: "malformed", err: fmt.Errorf("output length %d outside [1, %d]", size, 1+guest.MaxReason)}
 	}
 	out, ok := inst.mem.Read(ptr, size)
 	if !ok {
-		return Decision{}, &failure{"malformed", fmt.Errorf("output [%#x, +%d) outside memory of %d bytes", ptr, size, inst.mem.Size())}
+		return Decision{}, &failure{kind: "malformed", err: fmt.Errorf("output [%#x, +%d) outside memory of %d bytes", ptr, size, inst.mem.Size())}
 	}
 	var d Decision
 	switch guest.Decision(out[0]) {
@@ -370,9 +385,9 @@ func (p *Policy) call(ctx context.Context, inst *instance, r *effect.Report) (De
 	case guest.Full:
 		d.Mode = Full
 	case guest.Error:
-		return Decision{}, &failure{"guest_error", fmt.Errorf("policy reported: %s", sanitize(out[1:]))}
+		return Decision{}, &failure{kind: "guest_error", err: fmt.Errorf("policy reported: %s", sanitize(out[1:]))}
 	default:
-		return Decision{}, &failure{"malformed", fmt.Errorf("unknown decision code %d", out[0])}
+		return Decision{}, &failure{kind: "malformed", err: fmt.Errorf("unknown decision code %d", out[0])}
 	}
 	if len(out) > 1 {
 		d.Reason = sanitize(out[1:])
@@ -399,9 +414,9 @@ func classifyErr(ctx context.Context, fn string, err error) *failure {
 	var exit *sys.ExitError
 	switch {
 	case errors.Is(ctx.Err(), context.DeadlineExceeded) || (errors.As(err, &exit) && exit.ExitCode() == sys.ExitCodeDeadlineExceeded):
-		return &failure{"deadline", fmt.Errorf("%s exceeded its deadline", fn)}
+		return &failure{kind: "deadline", err: fmt.Errorf("%s exceeded its deadline", fn)}
 	case errors.As(err, &exit):
-		return &failure{"exit", fmt.Errorf("%s: module exited with code %d (a Go guest exits 2 on panic or out of memory)", fn, exit.ExitCode())}
+		return &failure{kind: "exit", err: fmt.Errorf("%s: module exited with code %d (a Go guest exits 2 on panic or out of memory)", fn, exit.ExitCode())}
 	}
-	return &failure{"trap", fmt.Errorf("%s: %w", fn, err)}
+	return &failure{kind: "trap", err: fmt.Errorf("%s: %w", fn, err)}
 }

@@ -194,7 +194,7 @@ func TestFailuresResetOnSuccess(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; i < 5; i++ {
-		p.fail(ctx, &failure{"trap", os.ErrInvalid})
+		p.fail(ctx, &failure{kind: "trap", err: os.ErrInvalid})
 		if _, err := p.Decide(ctx, &effect.Report{}); err != nil {
 			t.Fatal(err)
 		}
@@ -202,8 +202,8 @@ func TestFailuresResetOnSuccess(t *testing.T) {
 	if dis, why := p.Disabled(); dis {
 		t.Fatalf("disabled: %s", why)
 	}
-	p.fail(ctx, &failure{"trap", os.ErrInvalid})
-	p.fail(ctx, &failure{"trap", os.ErrInvalid})
+	p.fail(ctx, &failure{kind: "trap", err: os.ErrInvalid})
+	p.fail(ctx, &failure{kind: "trap", err: os.ErrInvalid})
 	if dis, _ := p.Disabled(); !dis {
 		t.Fatal("not disabled after 2 consecutive failures")
 	}
@@ -316,5 +316,28 @@ func TestConcurrentDecisions(t *testing.T) {
 	}
 	if decisions != total {
 		t.Fatalf("decisions_total = %v, want %d", decisions, total)
+	}
+}
+
+func TestOverlappingDeadlinesCountOnce(t *testing.T) {
+	h, _ := newTestHost(t, Options{MaxFailures: 2})
+	ctx := context.Background()
+	p, err := h.LoadBuiltin(ctx, "always")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Three calls that all started before the first failure was counted
+	// (one host stall): they count once.
+	start := time.Now()
+	for i := 0; i < 3; i++ {
+		p.fail(ctx, &failure{kind: "deadline", err: os.ErrDeadlineExceeded, start: start})
+	}
+	if dis, why := p.Disabled(); dis {
+		t.Fatalf("one stall disabled the policy: %s", why)
+	}
+	// A later call that fails by deadline again is a second failure.
+	p.fail(ctx, &failure{kind: "deadline", err: os.ErrDeadlineExceeded, start: time.Now()})
+	if dis, _ := p.Disabled(); !dis {
+		t.Fatal("not disabled after two sequential deadline failures")
 	}
 }
