@@ -2,10 +2,586 @@ package daemon
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/cr"
+	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/layer"
+	"github.com/rewind-sandbox/rewind/policy"
+	"github.com/rewind-sandbox/rewind/probe"
+	"github.com/rewind-sandbox/rewind/sandbox"
+	"github.com/rewind-sandbox/rewind/state"
 )
 
-func realBackends(context.Context, *Config, *slog.Logger) (*backendSet, error) {
-	return nil, errors.New("real back ends not wired yet")
+// realBackends wires the FUSE file system (fs, layer), the sandbox process
+// model (sandbox), process checkpoint/restore (cr), the effect probe
+// (probe) and WASM policies (policy) into the state manager's interfaces.
+func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendSet, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("the daemon needs root (namespaces, FUSE, cgroups)")
+	}
+	dir := cfg.StateDir
+	var closers []func()
+	fail := func(err error) (*backendSet, error) {
+		for i := len(closers) - 1; i >= 0; i-- {
+			closers[i]()
+		}
+		return nil, err
+	}
+	st, err := layer.OpenStore(filepath.Join(dir, "layers"))
+	if err != nil {
+		return fail(err)
+	}
+	hostRoot, err := bindHostRoot(filepath.Join(dir, "hostroot"))
+	if err != nil {
+		return fail(fmt.Errorf("host root: %w", err))
+	}
+	closers = append(closers, func() { unix.Unmount(hostRoot, unix.MNT_DETACH) })
+	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log}
+	fsb.startGC()
+	closers = append(closers, fsb.stopGC)
+
+	eng, err := cr.New(cr.Config{ImagesDir: filepath.Join(dir, "images"), Warm: true, Logger: log})
+	if err != nil {
+		return fail(fmt.Errorf("cr: %w", err))
+	}
+	closers = append(closers, func() { eng.Close() })
+	pb := &procBackend{eng: eng, log: log, hide: []string{dir, filepath.Dir(cfg.Socket)}}
+
+	be := &backendSet{fs: fsb, proc: pb, names: map[string]string{"fs": "fuse", "proc": "sandbox+cr"}}
+	if p, err := probe.Open(probe.Options{Logger: log}); err != nil {
+		log.Warn("no effect probe: auto turns take full checkpoints", "err", err)
+		be.names["probe"] = "none"
+	} else {
+		closers = append(closers, func() { p.Close() })
+		be.probe = &probeAdapter{p: p}
+		be.names["probe"] = p.Backend()
+	}
+	h, err := policy.NewHost(ctx, policy.Options{CacheDir: filepath.Join(dir, "wasm-cache"), Logger: log})
+	if err != nil {
+		log.Warn("no policy host: auto turns take full checkpoints", "err", err)
+		be.names["policy"] = "none"
+	} else {
+		closers = append(closers, func() { h.Close(context.Background()) })
+		be.policies = &policyLoader{h: h, cache: map[string]*policy.Policy{}}
+		be.collectors = append(be.collectors, h.Collector())
+		be.names["policy"] = "wasm"
+	}
+	be.close = func() {
+		for i := len(closers) - 1; i >= 0; i-- {
+			closers[i]()
+		}
+	}
+	return be, nil
+}
+
+// bindHostRoot bind-mounts the host's root file system (not its submounts:
+// no /proc, /sys, /dev, /run and no sandbox mounts, so a sandbox root built
+// on it can never recurse into itself) read-only at dir.
+func bindHostRoot(dir string) (string, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", err
+	}
+	var a, b unix.Stat_t
+	if unix.Stat(dir, &a) == nil && unix.Stat(filepath.Dir(dir), &b) == nil && a.Dev != b.Dev {
+		return dir, nil // already mounted by an earlier run
+	}
+	if err := unix.Mount("/", dir, "", unix.MS_BIND, ""); err != nil {
+		return "", fmt.Errorf("bind / on %s: %w", dir, err)
+	}
+	if err := unix.Mount("", dir, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
+		unix.Unmount(dir, unix.MNT_DETACH)
+		return "", fmt.Errorf("read-only %s: %w", dir, err)
+	}
+	if err := unix.Mount("", dir, "", unix.MS_PRIVATE, ""); err != nil {
+		unix.Unmount(dir, unix.MNT_DETACH)
+		return "", fmt.Errorf("private %s: %w", dir, err)
+	}
+	return dir, nil
+}
+
+// fsBackend implements state.FSBackend with FUSE mounts over one layer store.
+type fsBackend struct {
+	st       *layer.Store
+	mnt      string
+	hostRoot string
+	log      *slog.Logger
+
+	mu    sync.Mutex
+	dirty bool
+	stop  chan struct{}
+	done  chan struct{}
+}
+
+func (b *fsBackend) lowers(spec state.FSSpec) []string {
+	if len(spec.Bases) == 0 {
+		return []string{b.hostRoot}
+	}
+	l := slices.Clone(spec.Bases)
+	slices.Reverse(l) // the layer store wants topmost first
+	return l
+}
+
+func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMount, error) {
+	if spec.Kind == "kernel" {
+		return nil, errors.New("--fs kernel is not wired into the daemon yet; use fuse or auto")
+	}
+	mp := filepath.Join(b.mnt, id)
+	if err := os.MkdirAll(mp, 0o700); err != nil {
+		return nil, err
+	}
+	// A record left by a dead daemon is replaced: the sandbox comes back
+	// from a checkpoint, not from its last upper.
+	if _, err := b.st.Mount(id); err == nil {
+		b.st.RemoveMount(id)
+	}
+	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log})
+	if err != nil {
+		return nil, err
+	}
+	return &fsMount{f: f, b: b}, nil
+}
+
+func (b *fsBackend) Mount(_ context.Context, id string, spec state.FSSpec) (state.FSMount, error) {
+	return b.mount(id, spec, "")
+}
+
+func (b *fsBackend) MountFrom(_ context.Context, id string, spec state.FSSpec, ckpt string) (state.FSMount, error) {
+	return b.mount(id, spec, ckpt)
+}
+
+func (b *fsBackend) Delete(_ context.Context, ckpt string) error {
+	if err := b.st.DeleteCheckpoint(ckpt); err != nil && !errors.Is(err, layer.ErrNotFound) {
+		return err
+	}
+	b.mu.Lock()
+	b.dirty = true
+	b.mu.Unlock()
+	return nil
+}
+
+// startGC frees unreferenced layers in the background after deletions.
+func (b *fsBackend) startGC() {
+	b.stop, b.done = make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(b.done)
+		t := time.NewTicker(5 * time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-b.stop:
+				return
+			case <-t.C:
+			}
+			b.mu.Lock()
+			d := b.dirty
+			b.dirty = false
+			b.mu.Unlock()
+			if d {
+				if ids, err := b.st.GC(time.Minute); err != nil {
+					b.log.Warn("layer gc", "err", err)
+				} else if len(ids) > 0 {
+					b.log.Info("layer gc", "freed_layers", len(ids))
+				}
+			}
+		}
+	}()
+}
+
+func (b *fsBackend) stopGC() {
+	close(b.stop)
+	<-b.done
+}
+
+func (b *fsBackend) Cleanup(_ context.Context, id string) error {
+	mp := filepath.Join(b.mnt, id)
+	if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("unmount stale %s: %w", mp, err)
+	}
+	if _, err := b.st.Mount(id); err == nil {
+		return b.st.RemoveMount(id)
+	}
+	return nil
+}
+
+type fsMount struct {
+	f *fs.FS
+	b *fsBackend
+}
+
+func (m *fsMount) Root() string { return m.f.Mountpoint() }
+
+func (m *fsMount) Checkpoint(context.Context) (string, int64, error) {
+	id, err := m.f.Checkpoint()
+	return id, 0, err
+}
+
+func (m *fsMount) Switch(_ context.Context, ckpt string) error { return m.f.Switch(ckpt) }
+
+func (m *fsMount) Unmount() error {
+	err := m.f.Unmount()
+	os.Remove(m.f.Mountpoint())
+	return err
+}
+
+// procBackend implements state.ProcBackend with sandbox and cr.
+type procBackend struct {
+	eng  *cr.Engine
+	log  *slog.Logger
+	hide []string
+}
+
+func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
+	sb, err := sandbox.Start(ctx, sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log})
+	if err != nil {
+		return nil, err
+	}
+	return &procSandbox{b: b, sb: sb, ckpts: map[string]bool{}}, nil
+}
+
+func (b *procBackend) Release(_ context.Context, part *state.ProcPart) error {
+	if id := part.Data["cr"]; id != "" {
+		b.eng.Drop(id)
+	}
+	return nil
+}
+
+// Recover: templates and the engine's records die with the daemon. A part
+// with no processes needs nothing to come back; others need cr to adopt
+// their images, which it cannot yet.
+func (b *procBackend) Recover(_ context.Context, part *state.ProcPart) *state.ProcPart {
+	np := *part
+	np.TemplateReady = false
+	np.ImageReady = part.Data["mode"] == string(cr.ModeEmpty)
+	return &np
+}
+
+// Cleanup kills what a dead daemon left in sandbox id's cgroups.
+func (b *procBackend) Cleanup(_ context.Context, id string) error {
+	fz := filepath.Join(sandbox.DefaultFreezerParent, id)
+	v2 := filepath.Join(sandbox.DefaultCgroupV2Parent, id)
+	if _, err := os.Stat(fz); err == nil {
+		os.WriteFile(filepath.Join(fz, "freezer.state"), []byte("THAWED"), 0)
+	}
+	for _, dir := range []string{fz, v2} {
+		for i := 0; i < 50; i++ {
+			b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+			if err != nil {
+				break
+			}
+			pids := strings.Fields(string(b))
+			if len(pids) == 0 {
+				break
+			}
+			for _, p := range pids {
+				if pid, err := strconv.Atoi(p); err == nil {
+					syscall.Kill(pid, syscall.SIGKILL)
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		os.Remove(dir)
+	}
+	return nil
+}
+
+type procSandbox struct {
+	b  *procBackend
+	sb *sandbox.Sandbox
+
+	mu    sync.Mutex
+	ckpts map[string]bool // cr checkpoints taken here
+}
+
+func (p *procSandbox) Exec(ctx context.Context, req state.ExecRequest) (int, error) {
+	return p.sb.Exec(ctx, sandbox.ExecRequest{Argv: req.Argv, Env: req.Env, Dir: req.Dir, Stdin: req.Stdin, Stdout: req.Stdout, Stderr: req.Stderr})
+}
+
+func (p *procSandbox) StartSession(ctx context.Context, id string, argv, env []string) error {
+	_, err := p.sb.StartSession(ctx, sandbox.SessionConfig{ID: id, Argv: argv, Env: env})
+	return err
+}
+
+func (p *procSandbox) Send(ctx context.Context, req state.SendRequest) (string, error) {
+	ss := p.sb.Session(req.Session)
+	if ss == nil {
+		return "", &state.Error{Code: state.CodeNotFound, Msg: "no session " + strconv.Quote(req.Session)}
+	}
+	opts := sandbox.SendOptions{Idle: req.Idle}
+	if req.Until != "" {
+		re, err := regexp.Compile(req.Until)
+		if err != nil {
+			return "", err
+		}
+		opts.Until = re
+	}
+	if req.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, req.Timeout)
+		defer cancel()
+	}
+	out, err := ss.Send(ctx, req.Text, opts)
+	if errors.Is(err, context.DeadlineExceeded) {
+		return out, nil // the answer so far; the process is still busy
+	}
+	return out, err
+}
+
+func (p *procSandbox) WriteRunFile(name string, data []byte) error {
+	return p.sb.WriteRunFile(name, data)
+}
+
+func (p *procSandbox) Sessions() []string {
+	var ids []string
+	for _, s := range p.sb.Sessions() {
+		select {
+		case <-s.Done():
+		default:
+			ids = append(ids, s.ID())
+		}
+	}
+	return ids
+}
+
+func newCRID() string {
+	var b [6]byte
+	rand.Read(b[:])
+	return "p-" + hex.EncodeToString(b[:])
+}
+
+func (p *procSandbox) Checkpoint(ctx context.Context, barrier func() error) (*state.ProcPart, error) {
+	// Which session each process serves, to give restored copies their
+	// session's stdio back.
+	sessions := map[string]string{}
+	for _, s := range p.sb.Sessions() {
+		if pid := s.PID(); pid > 0 {
+			sessions[strconv.Itoa(pid)] = s.ID()
+		}
+	}
+	id := newCRID()
+	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier})
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	p.ckpts[id] = true
+	p.mu.Unlock()
+	sj, _ := json.Marshal(sessions)
+	part := &state.ProcPart{
+		Templates: []string{id}, Processes: len(ck.Procs), FrozenUS: ck.Frozen.Microseconds(),
+		Data: map[string]string{"cr": id, "mode": string(ck.Mode), "reason": ck.Reason, "sessions": string(sj)},
+	}
+	p.fillParts(part)
+	return part, nil
+}
+
+func (p *procSandbox) fillParts(part *state.ProcPart) {
+	if part.Data["mode"] == string(cr.ModeEmpty) {
+		part.TemplateReady, part.ImageReady = true, true
+		return
+	}
+	parts, err := p.b.eng.Parts(part.Data["cr"])
+	if err != nil {
+		part.TemplateReady, part.ImageReady = false, false
+		return
+	}
+	part.TemplateReady, part.ImageReady, part.ImageDir = parts.Template, parts.Image, parts.ImageDir
+}
+
+func (p *procSandbox) Persist(ctx context.Context, part *state.ProcPart) (*state.ProcPart, error) {
+	np := *part
+	if part.Data["mode"] != string(cr.ModeEmpty) {
+		if err := p.b.eng.WaitImage(ctx, part.Data["cr"]); err != nil {
+			p.fillParts(&np)
+			return &np, err
+		}
+	}
+	p.fillParts(&np)
+	return &np, nil
+}
+
+func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchFS func() error) (string, error) {
+	var sessions map[string]string
+	json.Unmarshal([]byte(part.Data["sessions"]), &sessions)
+	id := part.Data["cr"]
+	p.mu.Lock()
+	mine := p.ckpts[id]
+	p.mu.Unlock()
+	if !mine && part.Data["mode"] == string(cr.ModeEmpty) {
+		// Nothing to recreate: kill what runs and switch.
+		if err := p.sb.KillProcesses(ctx, nil); err != nil {
+			return "", err
+		}
+		return "template", switchFS()
+	}
+	var chMu sync.Mutex
+	var opened []*sandbox.Channels
+	opts := cr.RestoreOptions{
+		SwitchFS: switchFS,
+		Stdio: func(proc cr.Proc) (*cr.Stdio, error) {
+			sid, ok := sessions[strconv.Itoa(proc.PID)]
+			if !ok {
+				return nil, nil
+			}
+			ch, err := p.sb.NewChannels()
+			if err != nil {
+				return nil, err
+			}
+			in, out, err := ch.InitFDs(ctx)
+			if err != nil {
+				ch.Close()
+				return nil, err
+			}
+			chMu.Lock()
+			opened = append(opened, ch)
+			chMu.Unlock()
+			fin, fout := ch.ChildFiles()
+			return &cr.Stdio{
+				Stdin:  "/proc/1/fd/" + strconv.Itoa(in),
+				Stdout: "/proc/1/fd/" + strconv.Itoa(out),
+				Stderr: "/proc/1/fd/" + strconv.Itoa(out),
+				Files:  [3]*os.File{fin, fout, fout},
+				Started: func(pid int) error {
+					_, err := p.sb.AdoptSession(sid, pid, ch)
+					if err == nil {
+						chMu.Lock()
+						opened = slices.DeleteFunc(opened, func(c *sandbox.Channels) bool { return c == ch })
+						chMu.Unlock()
+					}
+					return err
+				},
+			}, nil
+		},
+	}
+	res, err := p.b.eng.Restore(ctx, p.sb, id, opts)
+	chMu.Lock()
+	for _, ch := range opened {
+		ch.Close()
+	}
+	chMu.Unlock()
+	if err != nil {
+		return "", err
+	}
+	return res.Path, nil
+}
+
+func (p *procSandbox) Close() error {
+	p.mu.Lock()
+	ids := make([]string, 0, len(p.ckpts))
+	for id := range p.ckpts {
+		ids = append(ids, id)
+	}
+	p.mu.Unlock()
+	for _, id := range ids {
+		p.b.eng.Evict(id) // templates die with the sandbox; images stay
+	}
+	return p.sb.Close()
+}
+
+// probeAdapter implements state.Probe with package probe: one window per
+// sandbox, closed and reopened at every turn.
+type probeAdapter struct{ p probe.Probe }
+
+func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, proc state.ProcSandbox) (state.ProbeWindow, error) {
+	ps, ok := proc.(*procSandbox)
+	if !ok {
+		return nil, errors.New("probe: not a real sandbox")
+	}
+	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID()}
+	if fm, ok := mount.(*fsMount); ok {
+		t.FS = fm.f
+	}
+	w, err := a.p.Begin(t)
+	if err != nil {
+		return nil, err
+	}
+	return &probeWindow{p: a.p, t: t, w: w}, nil
+}
+
+type probeWindow struct {
+	mu sync.Mutex
+	p  probe.Probe
+	t  probe.Target
+	w  probe.Window
+}
+
+func (w *probeWindow) Take(context.Context) (*effect.Report, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.w == nil {
+		return nil, errors.New("probe window closed")
+	}
+	rep, err := w.w.End()
+	nw, berr := w.p.Begin(w.t)
+	if berr != nil {
+		w.w = nil
+		if err == nil {
+			err = berr
+		}
+	} else {
+		w.w = nw
+	}
+	return rep, err
+}
+
+func (w *probeWindow) Close() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.w != nil {
+		w.w.Abort()
+		w.w = nil
+	}
+	return nil
+}
+
+// policyLoader implements state.PolicyLoader with the WASM policy host;
+// each policy is compiled once.
+type policyLoader struct {
+	h     *policy.Host
+	mu    sync.Mutex
+	cache map[string]*policy.Policy
+}
+
+func (l *policyLoader) Load(ctx context.Context, name string) (state.Policy, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if p := l.cache[name]; p != nil {
+		return policyAdapter{p}, nil
+	}
+	p, err := l.h.LoadRef(ctx, name)
+	if err != nil {
+		if p != nil {
+			p.Close(ctx)
+		}
+		return nil, err
+	}
+	l.cache[name] = p
+	return policyAdapter{p}, nil
+}
+
+type policyAdapter struct{ p *policy.Policy }
+
+func (a policyAdapter) Decide(ctx context.Context, r *effect.Report) (state.Decision, error) {
+	d, err := a.p.Decide(ctx, r)
+	if err != nil {
+		return state.Decision{}, err
+	}
+	return state.Decision{Mode: state.Mode(d.Mode.String()), Reason: d.Reason}, nil
 }

@@ -48,9 +48,6 @@ type FSMount interface {
 	// Switch makes the mount show fs checkpoint ckpt with a fresh upper.
 	// It is atomic: on error the mount is unchanged.
 	Switch(ctx context.Context, ckpt string) error
-	// Inject writes a file (path relative to the sandbox root) into the
-	// upper, for example /run/rewind/copy in a forked sandbox.
-	Inject(path string, data []byte) error
 	// Unmount tears the mount down; frozen layers stay in the store.
 	Unmount() error
 }
@@ -98,6 +95,9 @@ type ProcSandbox interface {
 	Exec(ctx context.Context, req ExecRequest) (exitCode int, err error)
 	StartSession(ctx context.Context, session string, argv, env []string) error
 	Send(ctx context.Context, req SendRequest) (string, error)
+	// WriteRunFile writes /run/rewind/<name> inside the sandbox (a
+	// per-sandbox file outside every checkpoint: a fork's copy number).
+	WriteRunFile(name string, data []byte) error
 	// Sessions lists the session ids alive.
 	Sessions() []string
 	// Checkpoint stops every process of the sandbox, runs barrier while

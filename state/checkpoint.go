@@ -446,7 +446,14 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			m.obs.Restored("", time.Since(start), err)
 			return nil, fmt.Errorf("restore %s: start: %w", c.rec.ID, err)
 		}
-		path, err = p.Restore(bg, part, func() error { return nil })
+		for name, data := range runFiles(&s.rec) {
+			if err = p.WriteRunFile(name, []byte(data)); err != nil {
+				break
+			}
+		}
+		if err == nil {
+			path, err = p.Restore(bg, part, func() error { return nil })
+		}
 		if err != nil {
 			p.Close()
 			mnt.Unmount()
@@ -629,18 +636,18 @@ func (m *Manager) forkOne(ctx context.Context, base *Sandbox, c *ckpt, part *Pro
 	if err != nil {
 		return nil, fmt.Errorf("mount: %w", err)
 	}
-	for _, f := range []struct{ path, data string }{
-		{"/run/rewind/copy", strconv.Itoa(copyN) + "\n"},
-		{"/run/rewind/sandbox", name + "\n"},
-	} {
-		if err := mount.Inject(f.path, []byte(f.data)); err != nil {
-			mount.Unmount()
-			return nil, fmt.Errorf("write %s: %w", f.path, err)
-		}
-	}
 	p := *part
-	if err := m.startLive(ctx, s, mount, &p); err != nil {
+	if err := m.startLive(ctx, s, mount, &p, runFiles(&s.rec)); err != nil {
 		return nil, err
 	}
 	return s, nil
+}
+
+// runFiles are the files a sandbox finds under /run/rewind.
+func runFiles(rec *Sandbox) map[string]string {
+	f := map[string]string{"sandbox": rec.Name + "\n"}
+	if rec.Copy > 0 {
+		f["copy"] = strconv.Itoa(rec.Copy) + "\n"
+	}
+	return f
 }

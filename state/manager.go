@@ -383,7 +383,7 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	if err != nil {
 		return nil, fmt.Errorf("create %s: mount: %w", req.Name, err)
 	}
-	if err := m.startLive(ctx, s, mount, nil); err != nil {
+	if err := m.startLive(ctx, s, mount, nil, runFiles(&s.rec)); err != nil {
 		return nil, fmt.Errorf("create %s: %w", req.Name, err)
 	}
 	if err := m.register(s); err != nil {
@@ -401,11 +401,18 @@ func (m *Manager) spec(rec *Sandbox) FSSpec {
 
 // startLive starts the processes on mount (restoring part if non-nil) and
 // the probe; on error everything started is torn down, mount included.
-func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *ProcPart) (err error) {
+func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *ProcPart, runFiles map[string]string) (err error) {
 	proc, err := m.cfg.Proc.Start(ctx, s.rec.ID, mount.Root())
 	if err != nil {
 		mount.Unmount()
 		return fmt.Errorf("start processes: %w", err)
+	}
+	for name, data := range runFiles {
+		if err := proc.WriteRunFile(name, []byte(data)); err != nil {
+			proc.Close()
+			mount.Unmount()
+			return fmt.Errorf("write /run/rewind/%s: %w", name, err)
+		}
 	}
 	path := ""
 	if part != nil {

@@ -180,12 +180,6 @@ func (m *Mount) Switch(_ context.Context, ckpt string) error {
 	return nil
 }
 
-// Inject implements state.FSMount.
-func (m *Mount) Inject(path string, data []byte) error {
-	m.write(path, string(data))
-	return nil
-}
-
 func (m *Mount) write(path, data string) {
 	m.mu.Lock()
 	m.files[path] = data
@@ -382,6 +376,13 @@ func (s *Sandbox) StartSession(_ context.Context, id string, _, _ []string) erro
 func (s *Sandbox) Send(ctx context.Context, req state.SendRequest) (string, error) {
 	out, _ := s.run(ctx, strings.Fields(req.Text))
 	return out, nil
+}
+
+// WriteRunFile implements state.ProcSandbox (the fake keeps it in the
+// mount, under /run/rewind).
+func (s *Sandbox) WriteRunFile(name string, data []byte) error {
+	s.mount.write("/run/rewind/"+name, string(data))
+	return nil
 }
 
 // Sessions implements state.ProcSandbox.
