@@ -168,6 +168,9 @@ func setupNamespace(cfg *setupConfig) error {
 	if err := setupDev(); err != nil {
 		return err
 	}
+	if err := protectProc(); err != nil {
+		return err
+	}
 	for i, b := range cfg.Binds {
 		if err := bindAt(bindFDs[i], b); err != nil {
 			return err
@@ -243,6 +246,42 @@ func bindAt(fd int, b Bind) error {
 	return nil
 }
 
+// Kernel interfaces under /proc that a sandbox's root must not use (as in
+// the OCI runtimes' defaults): masked entirely, or read-only.
+var (
+	procMasked   = []string{"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/acpi", "/proc/scsi", "/proc/latency_stats"}
+	procReadOnly = []string{"/proc/sys", "/proc/sysrq-trigger", "/proc/bus", "/proc/fs", "/proc/irq"}
+)
+
+func protectProc() error {
+	for _, p := range procMasked {
+		st, err := os.Lstat(p)
+		if err != nil {
+			continue
+		}
+		if st.IsDir() {
+			err = unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0000,size=4k")
+		} else {
+			err = unix.Mount("/dev/null", p, "", unix.MS_BIND, "")
+		}
+		if err != nil {
+			return fmt.Errorf("mask %s: %w", p, err)
+		}
+	}
+	for _, p := range procReadOnly {
+		if _, err := os.Lstat(p); err != nil {
+			continue
+		}
+		if err := unix.Mount(p, p, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s: %w", p, err)
+		}
+		if err := unix.Mount("", p, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+			return fmt.Errorf("remount %s read-only: %w", p, err)
+		}
+	}
+	return nil
+}
+
 func setupDev() error {
 	if err := mountAt("/dev", "tmpfs", "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "mode=0755,size=1m"); err != nil {
 		return err
@@ -310,7 +349,7 @@ func initStage2() error {
 	ign := []os.Signal{}
 	for s := syscall.Signal(1); s < 32; s++ {
 		switch s {
-		case unix.SIGCHLD, unix.SIGKILL, unix.SIGSTOP, unix.SIGSEGV, unix.SIGBUS, unix.SIGFPE, unix.SIGILL, unix.SIGTRAP, unix.SIGPROF, unix.SIGURG:
+		case unix.SIGCHLD, unix.SIGKILL, unix.SIGSTOP, unix.SIGURG:
 			continue
 		}
 		ign = append(ign, s)

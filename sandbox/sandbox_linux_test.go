@@ -154,12 +154,19 @@ func TestIsolation(t *testing.T) {
 	if _, _, code := run(t, sb, "mknod", "/tmp/disk", "b", "8", "0"); code == 0 {
 		t.Fatal("mknod succeeded inside the sandbox")
 	}
+	// Dangerous kernel interfaces are read-only or masked.
+	if _, _, code := run(t, sb, "sh", "-c", "echo h > /proc/sysrq-trigger"); code == 0 {
+		t.Fatal("/proc/sysrq-trigger writable inside the sandbox")
+	}
+	if out := sh(t, sb, "cat /proc/timer_list /proc/keys 2>/dev/null | wc -c"); strings.TrimSpace(out) != "0" {
+		t.Fatalf("/proc/timer_list, /proc/keys readable: %q", out)
+	}
 	// The other sandbox's processes are invisible and unreachable.
 	if out := sh(t, sb, "grep -l sleep /proc/[0-9]*/comm 2>/dev/null | wc -l"); strings.TrimSpace(out) != "0" {
 		t.Fatalf("other sandbox's sleep visible: %q", out)
 	}
 	// Signals from inside do not kill the init.
-	sh(t, sb, "for s in TERM INT HUP QUIT USR1 USR2 PIPE ALRM; do kill -$s 1; done; true")
+	sh(t, sb, "for s in TERM INT HUP QUIT USR1 USR2 PIPE ALRM SEGV BUS FPE ILL TRAP SYS XCPU XFSZ PROF STOP TSTP; do kill -$s 1; done; true")
 	time.Sleep(50 * time.Millisecond)
 	if err := sb.Ping(testCtx(t)); err != nil {
 		t.Fatalf("init died after signals: %v", err)
