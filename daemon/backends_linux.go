@@ -99,9 +99,8 @@ func bindHostRoot(dir string) (string, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", err
 	}
-	var a, b unix.Stat_t
-	if unix.Stat(dir, &a) == nil && unix.Stat(filepath.Dir(dir), &b) == nil && a.Dev != b.Dev {
-		return dir, nil // already mounted by an earlier run
+	// A bind left by a daemon that died goes first (it may be stacked).
+	for i := 0; i < 8 && unix.Unmount(dir, unix.MNT_DETACH) == nil; i++ {
 	}
 	if err := unix.Mount("/", dir, "", unix.MS_BIND, ""); err != nil {
 		return "", fmt.Errorf("bind / on %s: %w", dir, err)

@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -91,6 +92,11 @@ func Run(ctx context.Context, cfg Config) error {
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return fmt.Errorf("state dir: %w", err)
 	}
+	lock, err := lockStateDir(cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
 	var be *backendSet
 	switch cfg.Backend {
 	case "fake":
@@ -180,6 +186,19 @@ func listen(path string) (net.Listener, error) {
 		return nil, fmt.Errorf("socket %s: %w", path, err)
 	}
 	return ln, nil
+}
+
+// lockStateDir makes sure one daemon at a time uses a state dir.
+func lockStateDir(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, "daemon.lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("state dir lock: %w", err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("another daemon uses the state dir %s", dir)
+	}
+	return f, nil
 }
 
 func bootID() string {

@@ -1,0 +1,148 @@
+package daemon_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/client"
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// spawnDaemon starts this test binary as a daemon process.
+func spawnDaemon(t *testing.T, stateDir, sock, backend string) (*exec.Cmd, *client.Client) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "REWIND_TEST_DAEMON_STATE="+stateDir, "REWIND_TEST_DAEMON_SOCKET="+sock, "REWIND_TEST_DAEMON_BACKEND="+backend)
+	var logb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &logb, &logb
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	t.Cleanup(func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(60 * time.Second):
+			cmd.Process.Kill()
+		}
+		if t.Failed() {
+			t.Logf("daemon log:\n%s", logb.String())
+		}
+	})
+	c := client.New(sock)
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := c.Version(ctx)
+		cancel()
+		if err == nil {
+			return cmd, c
+		}
+		select {
+		case <-exited:
+			t.Fatalf("daemon exited: %s", logb.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("daemon did not come up: %v\n%s", err, logb.String())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func killDaemon(t *testing.T, cmd *exec.Cmd) {
+	t.Helper()
+	cmd.Process.Signal(syscall.SIGKILL)
+	deadline := time.Now().Add(30 * time.Second)
+	for syscall.Kill(cmd.Process.Pid, 0) == nil && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestCrashRecovery kills the daemon with SIGKILL in the middle of a run
+// (with a checkpoint in flight), starts a new one on the same state and
+// restores a durable checkpoint.
+func TestCrashRecovery(t *testing.T) {
+	// The fake back ends live in memory: only the real ones survive a
+	// process crash (the state manager's recovery is tested with fakes in
+	// package state).
+	for _, backend := range []string{"real"} {
+		t.Run(backend, func(t *testing.T) {
+			if backend == "real" {
+				testenv.RequireRoot(t)
+				_, err := os.Stat("/dev/fuse")
+				testenv.Require(t, err == nil, "/dev/fuse")
+			}
+			dir := t.TempDir()
+			stateDir, sock := filepath.Join(dir, "state"), filepath.Join(dir, "run", "rewind.sock")
+			cmd, c := spawnDaemon(t, stateDir, sock, backend)
+			ctx := context.Background()
+			if _, err := c.Create(ctx, api.CreateRequest{Name: "a"}); err != nil {
+				t.Fatal(err)
+			}
+			write := func(v string) {
+				argv := []string{"sh", "-c", "mkdir -p /work && echo " + v + " > /work/f"}
+				if backend == "fake" {
+					argv = []string{"write", "/work/f", v}
+				}
+				if code, err := c.Exec(ctx, "a", api.ExecRequest{Argv: argv}, nil, nil); err != nil || code != 0 {
+					t.Fatalf("exec: %d %v", code, err)
+				}
+			}
+			write("durable")
+			durable, err := c.Turn(ctx, "a", api.TurnRequest{Mode: "full", Wait: true})
+			if err != nil || !durable.Durable {
+				t.Fatalf("durable checkpoint: %+v %v", durable, err)
+			}
+			write("later")
+			if _, err := c.Turn(ctx, "a", api.TurnRequest{Mode: "fs"}); err != nil { // maybe in flight
+				t.Fatal(err)
+			}
+			killDaemon(t, cmd)
+
+			_, c2 := spawnDaemon(t, stateDir, sock, backend)
+			sb, err := c2.Get(ctx, "a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sb.Status != state.StatusStopped || !strings.Contains(sb.Note, "restarted") {
+				t.Fatalf("after the crash: %+v", sb)
+			}
+			if _, err := c2.Exec(ctx, "a", api.ExecRequest{Argv: []string{"true"}}, nil, nil); !errors.Is(err, state.ErrConflict) {
+				t.Fatalf("exec in a stopped sandbox: %v", err)
+			}
+			r, err := c2.Restore(ctx, "a", durable.ID, 0)
+			if err != nil {
+				t.Fatalf("restore after the crash: %v", err)
+			}
+			if r.Epoch <= durable.Epoch {
+				t.Fatalf("epoch after crash+restore: %d (was %d)", r.Epoch, durable.Epoch)
+			}
+			argv := []string{"cat", "/work/f"}
+			var out bytes.Buffer
+			if code, err := c2.Exec(ctx, "a", api.ExecRequest{Argv: argv}, &out, &out); err != nil || code != 0 {
+				t.Fatalf("cat: %d %v %s", code, err, out.String())
+			}
+			if got := strings.TrimSpace(out.String()); got != "durable" {
+				t.Fatalf("/work/f after restore = %q", got)
+			}
+			// Work goes on.
+			write("after")
+			if _, err := c2.Turn(ctx, "a", api.TurnRequest{Mode: "full", Wait: true}); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
