@@ -30,35 +30,13 @@ func requireSandbox(t testing.TB) {
 	testenv.Require(t, err == nil, "cgroup v2 at /sys/fs/cgroup/unified")
 }
 
-// testRoot builds a minimal root: the host's /usr and /etc bound read-only
-// (inside the sandbox's mount namespace only), merged-/usr symlinks, and
-// writable tmp and root dirs.
+// testRoot builds a minimal root (see MinimalRoot) in a temp dir.
 func testRoot(t testing.TB) (string, []Bind) {
 	t.Helper()
 	root := t.TempDir()
-	for _, d := range []string{"tmp", "root", "proc", "dev", "run", "usr", "etc"} {
-		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := os.Chmod(filepath.Join(root, "tmp"), 0o1777); err != nil {
+	binds, err := MinimalRoot(root)
+	if err != nil {
 		t.Fatal(err)
-	}
-	binds := []Bind{{Source: "/usr", Target: "/usr", ReadOnly: true}, {Source: "/etc", Target: "/etc", ReadOnly: true}}
-	for _, d := range []string{"bin", "sbin", "lib", "lib64", "lib32", "libx32"} {
-		if fi, err := os.Lstat("/" + d); err == nil {
-			if fi.Mode()&os.ModeSymlink != 0 {
-				target, err := os.Readlink("/" + d)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := os.Symlink(target, filepath.Join(root, d)); err != nil {
-					t.Fatal(err)
-				}
-			} else if fi.IsDir() {
-				binds = append(binds, Bind{Source: "/" + d, Target: "/" + d, ReadOnly: true})
-			}
-		}
 	}
 	return root, binds
 }

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -96,7 +97,10 @@ type Sandbox struct {
 	sessions map[string]*Session
 	onClose  []func()
 	closed   bool
-	frozen   bool
+
+	freezeMu  sync.Mutex
+	frozen    bool
+	stateFile *os.File
 }
 
 // ErrClosed is returned by calls on a closed sandbox.
@@ -318,28 +322,37 @@ func (s *Sandbox) Ping(ctx context.Context) error {
 // and returns once the cgroup reports FROZEN. On failure (ctx done) it thaws
 // again and returns the error.
 func (s *Sandbox) Freeze(ctx context.Context) error {
-	state := filepath.Join(s.freezerDir, "freezer.state")
-	sleep := 10 * time.Microsecond
+	s.freezeMu.Lock()
+	defer s.freezeMu.Unlock()
+	f, err := s.freezerState()
+	if err != nil {
+		return fmt.Errorf("freeze %s: %w", s.cfg.ID, err)
+	}
+	start := time.Now()
+	sleep := 20 * time.Microsecond
 	for {
-		if err := os.WriteFile(state, []byte("FROZEN"), 0); err != nil {
+		if _, err := f.WriteAt([]byte("FROZEN"), 0); err != nil {
 			return fmt.Errorf("freeze %s: %w", s.cfg.ID, err)
 		}
-		b, err := os.ReadFile(state)
+		state, err := readState(f)
 		if err != nil {
 			return fmt.Errorf("freeze %s: %w", s.cfg.ID, err)
 		}
-		if strings.TrimSpace(string(b)) == "FROZEN" {
-			s.mu.Lock()
+		if state == "FROZEN" {
 			s.frozen = true
-			s.mu.Unlock()
 			return nil
 		}
 		select {
 		case <-ctx.Done():
-			_ = os.WriteFile(state, []byte("THAWED"), 0)
+			_, _ = f.WriteAt([]byte("THAWED"), 0)
 			return fmt.Errorf("freeze %s: %w", s.cfg.ID, ctx.Err())
-		case <-time.After(sleep):
+		default:
 		}
+		if time.Since(start) < 200*time.Microsecond {
+			runtime.Gosched() // freezing usually completes within microseconds
+			continue
+		}
+		time.Sleep(sleep)
 		if sleep < time.Millisecond {
 			sleep *= 2
 		}
@@ -348,19 +361,22 @@ func (s *Sandbox) Freeze(ctx context.Context) error {
 
 // Thaw resumes the processes stopped by Freeze.
 func (s *Sandbox) Thaw(ctx context.Context) error {
-	state := filepath.Join(s.freezerDir, "freezer.state")
+	s.freezeMu.Lock()
+	defer s.freezeMu.Unlock()
+	f, err := s.freezerState()
+	if err != nil {
+		return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
+	}
 	for {
-		if err := os.WriteFile(state, []byte("THAWED"), 0); err != nil {
+		if _, err := f.WriteAt([]byte("THAWED"), 0); err != nil {
 			return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
 		}
-		b, err := os.ReadFile(state)
+		state, err := readState(f)
 		if err != nil {
 			return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
 		}
-		if strings.TrimSpace(string(b)) == "THAWED" {
-			s.mu.Lock()
+		if state == "THAWED" {
 			s.frozen = false
-			s.mu.Unlock()
 			return nil
 		}
 		select {
@@ -369,6 +385,34 @@ func (s *Sandbox) Thaw(ctx context.Context) error {
 		case <-time.After(50 * time.Microsecond):
 		}
 	}
+}
+
+// Frozen reports whether the sandbox was left frozen by Freeze.
+func (s *Sandbox) Frozen() bool {
+	s.freezeMu.Lock()
+	defer s.freezeMu.Unlock()
+	return s.frozen
+}
+
+// freezerState returns the open freezer.state file (freezeMu held).
+func (s *Sandbox) freezerState() (*os.File, error) {
+	if s.stateFile == nil {
+		f, err := os.OpenFile(filepath.Join(s.freezerDir, "freezer.state"), os.O_RDWR, 0)
+		if err != nil {
+			return nil, err
+		}
+		s.stateFile = f
+	}
+	return s.stateFile, nil
+}
+
+func readState(f *os.File) (string, error) {
+	var b [32]byte
+	n, err := f.ReadAt(b[:], 0)
+	if n == 0 && err != nil {
+		return "", err
+	}
+	return strings.TrimSpace(string(b[:n])), nil
 }
 
 // Process describes one process of a sandbox.
@@ -576,7 +620,9 @@ func (s *Sandbox) Close() error {
 func (s *Sandbox) teardown() error {
 	var errs []error
 	if s.cmd != nil && s.cmd.Process != nil {
-		// Frozen tasks cannot die: thaw after signalling.
+		// cgroup.kill kills every member atomically (no fork escapes);
+		// frozen tasks cannot die: thaw after signalling.
+		_ = os.WriteFile(filepath.Join(s.v2Dir, "cgroup.kill"), []byte("1"), 0)
 		_ = s.cmd.Process.Kill()
 		if pids, err := cgroupPIDs(s.freezerDir); err == nil {
 			for _, pid := range pids {
@@ -584,6 +630,12 @@ func (s *Sandbox) teardown() error {
 			}
 		}
 		_ = os.WriteFile(filepath.Join(s.freezerDir, "freezer.state"), []byte("THAWED"), 0)
+		s.freezeMu.Lock()
+		if s.stateFile != nil {
+			s.stateFile.Close()
+			s.stateFile = nil
+		}
+		s.freezeMu.Unlock()
 		if s.cli != nil {
 			s.cli.close()
 		}
