@@ -160,6 +160,37 @@ func TestHostileModules(t *testing.T) {
 	if !strings.Contains(logs.String(), "policy disabled") {
 		t.Fatalf("no 'policy disabled' log line:\n%s", logs.String())
 	}
+	// Every failure kind was counted, per policy.
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(h.Collector())
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]bool{}
+	disabled := 0.0
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			switch mf.GetName() {
+			case "rewind_policy_failures_total":
+				kinds[labels["kind"]] = true
+			case "rewind_policy_disabled":
+				disabled += m.GetGauge().GetValue()
+			}
+		}
+	}
+	for _, k := range []string{"deadline", "trap", "malformed", "guest_error", "load"} {
+		if !kinds[k] {
+			t.Errorf("no failure of kind %q counted (got %v)", k, kinds)
+		}
+	}
+	if int(disabled) != len(tests) {
+		t.Errorf("rewind_policy_disabled sums to %v, want %d", disabled, len(tests))
+	}
 	checkHealthy(t, h)
 }
 
@@ -339,5 +370,22 @@ func TestOverlappingDeadlinesCountOnce(t *testing.T) {
 	p.fail(ctx, &failure{kind: "deadline", err: os.ErrDeadlineExceeded, start: time.Now()})
 	if dis, _ := p.Disabled(); !dis {
 		t.Fatal("not disabled after two sequential deadline failures")
+	}
+}
+
+func TestMemoryLimit(t *testing.T) {
+	for _, tt := range []struct {
+		limit uint64
+		want  Mode
+	}{{0, Skip}, {8 << 20, FS}} { // default 16 MiB = 256 pages; 8 MiB = 128
+		h, _ := newTestHost(t, Options{MemoryLimitBytes: tt.limit, Timeout: 10 * time.Second})
+		p, err := h.Load(context.Background(), "memlimit", hostile(t, "memlimit"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, _ := p.Decide(context.Background(), &effect.Report{})
+		if d.Mode != tt.want || d.Fallback {
+			t.Errorf("limit %d: %+v, want %v", tt.limit, d, tt.want)
+		}
 	}
 }
