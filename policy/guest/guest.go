@@ -60,6 +60,15 @@ func Handle(fn Func) { registered = handler{fn: fn} }
 // fast path for policies that look at counts only.
 func HandleCounters(fn Func) { registered = handler{fn: fn, countersOnly: true} }
 
+// Call runs the registered classifier on an encoded report (the wire form,
+// see effect.(*Report).AppendWire) and returns the ABI output: the decision
+// byte followed by the reason. It is what the rewind_classify export does,
+// callable natively so a policy can be tested without a WASM host.
+func Call(in []byte) []byte {
+	var r effect.Report
+	return classify(in, make([]byte, 0, 1+MaxReason), &r)
+}
+
 // classify runs the registered classifier on an encoded report and appends
 // the ABI output (decision byte, then reason) to out.
 func classify(in []byte, out []byte, r *effect.Report) (res []byte) {
