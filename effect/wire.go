@@ -1,9 +1,8 @@
 package effect
 
 import (
-	"encoding/binary"
 	"errors"
-	"fmt"
+	"strconv"
 )
 
 // The wire encoding is the compact binary form of a Report passed to WASM
@@ -71,6 +70,36 @@ const (
 
 // ErrWire is wrapped by every decoding error.
 var ErrWire = errors.New("malformed wire report")
+
+// wireError is a decoding error wrapping ErrWire. The package avoids fmt so
+// that WASM guests which decode reports stay small.
+type wireError struct{ msg string }
+
+func (e *wireError) Error() string { return ErrWire.Error() + ": " + e.msg }
+func (e *wireError) Unwrap() error { return ErrWire }
+
+func wireErr(msg string) error { return &wireError{msg: msg} }
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// Little-endian helpers (encoding/binary would pull reflect into guests).
+func appendU32(b []byte, v uint32) []byte {
+	return append(b, byte(v), byte(v>>8), byte(v>>16), byte(v>>24))
+}
+
+func appendU64(b []byte, v uint64) []byte {
+	return append(b, byte(v), byte(v>>8), byte(v>>16), byte(v>>24), byte(v>>32), byte(v>>40), byte(v>>48), byte(v>>56))
+}
+
+func leU32(b []byte) uint32 {
+	_ = b[3]
+	return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24
+}
+
+func leU64(b []byte) uint64 {
+	_ = b[7]
+	return uint64(leU32(b)) | uint64(leU32(b[4:]))<<32
+}
 
 // wireCounters returns the report's counter fields in wire order.
 func (r *Report) wireCounters() [wireNumCounters]uint64 {
@@ -167,16 +196,16 @@ func (r *Report) AppendWire(b []byte) []byte {
 		flags |= WireFlagMemExact
 	}
 	b = append(b, 'R', 'W', WireVersion, flags)
-	b = binary.LittleEndian.AppendUint32(b, wireNumCounters)
+	b = appendU32(b, wireNumCounters)
 	c := r.wireCounters()
 	for _, v := range c {
-		b = binary.LittleEndian.AppendUint64(b, v)
+		b = appendU64(b, v)
 	}
 	b = appendString(b, r.Sandbox)
 	b = appendString(b, r.Backend)
 
 	n := min(len(r.FS.Samples), MaxSamples)
-	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	b = appendU32(b, uint32(n))
 	for _, s := range r.FS.Samples[:n] {
 		b = appendString(b, s.Op)
 		b = appendString(b, s.Path)
@@ -184,14 +213,14 @@ func (r *Report) AppendWire(b []byte) []byte {
 	b = appendExecs(b, r.Proc.ExecSamples)
 	b = appendExecs(b, r.Proc.LongLived)
 	n = min(len(r.Mem.PerProc), MaxSamples)
-	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	b = appendU32(b, uint32(n))
 	for _, p := range r.Mem.PerProc[:n] {
-		b = binary.LittleEndian.AppendUint64(b, uint64(int64(p.PID)))
+		b = appendU64(b, uint64(int64(p.PID)))
 		b = appendString(b, p.Comm)
-		b = binary.LittleEndian.AppendUint64(b, p.Pages)
+		b = appendU64(b, p.Pages)
 	}
 	n = min(len(r.Net.Remotes), MaxSamples)
-	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	b = appendU32(b, uint32(n))
 	for _, s := range r.Net.Remotes[:n] {
 		b = appendString(b, s)
 	}
@@ -200,9 +229,9 @@ func (r *Report) AppendWire(b []byte) []byte {
 
 func appendExecs(b []byte, es []Exec) []byte {
 	n := min(len(es), MaxSamples)
-	b = binary.LittleEndian.AppendUint32(b, uint32(n))
+	b = appendU32(b, uint32(n))
 	for _, e := range es[:n] {
-		b = binary.LittleEndian.AppendUint64(b, uint64(int64(e.PID)))
+		b = appendU64(b, uint64(int64(e.PID)))
 		b = appendString(b, e.Comm)
 		b = appendString(b, e.Argv0)
 	}
@@ -213,7 +242,7 @@ func appendString(b []byte, s string) []byte {
 	if len(s) > MaxWireString {
 		s = s[:MaxWireString]
 	}
-	b = binary.LittleEndian.AppendUint32(b, uint32(len(s)))
+	b = appendU32(b, uint32(len(s)))
 	return append(b, s...)
 }
 
@@ -227,25 +256,25 @@ func UnmarshalWireCounters(b []byte, r *Report) error {
 
 func unmarshalCounters(b []byte, r *Report) (rest []byte, err error) {
 	if len(b) < WireHeaderSize {
-		return nil, fmt.Errorf("%w: %d bytes, shorter than the header", ErrWire, len(b))
+		return nil, wireErr(itoa(len(b)) + " bytes, shorter than the header")
 	}
 	if b[0] != 'R' || b[1] != 'W' {
-		return nil, fmt.Errorf("%w: bad magic %q", ErrWire, b[:2])
+		return nil, wireErr("bad magic " + strconv.Quote(string(b[:2])))
 	}
 	if b[2] != WireVersion {
-		return nil, fmt.Errorf("%w: unsupported wire version %d (want %d)", ErrWire, b[2], WireVersion)
+		return nil, wireErr("unsupported wire version " + itoa(int(b[2])) + " (want " + itoa(WireVersion) + ")")
 	}
 	flags := b[3]
-	n := binary.LittleEndian.Uint32(b[4:8])
+	n := leU32(b[4:8])
 	b = b[WireHeaderSize:]
 	if uint64(n)*8 > uint64(len(b)) {
-		return nil, fmt.Errorf("%w: %d counters announced, %d bytes left", ErrWire, n, len(b))
+		return nil, wireErr(itoa(int(n)) + " counters announced, " + itoa(len(b)) + " bytes left")
 	}
 	r.FS.UpperNonEmpty = flags&WireFlagUpperNonEmpty != 0
 	r.Mem.Exact = flags&WireFlagMemExact != 0
 	for i := 0; i < int(n); i++ {
 		if i < wireNumCounters {
-			r.setWireCounter(i, binary.LittleEndian.Uint64(b[8*i:]))
+			r.setWireCounter(i, leU64(b[8*i:]))
 		}
 	}
 	for i := int(n); i < wireNumCounters; i++ {
@@ -265,10 +294,10 @@ func (d *wireReader) u32() uint32 {
 		return 0
 	}
 	if len(d.b) < 4 {
-		d.err = fmt.Errorf("%w: truncated", ErrWire)
+		d.err = wireErr("truncated")
 		return 0
 	}
-	v := binary.LittleEndian.Uint32(d.b)
+	v := leU32(d.b)
 	d.b = d.b[4:]
 	return v
 }
@@ -278,10 +307,10 @@ func (d *wireReader) u64() uint64 {
 		return 0
 	}
 	if len(d.b) < 8 {
-		d.err = fmt.Errorf("%w: truncated", ErrWire)
+		d.err = wireErr("truncated")
 		return 0
 	}
-	v := binary.LittleEndian.Uint64(d.b)
+	v := leU64(d.b)
 	d.b = d.b[8:]
 	return v
 }
@@ -292,7 +321,7 @@ func (d *wireReader) str() string {
 		return ""
 	}
 	if n > MaxWireString || int(n) > len(d.b) {
-		d.err = fmt.Errorf("%w: string of %d bytes", ErrWire, n)
+		d.err = wireErr("string of " + itoa(int(n)) + " bytes")
 		return ""
 	}
 	s := string(d.b[:n])
@@ -304,7 +333,7 @@ func (d *wireReader) str() string {
 func (d *wireReader) count() int {
 	n := d.u32()
 	if n > MaxSamples {
-		d.err = fmt.Errorf("%w: %d samples, more than %d", ErrWire, n, MaxSamples)
+		d.err = wireErr(itoa(int(n)) + " samples, more than " + itoa(MaxSamples))
 		return 0
 	}
 	return int(n)
