@@ -15,6 +15,9 @@ set -euo pipefail
 CRIU_VERSION=4.1.1
 CRIU_DEB_VERSION=4.1.1-1
 CRIU_ORIG_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+# Bumped whenever rewind's patches to CRIU change: a project-prefix CRIU with
+# another stamp is rebuilt.
+CRIU_BUILD_STAMP=4.1.1-rewind1
 PREFIX=${REWIND_CRIU_PREFIX:-/opt/rewind/criu}
 WORK=${REWIND_DEPS_WORK:-/var/cache/rewind-deps}
 
@@ -70,10 +73,60 @@ criu_ok() {
 
 find_criu() {
 	local c
-	for c in "${REWIND_CRIU:-}" "$PREFIX/sbin/criu" "$(command -v criu 2>/dev/null || true)"; do
-		[[ -n $c ]] && criu_ok "$c" && { echo "$c"; return 0; }
-	done
+	if [[ -n ${REWIND_CRIU:-} ]] && criu_ok "$REWIND_CRIU"; then
+		echo "$REWIND_CRIU"; return 0
+	fi
+	if [[ $(cat "$PREFIX/BUILD_STAMP" 2>/dev/null) == "$CRIU_BUILD_STAMP" ]] && criu_ok "$PREFIX/sbin/criu"; then
+		echo "$PREFIX/sbin/criu"; return 0
+	fi
+	c=$(command -v criu 2>/dev/null || true)
+	[[ -n $c && $c != "$PREFIX/sbin/criu" ]] && criu_ok "$c" && { echo "$c"; return 0; }
 	return 1
+}
+
+# patch_criu DIR applies rewind's fixes to the CRIU source tree in DIR.
+#
+# 1. Linux 6.x answers getsockopt(SO_PASSCRED / SO_PASSSEC) on AF_INET and
+#    AF_INET6 sockets with EOPNOTSUPP; CRIU 4.1.1 treats that as fatal, so no
+#    process holding a TCP or UDP socket (a dev server, pip) could be dumped.
+#    The options cannot be set on such sockets either: dump them as "off".
+patch_criu() {
+	local f="$1/criu/sockets.c"
+	grep -q rewind_dump_opt_optional "$f" && return 0
+	python3 - "$f" <<'PY'
+import sys
+p = sys.argv[1]
+s = open(p).read()
+helper = """/* rewind: EOPNOTSUPP (options that do not apply to this family) reads as off. */
+static int rewind_dump_opt_optional(int sk, int level, int name, int *val)
+{
+	socklen_t aux = sizeof(*val);
+
+	if (getsockopt(sk, level, name, val, &aux) < 0) {
+		if (errno == EOPNOTSUPP) {
+			*val = 0;
+			return 0;
+		}
+		pr_perror("Can't get %d:%d opt", level, name);
+		return -1;
+	}
+	return 0;
+}
+
+int dump_socket_opts(int sk, SkOptsEntry *soe)
+"""
+n = 0
+for opt in ("SO_PASSCRED", "SO_PASSSEC"):
+    old = "ret |= dump_opt(sk, SOL_SOCKET, %s, &val);" % opt
+    new = "ret |= rewind_dump_opt_optional(sk, SOL_SOCKET, %s, &val);" % opt
+    n += s.count(old)
+    s = s.replace(old, new)
+anchor = "int dump_socket_opts(int sk, SkOptsEntry *soe)\n"
+if n != 2 or s.count(anchor) != 1:
+    sys.exit("patch_criu: sockets.c does not look like CRIU 4.1.1's")
+s = s.replace(anchor, helper, 1)
+open(p, "w").write(s)
+PY
 }
 
 # debian_mirror prints the URI of the host's configured Debian archive, so the
@@ -110,9 +163,11 @@ build_criu() {
 	tar -C "$WORK/build" -xf "$tarball"
 	local dir
 	dir=$(find "$WORK/build" -mindepth 1 -maxdepth 1 -type d | head -1)
+	patch_criu "$dir" || die "patching CRIU failed"
 	make -C "$dir" -j"$(nproc)" criu >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log" >&2; die "CRIU build failed; full log in $WORK/build.log"; }
 	install -D -m 0755 "$dir/criu/criu" "$PREFIX/sbin/criu"
 	criu_ok "$PREFIX/sbin/criu" || die "built CRIU at $PREFIX/sbin/criu does not pass 'criu check' (see: $PREFIX/sbin/criu check)"
+	echo "$CRIU_BUILD_STAMP" >"$PREFIX/BUILD_STAMP"
 	log "CRIU $CRIU_VERSION installed at $PREFIX/sbin/criu"
 }
 
