@@ -105,7 +105,7 @@ func choose(r *Report) Chosen {
 	case r.OK("overlayfs", "layer-switch-ioctl"):
 		ch.FS = Choice{"kernel", "patched overlayfs with the layer-switch ioctl"}
 	case r.OK("fuse", "mount"):
-		ch.FS = Choice{"fuse", "FUSE mounts work; the kernel path is not available on this host yet (no layer-switch ioctl)"}
+		ch.FS = Choice{"fuse", "stock overlayfs has no layer-switch ioctl, so the kernel path cannot move open fds to a fresh upper at a checkpoint; the FUSE overlay can (use --fs kernel to force native overlayfs)"}
 		if r.OK("fuse", "passthrough") {
 			ch.FS.Reason += "; FUSE passthrough gives native-speed data I/O"
 		}

@@ -21,6 +21,7 @@ import (
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/rewind-sandbox/rewind/kernelpath"
 	"golang.org/x/sys/unix"
 )
 
@@ -288,7 +289,14 @@ func probeOverlay() []Check {
 			cs = append(cs, degraded("mount", fmt.Sprintf("overlay mounts with mount(2) only (lowerdir+ unsupported: %v): the option string limits deep stacks below %d layers", err, ovlMaxStack)))
 		}
 	}
-	cs = append(cs, missing("layer-switch-ioctl", "stock overlayfs: the layer-switch ioctl of a patched kernel is absent"))
+	switch err := kernelpath.ProbeSwitchIoctl(dir); {
+	case err == nil:
+		cs = append(cs, ok("layer-switch-ioctl", "patched overlayfs answers the layer-switch ioctl (kernelpath/ABI.md): O(1) kernel-path checkpoints"))
+	case errors.Is(err, kernelpath.ErrIoctlAbsent):
+		cs = append(cs, missing("layer-switch-ioctl", "stock overlayfs: no layer-switch ioctl (kernelpath/ABI.md); the kernel path freezes uppers by reflink copy instead"))
+	default:
+		cs = append(cs, missing("layer-switch-ioctl", "probe failed: "+errnoDetail(err)))
+	}
 	return cs
 }
 
