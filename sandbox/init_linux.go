@@ -56,6 +56,8 @@ func MaybeRunInit() {
 // initStage1 receives the setup, builds the mount namespace, switches root,
 // drops capabilities and re-executes itself as stage 2.
 func initStage1() error {
+	// Nothing the daemon inherited may leak into the sandbox.
+	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
 	ctlFile := os.NewFile(ctlFD, "control")
 	c, err := newConn(ctlFile)
 	if err != nil {
@@ -344,6 +346,7 @@ type initState struct {
 // initStage2 is the long-running PID 1: it serves the control channel and
 // reaps children until the daemon goes away.
 func initStage2() error {
+	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
 	// Ignore every signal a sandbox process could send us (PID 1 only gets
 	// signals it handles, and the Go runtime handles them all).
 	ign := []os.Signal{}
@@ -369,6 +372,8 @@ func initStage2() error {
 		_ = c.send(&msg{Op: opReady, Err: "open /dev/null: " + err.Error()})
 		return err
 	}
+	// stdin becomes the sandbox's own /dev/null (it was the host's).
+	_ = unix.Dup3(devNull, 0, 0)
 	st := &initState{c: c, devNull: devNull, held: map[int]bool{}}
 	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
 		return err

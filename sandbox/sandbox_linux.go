@@ -301,6 +301,34 @@ func (s *Sandbox) NSPath(kind string) string {
 	return fmt.Sprintf("/proc/%d/ns/%s", s.initPID, kind)
 }
 
+// NSEnterArgs returns the argv prefix that runs a host command inside the
+// sandbox's pid, mount, network, UTS and IPC namespaces (util-linux
+// nsenter). The command is resolved in the sandbox's root.
+func (s *Sandbox) NSEnterArgs() []string {
+	return []string{"nsenter", "-t", strconv.Itoa(s.initPID), "-p", "-m", "-n", "-u", "-i", "--"}
+}
+
+// CommandContext returns a command that runs argv (argv[0] resolved in the
+// sandbox's root) inside the sandbox's namespaces AND cgroups, so that the
+// processes it creates (a criu restore) belong to the sandbox. It joins the
+// cgroups with a tiny host shell before nsenter forks.
+func (s *Sandbox) CommandContext(ctx context.Context, argv ...string) *exec.Cmd {
+	script := fmt.Sprintf(`echo $$ > %s/cgroup.procs && echo $$ > %s/cgroup.procs && exec "$@"`, s.freezerDir, s.v2Dir)
+	args := append([]string{"-c", script, "rewind-nsenter"}, s.NSEnterArgs()...)
+	return exec.CommandContext(ctx, "/bin/sh", append(args, argv...)...)
+}
+
+// JoinCgroups moves host process pid into the sandbox's cgroups; children
+// it forks afterwards belong to the sandbox.
+func (s *Sandbox) JoinCgroups(pid int) error {
+	for _, dir := range []string{s.freezerDir, s.v2Dir} {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
+			return fmt.Errorf("join cgroup %s: %w", dir, err)
+		}
+	}
+	return nil
+}
+
 // Done is closed when the sandbox's init has exited (Close, or a crash).
 func (s *Sandbox) Done() <-chan struct{} { return s.initDone }
 
