@@ -161,12 +161,20 @@ func BuiltinNames() []string { return policies.Names() }
 // LoadBuiltin loads a built-in policy by name (see BuiltinNames). Like Load,
 // it always returns a usable Policy.
 func (h *Host) LoadBuiltin(ctx context.Context, name string) (*Policy, error) {
-	b, ok := policies.WASM(name)
+	key := "builtin:" + name
+	h.mu.Lock()
+	_, cached := h.compiled[key]
+	h.mu.Unlock()
+	var b []byte
+	ok := true
+	if !cached { // reading the embedded module copies 2 MB: only when compiling
+		b, ok = policies.WASM(name)
+	}
 	if !ok {
 		err := fmt.Errorf("unknown built-in policy %q (built-ins: %v)", name, policies.Names())
 		return h.disabledPolicy(name, err), err
 	}
-	return h.load(ctx, name, "builtin:"+name, b)
+	return h.load(ctx, name, key, b)
 }
 
 // LoadFile loads a policy module from a file; the policy is named after it.

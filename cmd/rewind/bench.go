@@ -25,6 +25,7 @@ func newBenchCmd() *cobra.Command {
 		Example: "  rewind bench turn --n 200",
 	}
 	cmd.AddCommand(newBenchTurnCmd())
+	cmd.AddCommand(newBenchPolicyCmd())
 	return cmd
 }
 
