@@ -67,6 +67,12 @@ func (cl *client) readLoop() {
 			close(ch)
 			delete(cl.pending, id)
 		}
+		// The init is gone and took every process with it: their exit
+		// statuses will never come.
+		for pid, w := range cl.waiters {
+			w <- exitStatus{unknown: true}
+			delete(cl.waiters, pid)
+		}
 		cl.mu.Unlock()
 		close(cl.dead)
 	}()
@@ -180,6 +186,10 @@ func (cl *client) watch(nspid int, alive bool) chan exitStatus {
 	w := make(chan exitStatus, 1)
 	cl.mu.Lock()
 	defer cl.mu.Unlock()
+	if cl.closed {
+		w <- exitStatus{unknown: true}
+		return w
+	}
 	if st, ok := cl.unclaim[nspid]; ok {
 		delete(cl.unclaim, nspid)
 		if !alive {

@@ -26,8 +26,9 @@ const (
 	opReply   = "reply"   // init->daemon: answer to request ID
 )
 
-// maxMsg bounds one control message.
-const maxMsg = 1 << 20
+// maxMsg bounds one control message (argv + env of a spawn); the socket's
+// default send buffer (~208 KiB) is the real limit.
+const maxMsg = 192 << 10
 
 type msg struct {
 	ID uint64 `json:"id,omitempty"`
@@ -90,7 +91,7 @@ func (c *conn) send(m *msg, fds ...int) error {
 		return err
 	}
 	if len(b) > maxMsg {
-		return fmt.Errorf("control message too large (%d bytes)", len(b))
+		return fmt.Errorf("control message too large (%d bytes, max %d): argv and env too long", len(b), maxMsg)
 	}
 	var oob []byte
 	if len(fds) > 0 {

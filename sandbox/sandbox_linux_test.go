@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -447,4 +448,71 @@ func TestAdoptSession(t *testing.T) {
 
 func (s *Sandbox) mustInitFDs(ctx context.Context, ch *Channels) (int, int, error) {
 	return ch.InitFDs(ctx)
+}
+
+// TestInitCrash: when the init dies, sessions end, calls fail cleanly and
+// Close still removes everything.
+func TestInitCrash(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	ss, err := sb.StartSession(ctx, SessionConfig{ID: "s", Argv: []string{"cat"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := ss.PID()
+	if err := syscall.Kill(sb.InitPID(), syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ss.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("session not ended after init crash")
+	}
+	<-sb.Done()
+	if alive(pid) {
+		t.Fatal("session process survived its init")
+	}
+	if _, err := sb.Exec(ctx, ExecRequest{Argv: []string{"true"}}); err == nil {
+		t.Fatal("exec after init crash succeeded")
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(sb.CgroupV2Dir()); !os.IsNotExist(err) {
+		t.Fatalf("cgroup left: %v", err)
+	}
+}
+
+// TestParallelStart starts sandboxes concurrently (fork fan-out) and checks
+// each is isolated and works.
+func TestParallelStart(t *testing.T) {
+	requireSandbox(t)
+	const n = 8
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		go func(i int) {
+			root, binds := testRoot(t)
+			sb, err := Start(testCtx(t), Config{ID: fmt.Sprintf("par-%d-%d", os.Getpid(), i), Root: root, Binds: binds})
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer sb.Close()
+			if err := sb.WriteRunFile("copy", []byte(strconv.Itoa(i)+"\n")); err != nil {
+				errs <- err
+				return
+			}
+			var out bytes.Buffer
+			code, err := sb.Exec(testCtx(t), ExecRequest{Argv: []string{"sh", "-c", "cat /run/rewind/copy /proc/1/cmdline"}, Stdout: &out})
+			if err == nil && (code != 0 || out.String() != fmt.Sprintf("%d\nrewind-init\x00", i)) {
+				err = fmt.Errorf("sandbox %d: code %d out %q", i, code, out.String())
+			}
+			errs <- err
+		}(i)
+	}
+	for i := 0; i < n; i++ {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
 }
