@@ -1,0 +1,91 @@
+// Package probe observes what one agent turn did to a sandbox's operating
+// system state and produces an effect.Report for the policy.
+//
+// # Model
+//
+// A Probe serves many sandboxes. For each turn the caller opens a window with
+// Begin(Target) and closes it with End(), which returns the report. The
+// Target names the sandbox's cgroup v2 directory (the eBPF filter key and the
+// process list), the host pid of its init, and its file-system effect source
+// (the fs layer). Turns are numbered per sandbox by the probe.
+//
+// # Backends
+//
+// The eBPF backend (OpenEBPF) loads two programs written with cilium/ebpf's
+// asm package — no clang at build time — and attaches them once, for the
+// whole host, to raw tracepoints, which need neither tracefs nor
+// fentry/kprobes (both unavailable on the target hosts): raw_syscalls
+// sys_exit and sched_process_exec. Each program first looks the current
+// task's cgroup v2 id up in a hash map holding one counter block per open
+// window; tasks of other cgroups cost one map lookup. Counters are exact
+// (atomic adds in the map). Paths, exec file names and remote addresses go
+// through a ring buffer, at most 32 of each kind per window (the report
+// keeps effect.MaxSamples); a sample the ring buffer cannot take is counted
+// in LostEvents. End reads and deletes the window's counters, flushes the
+// ring buffer and reads /proc.
+//
+// The userspace backend (NewUserspace) needs no eBPF: it compares /proc
+// snapshots of the cgroup's processes taken at Begin and at End, and reads
+// file-system effects from Target.FS.
+//
+// Both backends share the snapshot comparison, so they agree on the fields
+// it fills.
+//
+// # Fields and who fills them
+//
+//	field                       eBPF                              userspace
+//	FS.*                        Target.FS if set; else syscall     Target.FS; if nil, LostEvents=1
+//	                            counts (see below), BytesWritten=0
+//	Proc.Forked                 every fork/clone (not threads)     new processes alive at End
+//	Proc.Execs, ExecSamples     every successful exec              new or re-exec'd processes alive at End
+//	                            (Argv0 = executed file name)       (Argv0 = argv[0])
+//	Proc.Exited                 snapshot: alive at Begin, gone at End (both)
+//	Proc.Alive                  snapshot: processes in the cgroup at End (both)
+//	Proc.NewLongLived, LongLived snapshot: alive at End, born in the turn (both)
+//	Proc.CwdChanges             snapshot: alive at both ends, cwd differs (both)
+//	Proc.SignalsSent            kill/tkill/tgkill/sigqueue/pidfd   0 (invisible)
+//	Mem.PagesWritten, PerProc   snapshot estimate (both, Exact=false): see below
+//	Mem.Mmaps/Munmaps/Brks      syscall counts                     0 (invisible)
+//	Net.RemoteConnects, Remotes connect() to / sendto() a          sockets held at End, not at Begin, with a
+//	                            non-loopback address               non-loopback peer (tcp/udp, v4/v6)
+//	Net.Listens                 successful listen() calls          LISTEN sockets held at End, not at Begin
+//	Net.BytesSent               sendto/sendmsg bytes (not write)   0 (invisible)
+//	LostEvents                  ring-buffer samples dropped        1 when Target.FS is nil, else 0
+//
+// Legitimate differences: the userspace backend sees only processes and
+// sockets alive at the snapshots, so a short-lived process (a one-shot cat)
+// leaves Forked/Execs at 0 there, and a short-lived remote connection is
+// invisible; the eBPF backend counts every event. A policy that wants both
+// backends to agree must decide skip on FSChanged(), NetChanged(),
+// NewLongLived, Exited, CwdChanges and Mem.PagesWritten, which are computed
+// identically (FS from the same source) — not on Forked or Execs, which for
+// a one-shot command run in the sandbox are >= 1 under eBPF.
+//
+// # Memory estimate
+//
+// Exact written-page sets need userfaultfd write-protection registered in
+// each target process (PAGEMAP_SCAN reports PAGE_IS_WRITTEN only for such
+// ranges), which needs code injected into the target. Without it both
+// backends estimate: a process alive at both ends counts its minor-fault
+// delta, and at least 1 page if it ran at all (schedstat CPU time grew),
+// because rewriting an already dirty page costs no fault; a process born in
+// the turn counts all its minor faults. The sandbox's init (Target.InitPID)
+// is excluded: its memory is rewind's. Mem.Exact is therefore false.
+//
+// # eBPF file-system counts without an FSSource
+//
+// Successful open/openat/openat2/creat with O_WRONLY, O_RDWR, O_CREAT or
+// O_TRUNC count as Created (O_CREAT) or Modified, except paths under /dev/,
+// /proc/ and /sys/; mkdir, mknod, symlink, link count as Created; unlink,
+// rmdir as Deleted; rename* as Renamed; truncate, ftruncate, fallocate as
+// Modified; chmod, chown, utimes, xattr calls as MetaChanged. Writes through
+// a file descriptor opened before the window are not seen, hence the fs
+// layer (Target.FS) is preferred whenever it is present.
+//
+// # Limits
+//
+// Processes in cgroups nested below Target.CgroupV2Dir are listed by the
+// snapshots but not matched by the eBPF filter (it compares the task's own
+// cgroup id). Events between End and the next Begin belong to no turn.
+// Syscall numbers and struct pt_regs offsets are those of x86_64.
+package probe

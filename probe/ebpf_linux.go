@@ -1,0 +1,446 @@
+package probe
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/btf"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/ringbuf"
+	"github.com/cilium/ebpf/rlimit"
+
+	"github.com/rewind-sandbox/rewind/effect"
+)
+
+// ebpfProbe is the eBPF backend: two raw-tracepoint programs attached once
+// for the whole host (raw_syscalls:sys_exit and sched:sched_process_exec),
+// filtering in the kernel on the cgroup v2 ids of open windows.
+type ebpfProbe struct {
+	log   *slog.Logger
+	turns *turns
+
+	cgstats, sysclass, events *ebpf.Map
+	progs                     []*ebpf.Program
+	links                     []link.Link
+	rd                        *ringbuf.Reader
+	readerDone                chan struct{}
+
+	flushMu sync.Mutex // serialises flushes
+
+	mu      sync.Mutex // guards the fields below
+	wins    map[uint64]*ebpfWindow
+	flushed chan struct{}
+	closed  bool
+}
+
+// OpenEBPF loads and attaches the eBPF programs. It fails with one line
+// naming what is missing when the host cannot run them.
+func OpenEBPF(opts Options) (Probe, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	p := &ebpfProbe{log: log, turns: newTurns(), wins: map[uint64]*ebpfWindow{}}
+	if err := p.load(opts); err != nil {
+		p.release()
+		return nil, fmt.Errorf("probe: eBPF backend: %w", err)
+	}
+	p.readerDone = make(chan struct{})
+	go p.readLoop()
+	return p, nil
+}
+
+// CheckEBPF reports whether the eBPF backend can load and attach here (nil)
+// or why not, in one line.
+func CheckEBPF() error {
+	p, err := OpenEBPF(Options{Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		return err
+	}
+	return p.Close()
+}
+
+func (p *ebpfProbe) load(opts Options) error {
+	_ = rlimit.RemoveMemlock() // needless on kernels with memcg accounting
+	var err error
+	p.cgstats, err = ebpf.NewMap(&ebpf.MapSpec{
+		Name: "rw_cgstats", Type: ebpf.Hash, KeySize: 8, ValueSize: nCounters * 8, MaxEntries: 4096,
+	})
+	if err != nil {
+		return fmt.Errorf("create counters map: %w", err)
+	}
+	p.sysclass, err = ebpf.NewMap(&ebpf.MapSpec{
+		Name: "rw_sysclass", Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 512,
+	})
+	if err != nil {
+		return fmt.Errorf("create syscall class map: %w", err)
+	}
+	for nr, c := range sysClasses {
+		if err := p.sysclass.Put(uint32(nr), c); err != nil {
+			return fmt.Errorf("fill syscall class map: %w", err)
+		}
+	}
+	size := opts.RingBufferBytes
+	if size == 0 {
+		size = 4 << 20
+	}
+	p.events, err = ebpf.NewMap(&ebpf.MapSpec{Name: "rw_events", Type: ebpf.RingBuf, MaxEntries: uint32(size)})
+	if err != nil {
+		return fmt.Errorf("create ring buffer: %w", err)
+	}
+	filenameOff := binprmFilenameOffset()
+	specs := []struct {
+		name, tracepoint string
+		spec             *ebpf.ProgramSpec
+	}{
+		{"rw_sys_exit", "sys_exit", &ebpf.ProgramSpec{
+			Name: "rw_sys_exit", Type: ebpf.RawTracepoint, License: "GPL",
+			Instructions: sysExitProg(p.cgstats.FD(), p.sysclass.FD(), p.events.FD()),
+		}},
+		{"rw_exec", "sched_process_exec", &ebpf.ProgramSpec{
+			Name: "rw_exec", Type: ebpf.RawTracepoint, License: "GPL",
+			Instructions: execProg(p.cgstats.FD(), p.events.FD(), filenameOff),
+		}},
+	}
+	for _, s := range specs {
+		prog, err := ebpf.NewProgram(s.spec)
+		if err != nil {
+			return fmt.Errorf("load program %s: %w", s.name, err)
+		}
+		p.progs = append(p.progs, prog)
+		l, err := link.AttachRawTracepoint(link.RawTracepointOptions{Name: s.tracepoint, Program: prog})
+		if err != nil {
+			return fmt.Errorf("attach raw tracepoint %s: %w", s.tracepoint, err)
+		}
+		p.links = append(p.links, l)
+	}
+	p.rd, err = ringbuf.NewReader(p.events)
+	if err != nil {
+		return fmt.Errorf("open ring buffer reader: %w", err)
+	}
+	return nil
+}
+
+// binprmFilenameOffset finds linux_binprm.filename in the kernel's BTF, or
+// returns -1 (exec samples then carry no file name).
+func binprmFilenameOffset() int {
+	spec, err := btf.LoadKernelSpec()
+	if err != nil {
+		return -1
+	}
+	var s *btf.Struct
+	if err := spec.TypeByName("linux_binprm", &s); err != nil {
+		return -1
+	}
+	for _, m := range s.Members {
+		if m.Name == "filename" {
+			return int(m.Offset.Bytes())
+		}
+	}
+	return -1
+}
+
+// release frees whatever load created.
+func (p *ebpfProbe) release() {
+	for _, l := range p.links {
+		l.Close()
+	}
+	for _, pr := range p.progs {
+		pr.Close()
+	}
+	if p.rd != nil {
+		p.rd.Close()
+	}
+	for _, m := range []*ebpf.Map{p.cgstats, p.sysclass, p.events} {
+		if m != nil {
+			m.Close()
+		}
+	}
+}
+
+func (p *ebpfProbe) Backend() string { return effect.BackendEBPF }
+
+func (p *ebpfProbe) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	p.wins = map[uint64]*ebpfWindow{}
+	p.mu.Unlock()
+	for _, l := range p.links {
+		l.Close()
+	}
+	p.links = nil
+	p.rd.Close()
+	<-p.readerDone
+	p.rd = nil
+	p.release()
+	return nil
+}
+
+// readLoop dispatches ring-buffer samples to their windows until Close.
+func (p *ebpfProbe) readLoop() {
+	defer close(p.readerDone)
+	var rec ringbuf.Record
+	for {
+		err := p.rd.ReadInto(&rec)
+		switch {
+		case err == nil:
+			p.dispatch(rec.RawSample)
+		case errors.Is(err, ringbuf.ErrFlushed):
+			p.mu.Lock()
+			if p.flushed != nil {
+				close(p.flushed)
+				p.flushed = nil
+			}
+			p.mu.Unlock()
+		case errors.Is(err, ringbuf.ErrClosed), errors.Is(err, os.ErrClosed):
+			return
+		default:
+			p.log.Warn("probe: ring buffer read", "err", err)
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+}
+
+// flush returns once every sample committed before the call is dispatched.
+func (p *ebpfProbe) flush() error {
+	p.flushMu.Lock()
+	defer p.flushMu.Unlock()
+	ch := make(chan struct{})
+	p.mu.Lock()
+	p.flushed = ch
+	p.mu.Unlock()
+	if err := p.rd.Flush(); err != nil {
+		return fmt.Errorf("flush ring buffer: %w", err)
+	}
+	select {
+	case <-ch:
+		return nil
+	case <-time.After(5 * time.Second):
+		return errors.New("flush ring buffer: reader did not answer in 5s")
+	}
+}
+
+// event is a decoded ring-buffer sample.
+type event struct {
+	cgid uint64
+	kind uint32
+	pid  uint32
+	aux  uint64
+	comm string
+	data []byte
+}
+
+func cstr(b []byte) string {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		b = b[:i]
+	}
+	return string(b)
+}
+
+func (p *ebpfProbe) dispatch(raw []byte) {
+	if len(raw) < evtSize {
+		return
+	}
+	le := binary.LittleEndian
+	ev := event{
+		cgid: le.Uint64(raw[evtCgid:]),
+		kind: le.Uint32(raw[evtKind:]),
+		pid:  le.Uint32(raw[evtPID:]),
+		aux:  le.Uint64(raw[evtAux:]),
+		comm: cstr(raw[evtComm : evtComm+16]),
+		data: raw[evtData : evtData+evtDataLen],
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.wins[ev.cgid]
+	if w == nil {
+		return
+	}
+	w.add(ev)
+}
+
+func (p *ebpfProbe) Begin(t Target) (Window, error) {
+	if t.CgroupV2Dir == "" {
+		return nil, fmt.Errorf("begin %s: no cgroup v2 dir in target", t.Sandbox)
+	}
+	cgid := t.CgroupID
+	if cgid == 0 {
+		var err error
+		if cgid, err = CgroupID(t.CgroupV2Dir); err != nil {
+			return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
+		}
+	}
+	turn, err := p.turns.acquire(t.Sandbox)
+	if err != nil {
+		return nil, err
+	}
+	w := &ebpfWindow{p: p, t: t, cgid: cgid, turn: turn, began: time.Now()}
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		p.turns.release(t.Sandbox)
+		return nil, ErrClosed
+	}
+	if p.wins[cgid] != nil {
+		p.mu.Unlock()
+		p.turns.release(t.Sandbox)
+		return nil, fmt.Errorf("begin %s: cgroup %d already observed by sandbox %s", t.Sandbox, cgid, p.wins[cgid].t.Sandbox)
+	}
+	p.wins[cgid] = w
+	p.mu.Unlock()
+	fail := func(err error) (Window, error) {
+		w.Abort()
+		return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
+	}
+	if t.FS != nil {
+		t.FS.TakeFSEffects()
+	}
+	var zero [nCounters]uint64
+	if err := p.cgstats.Put(cgid, zero); err != nil {
+		return fail(fmt.Errorf("arm cgroup %d: %w", cgid, err))
+	}
+	if w.begin, err = takeSnapshot(t.CgroupV2Dir, false); err != nil {
+		return fail(err)
+	}
+	return w, nil
+}
+
+// ebpfWindow is one turn observed by the eBPF backend.
+type ebpfWindow struct {
+	p     *ebpfProbe
+	t     Target
+	cgid  uint64
+	turn  uint64
+	began time.Time
+	begin *snapshot
+
+	// Guarded by p.mu.
+	fsSamples   []effect.PathSample
+	execSamples []effect.Exec
+	remotes     []string
+
+	endMu sync.Mutex
+	done  bool
+}
+
+// add records a sample; p.mu is held.
+func (w *ebpfWindow) add(ev event) {
+	switch ev.kind {
+	case evFS:
+		if len(w.fsSamples) < effect.MaxSamples {
+			w.fsSamples = append(w.fsSamples, effect.PathSample{Op: fsOpName(ev.aux), Path: cstr(ev.data)})
+		}
+	case evExec:
+		if len(w.execSamples) < effect.MaxSamples {
+			w.execSamples = append(w.execSamples, effect.Exec{PID: int(ev.pid), Comm: ev.comm, Argv0: cstr(ev.data)})
+		}
+	case evNet:
+		if s, ok := sockaddrString(ev.data); ok {
+			w.remotes = appendRemote(w.remotes, s)
+		}
+	}
+}
+
+// sockaddrString formats a raw sockaddr_in or sockaddr_in6.
+func sockaddrString(b []byte) (string, bool) {
+	if len(b) < 24 {
+		return "", false
+	}
+	fam := binary.LittleEndian.Uint16(b)
+	port := binary.BigEndian.Uint16(b[2:])
+	switch fam {
+	case 2:
+		return joinHostPort(b[4:8], port), true
+	case 10:
+		return joinHostPort(b[8:24], port), true
+	}
+	return "", false
+}
+
+// detach stops counting and forgets the window.
+func (w *ebpfWindow) detach() (vals [nCounters]uint64, err error) {
+	err = w.p.cgstats.LookupAndDelete(w.cgid, &vals)
+	w.p.mu.Lock()
+	if w.p.wins[w.cgid] == w {
+		delete(w.p.wins, w.cgid)
+	}
+	w.p.mu.Unlock()
+	w.p.turns.release(w.t.Sandbox)
+	return vals, err
+}
+
+func (w *ebpfWindow) Abort() {
+	w.endMu.Lock()
+	defer w.endMu.Unlock()
+	if w.done {
+		return
+	}
+	w.done = true
+	w.detach()
+}
+
+func (w *ebpfWindow) End() (*effect.Report, error) {
+	w.endMu.Lock()
+	defer w.endMu.Unlock()
+	if w.done {
+		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, ErrClosed)
+	}
+	w.done = true
+	ended := time.Now()
+	r := newReport(effect.BackendEBPF, w.t.Sandbox, w.turn, w.began, ended)
+	if w.t.FS != nil {
+		r.FS = boundFS(w.t.FS.TakeFSEffects())
+	}
+	// Counters first (this stops counting), then the samples committed
+	// before, then the processes.
+	flushErr := w.p.flush()
+	c, err := w.detach()
+	if err != nil {
+		return nil, fmt.Errorf("end %s turn %d: read counters: %w", w.t.Sandbox, w.turn, err)
+	}
+	if flushErr != nil {
+		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, flushErr)
+	}
+	end, err := takeSnapshot(w.t.CgroupV2Dir, false)
+	if err != nil {
+		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
+	}
+	applySnapshots(r, w.begin, end, w.t.InitPID)
+
+	w.p.mu.Lock()
+	fsSamples, execSamples, remotes := w.fsSamples, w.execSamples, w.remotes
+	w.p.mu.Unlock()
+
+	r.LostEvents = c[cLost]
+	r.Proc.Forked = c[cForked]
+	r.Proc.Execs = c[cExecs]
+	r.Proc.SignalsSent = c[cSignals]
+	r.Proc.ExecSamples = execSamples
+	r.Mem.Mmaps = c[cMmaps]
+	r.Mem.Munmaps = c[cMunmaps]
+	r.Mem.Brks = c[cBrks]
+	r.Net.RemoteConnects = c[cRemote]
+	r.Net.Listens = c[cListens]
+	r.Net.BytesSent = c[cBytesSent]
+	r.Net.Remotes = remotes
+	if w.t.FS == nil {
+		r.FS.Created = c[cCreated]
+		r.FS.Modified = c[cModified]
+		r.FS.Deleted = c[cDeleted]
+		r.FS.Renamed = c[cRenamed]
+		r.FS.MetaChanged = c[cMeta]
+		r.FS.Samples = fsSamples
+	}
+	return r, nil
+}

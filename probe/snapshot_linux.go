@@ -1,0 +1,269 @@
+package probe
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// cgroupPIDs lists the processes of a cgroup v2 directory and its
+// descendants.
+func cgroupPIDs(dir string) ([]int, error) {
+	var pids []int
+	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			if path != dir && errors.Is(err, os.ErrNotExist) {
+				return nil // a nested cgroup vanished meanwhile
+			}
+			return err
+		}
+		if !d.IsDir() {
+			return nil
+		}
+		b, err := os.ReadFile(filepath.Join(path, "cgroup.procs"))
+		if err != nil {
+			if path != dir && errors.Is(err, os.ErrNotExist) {
+				return nil
+			}
+			return err
+		}
+		for _, f := range strings.Fields(string(b)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list processes of cgroup %s: %w", dir, err)
+	}
+	return pids, nil
+}
+
+// takeSnapshot reads the processes of cgroup dir. Processes that exit while
+// being read are left out. withNet adds the socket table.
+func takeSnapshot(dir string, withNet bool) (*snapshot, error) {
+	pids, err := cgroupPIDs(dir)
+	if err != nil {
+		return nil, err
+	}
+	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
+	for _, pid := range pids {
+		p, err := readProc(pid, withNet)
+		if err != nil {
+			continue // exited meanwhile
+		}
+		s.Procs[pid] = p
+	}
+	if withNet {
+		s.Socks = readSockets(s.Procs)
+	}
+	return s, nil
+}
+
+// readProc reads one process from /proc.
+func readProc(pid int, withNet bool) (*procInfo, error) {
+	base := "/proc/" + strconv.Itoa(pid)
+	b, err := os.ReadFile(base + "/stat")
+	if err != nil {
+		return nil, err
+	}
+	p := &procInfo{PID: pid}
+	if err := parseStat(b, p); err != nil {
+		return nil, fmt.Errorf("parse %s/stat: %w", base, err)
+	}
+	p.Cwd, _ = os.Readlink(base + "/cwd")
+	if cl, err := os.ReadFile(base + "/cmdline"); err == nil {
+		if i := bytes.IndexByte(cl, 0); i >= 0 {
+			cl = cl[:i]
+		}
+		p.Argv0 = string(cl)
+	}
+	p.RunNS = readRunNS(base)
+	if withNet {
+		p.NetNS, _ = os.Readlink(base + "/ns/net")
+		p.Sockets = readSocketInodes(base)
+	}
+	return p, nil
+}
+
+// parseStat fills comm, ppid, minflt and starttime from /proc/PID/stat.
+func parseStat(b []byte, p *procInfo) error {
+	open := bytes.IndexByte(b, '(')
+	closeParen := bytes.LastIndexByte(b, ')')
+	if open < 0 || closeParen < open {
+		return errors.New("malformed stat")
+	}
+	p.Comm = string(b[open+1 : closeParen])
+	f := strings.Fields(string(b[closeParen+1:]))
+	// f[0] is field 3 (state); field n is f[n-3].
+	if len(f) < 20 {
+		return errors.New("short stat")
+	}
+	var err error
+	if p.PPID, err = strconv.Atoi(f[4-3]); err != nil {
+		return err
+	}
+	if p.MinFlt, err = strconv.ParseUint(f[10-3], 10, 64); err != nil {
+		return err
+	}
+	if p.StartTime, err = strconv.ParseUint(f[22-3], 10, 64); err != nil {
+		return err
+	}
+	return nil
+}
+
+// readRunNS sums the on-CPU time of every thread of a process.
+func readRunNS(base string) uint64 {
+	ents, err := os.ReadDir(base + "/task")
+	if err != nil {
+		return 0
+	}
+	var sum uint64
+	for _, e := range ents {
+		b, err := os.ReadFile(base + "/task/" + e.Name() + "/schedstat")
+		if err != nil {
+			continue
+		}
+		if i := bytes.IndexByte(b, ' '); i > 0 {
+			if v, err := strconv.ParseUint(string(b[:i]), 10, 64); err == nil {
+				sum += v
+			}
+		}
+	}
+	return sum
+}
+
+// readSocketInodes lists the socket inodes held by a process's fds.
+func readSocketInodes(base string) map[uint64]struct{} {
+	ents, err := os.ReadDir(base + "/fd")
+	if err != nil {
+		return nil
+	}
+	var out map[uint64]struct{}
+	for _, e := range ents {
+		l, err := os.Readlink(base + "/fd/" + e.Name())
+		if err != nil || !strings.HasPrefix(l, "socket:[") {
+			continue
+		}
+		ino, err := strconv.ParseUint(strings.TrimSuffix(l[len("socket:["):], "]"), 10, 64)
+		if err != nil {
+			continue
+		}
+		if out == nil {
+			out = map[uint64]struct{}{}
+		}
+		out[ino] = struct{}{}
+	}
+	return out
+}
+
+// readSockets reads the inet socket tables of every network namespace the
+// processes live in, keeping the sockets those processes hold.
+func readSockets(procs map[int]*procInfo) map[uint64]sockInfo {
+	held := map[uint64]struct{}{}
+	byNS := map[string]int{}
+	for pid, p := range procs {
+		for ino := range p.Sockets {
+			held[ino] = struct{}{}
+		}
+		if len(p.Sockets) > 0 {
+			if _, ok := byNS[p.NetNS]; !ok {
+				byNS[p.NetNS] = pid
+			}
+		}
+	}
+	out := map[uint64]sockInfo{}
+	if len(held) == 0 {
+		return out
+	}
+	for _, pid := range byNS {
+		for _, tbl := range []string{"tcp", "tcp6", "udp", "udp6"} {
+			f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/net/" + tbl)
+			if err != nil {
+				continue
+			}
+			parseSockTable(f, strings.HasPrefix(tbl, "tcp"), held, out)
+			f.Close()
+		}
+	}
+	return out
+}
+
+// parseSockTable parses one /proc/net/{tcp,udp}{,6} table.
+func parseSockTable(f *os.File, tcp bool, held map[uint64]struct{}, out map[uint64]sockInfo) {
+	sc := bufio.NewScanner(f)
+	sc.Scan() // header
+	for sc.Scan() {
+		fl := strings.Fields(sc.Text())
+		if len(fl) < 10 {
+			continue
+		}
+		ino, err := strconv.ParseUint(fl[9], 10, 64)
+		if err != nil || ino == 0 {
+			continue
+		}
+		if _, ok := held[ino]; !ok {
+			continue
+		}
+		st, _ := strconv.ParseUint(fl[3], 16, 8)
+		var si sockInfo
+		if tcp && st == 0x0A {
+			si.Listen = true
+		} else if ip, port, ok := parseHexAddr(fl[2]); ok && port != 0 && !isLoopbackOrUnspec(ip) {
+			si.Remote = joinHostPort(ip, port)
+		}
+		out[ino] = si
+	}
+}
+
+// parseHexAddr parses "0100007F:1F90" or its 32-hex-digit IPv6 form.
+func parseHexAddr(s string) ([]byte, uint16, bool) {
+	h, p, ok := strings.Cut(s, ":")
+	if !ok || (len(h) != 8 && len(h) != 32) {
+		return nil, 0, false
+	}
+	port, err := strconv.ParseUint(p, 16, 16)
+	if err != nil {
+		return nil, 0, false
+	}
+	ip := make([]byte, len(h)/2)
+	// The kernel prints each 32-bit word in host (little-endian) order.
+	for w := 0; w < len(h)/8; w++ {
+		v, err := strconv.ParseUint(h[w*8:w*8+8], 16, 32)
+		if err != nil {
+			return nil, 0, false
+		}
+		ip[w*4+0] = byte(v)
+		ip[w*4+1] = byte(v >> 8)
+		ip[w*4+2] = byte(v >> 16)
+		ip[w*4+3] = byte(v >> 24)
+	}
+	return ip, uint16(port), true
+}
+
+// pidAlive reports whether a process with this pid and start time exists.
+func pidAlive(pid int, start uint64) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return false
+	}
+	var p procInfo
+	return parseStat(b, &p) == nil && p.StartTime == start
+}
+
+// CgroupID returns the cgroup v2 id of dir: its inode number, which is what
+// bpf_get_current_cgroup_id reports for processes in it.
+func CgroupID(dir string) (uint64, error) {
+	var st syscall.Stat_t
+	if err := syscall.Stat(dir, &st); err != nil {
+		return 0, fmt.Errorf("cgroup id of %s: %w", dir, err)
+	}
+	return st.Ino, nil
+}

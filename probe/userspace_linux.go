@@ -1,0 +1,118 @@
+package probe
+
+import (
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/effect"
+)
+
+// userspaceProbe is the backend that needs no eBPF: /proc snapshots of the
+// sandbox's cgroup at Begin and End, and the fs layer's own counters.
+type userspaceProbe struct {
+	log    *slog.Logger
+	turns  *turns
+	mu     sync.Mutex
+	closed bool
+}
+
+// NewUserspace returns the userspace backend. It never fails on Linux.
+func NewUserspace(opts Options) (Probe, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &userspaceProbe{log: log, turns: newTurns()}, nil
+}
+
+func (p *userspaceProbe) Backend() string { return effect.BackendUserspace }
+
+func (p *userspaceProbe) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	return nil
+}
+
+func (p *userspaceProbe) Begin(t Target) (Window, error) {
+	p.mu.Lock()
+	closed := p.closed
+	p.mu.Unlock()
+	if closed {
+		return nil, ErrClosed
+	}
+	if t.CgroupV2Dir == "" {
+		return nil, fmt.Errorf("begin %s: no cgroup v2 dir in target", t.Sandbox)
+	}
+	turn, err := p.turns.acquire(t.Sandbox)
+	if err != nil {
+		return nil, err
+	}
+	w := &userWindow{p: p, t: t, turn: turn, began: time.Now()}
+	if t.FS != nil {
+		t.FS.TakeFSEffects() // effects before the turn belong to no turn
+	}
+	if w.begin, err = takeSnapshot(t.CgroupV2Dir, true); err != nil {
+		p.turns.release(t.Sandbox)
+		return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
+	}
+	return w, nil
+}
+
+// userWindow is one turn observed by the userspace backend.
+type userWindow struct {
+	p     *userspaceProbe
+	t     Target
+	turn  uint64
+	began time.Time
+	begin *snapshot
+	mu    sync.Mutex
+	done  bool
+}
+
+func (w *userWindow) Abort() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.done {
+		w.done = true
+		w.p.turns.release(w.t.Sandbox)
+	}
+}
+
+func (w *userWindow) End() (*effect.Report, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.done {
+		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, ErrClosed)
+	}
+	w.done = true
+	defer w.p.turns.release(w.t.Sandbox)
+	ended := time.Now()
+	r := newReport(effect.BackendUserspace, w.t.Sandbox, w.turn, w.began, ended)
+	if w.t.FS != nil {
+		r.FS = boundFS(w.t.FS.TakeFSEffects())
+	} else {
+		r.LostEvents = 1 // file-system effects are invisible to this backend
+	}
+	end, err := takeSnapshot(w.t.CgroupV2Dir, true)
+	if err != nil {
+		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
+	}
+	d := applySnapshots(r, w.begin, end, w.t.InitPID)
+	applySockets(r, w.begin, end)
+	// Only processes alive at End are visible: lower bounds.
+	r.Proc.Forked = d.New
+	r.Proc.Execs = d.New + d.Reexec
+	r.Proc.ExecSamples = d.NewExecs
+	return r, nil
+}
+
+// boundFS caps the samples of an FSSource's report.
+func boundFS(f effect.FS) effect.FS {
+	if len(f.Samples) > effect.MaxSamples {
+		f.Samples = f.Samples[:effect.MaxSamples]
+	}
+	return f
+}
