@@ -563,8 +563,11 @@ func (s *Sandbox) killPID(pid int) error {
 
 // KillProcesses SIGKILLs every process of the sandbox except the init and
 // those keep returns true for (keep may be nil), and waits until they are
-// gone. The sandbox must not be frozen.
+// gone (zombies count as gone). The sandbox must not be frozen.
 func (s *Sandbox) KillProcesses(ctx context.Context, keep func(Process) bool) error {
+	if s.Frozen() {
+		return fmt.Errorf("kill processes of %s: sandbox is frozen", s.cfg.ID)
+	}
 	for {
 		procs, err := s.Processes()
 		if err != nil {
@@ -572,7 +575,7 @@ func (s *Sandbox) KillProcesses(ctx context.Context, keep func(Process) bool) er
 		}
 		left := 0
 		for _, p := range procs {
-			if p.PID == s.initPID || (keep != nil && keep(p)) {
+			if p.PID == s.initPID || p.State == "Z" || (keep != nil && keep(p)) {
 				continue
 			}
 			left++
@@ -650,12 +653,11 @@ func (s *Sandbox) teardown() error {
 	if s.cmd != nil && s.cmd.Process != nil {
 		// cgroup.kill kills every member atomically (no fork escapes);
 		// frozen tasks cannot die: thaw after signalling.
+		members, _ := cgroupPIDs(s.freezerDir)
 		_ = os.WriteFile(filepath.Join(s.v2Dir, "cgroup.kill"), []byte("1"), 0)
 		_ = s.cmd.Process.Kill()
-		if pids, err := cgroupPIDs(s.freezerDir); err == nil {
-			for _, pid := range pids {
-				_ = s.killPID(pid)
-			}
+		for _, pid := range members {
+			_ = s.killPID(pid)
 		}
 		_ = os.WriteFile(filepath.Join(s.freezerDir, "freezer.state"), []byte("THAWED"), 0)
 		s.freezeMu.Lock()
@@ -667,11 +669,29 @@ func (s *Sandbox) teardown() error {
 		if s.cli != nil {
 			s.cli.close()
 		}
-		select {
-		case <-s.initDone:
-		case <-time.After(20 * time.Second):
-			errs = append(errs, fmt.Errorf("close %s: init %d did not exit", s.cfg.ID, s.initPID))
+		// A killed process that this daemon still ptrace-attaches stays a
+		// zombie until its tracer waits for it, and the pid namespace (the
+		// init) cannot end before: reap such tracees here.
+		timeout := time.After(20 * time.Second)
+		tick := time.NewTicker(5 * time.Millisecond)
+	wait:
+		for {
+			select {
+			case <-s.initDone:
+				break wait
+			case <-timeout:
+				errs = append(errs, fmt.Errorf("close %s: init %d did not exit", s.cfg.ID, s.initPID))
+				break wait
+			case <-tick.C:
+				for _, pid := range members {
+					if pid != s.initPID {
+						var ws unix.WaitStatus
+						_, _ = unix.Wait4(pid, &ws, unix.WNOHANG|unix.WALL, nil)
+					}
+				}
+			}
 		}
+		tick.Stop()
 	} else if s.cli != nil {
 		s.cli.close()
 	}

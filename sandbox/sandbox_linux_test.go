@@ -8,11 +8,14 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestExec(t *testing.T) {
@@ -317,8 +320,30 @@ func TestCloseLeavesNothing(t *testing.T) {
 	}
 	sh(t, sb, "sleep 1000 & sleep 1000 & (sleep 1000 & kill -STOP $!) ; true")
 	sh(t, sb, "sh -c 'kill -STOP $$' & true")
+	// A ptrace-stopped process whose tracer (this process) never detaches
+	// nor waits after the kill, as a template of package cr could be.
+	traced, err := sb.StartSession(ctx, SessionConfig{ID: "traced", Argv: []string{"sleep", "1000"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	attached, release := make(chan error), make(chan struct{})
+	defer close(release)
+	go func() {
+		runtime.LockOSThread()
+		pid := traced.PID()
+		err := unix.PtraceAttach(pid)
+		if err == nil {
+			var ws unix.WaitStatus
+			_, err = unix.Wait4(pid, &ws, unix.WALL, nil)
+		}
+		attached <- err
+		<-release
+	}()
+	if err := <-attached; err != nil {
+		t.Fatalf("ptrace attach: %v", err)
+	}
 	procs, err := sb.Processes()
-	if err != nil || len(procs) < 5 {
+	if err != nil || len(procs) < 6 {
 		t.Fatalf("processes: %+v %v", procs, err)
 	}
 	if err := sb.Freeze(ctx); err != nil {
