@@ -100,7 +100,8 @@ func (s *DirSource) TakeFSEffects() effect.FS {
 	keptDeleted := deleted[:0]
 	for _, p := range deleted {
 		o := s.prev[p]
-		if i, ok := createdIno[o.ino]; ok && created[i] != "" && created[i] != p {
+		// Inode numbers are reused: a rename also keeps type, size and mtime.
+		if i, ok := createdIno[o.ino]; ok && created[i] != "" && created[i] != p && sameContent(o, cur[created[i]]) {
 			renamed = append(renamed, p)
 			created[i] = ""
 			continue
@@ -148,4 +149,8 @@ func sameTree(a, b map[string]fileState) bool {
 		}
 	}
 	return true
+}
+
+func sameContent(a, b fileState) bool {
+	return a.mode.Type() == b.mode.Type() && a.size == b.size && a.mtime.Equal(b.mtime)
 }

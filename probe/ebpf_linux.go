@@ -310,7 +310,7 @@ func (p *ebpfProbe) Begin(t Target) (Window, error) {
 	if err := p.cgstats.Put(cgid, zero); err != nil {
 		return fail(fmt.Errorf("arm cgroup %d: %w", cgid, err))
 	}
-	if w.begin, err = takeSnapshot(t.CgroupV2Dir, false); err != nil {
+	if w.begin, err = takeSnapshot(t.CgroupV2Dir, false, t.Exclude); err != nil {
 		return fail(err)
 	}
 	return w, nil
@@ -412,7 +412,7 @@ func (w *ebpfWindow) End() (*effect.Report, error) {
 	if flushErr != nil {
 		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, flushErr)
 	}
-	end, err := takeSnapshot(w.t.CgroupV2Dir, false)
+	end, err := takeSnapshot(w.t.CgroupV2Dir, false, w.t.Exclude)
 	if err != nil {
 		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
 	}

@@ -35,6 +35,12 @@ type Target struct {
 	// eBPF backend counts syscalls; the userspace backend cannot see them
 	// and flags the report with LostEvents = 1).
 	FS FSSource
+	// Exclude, if set, names processes of the cgroup that are not the
+	// agent's (checkpoint templates, warm spares): the process snapshots
+	// ignore them, so they never count as alive, new, exited or writing
+	// memory. It is called for every pid of the cgroup at Begin and at End
+	// and must be cheap and safe for concurrent use.
+	Exclude func(pid int) bool
 }
 
 // Probe observes sandboxes turn by turn. Implementations are safe for

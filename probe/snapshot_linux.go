@@ -48,13 +48,16 @@ func cgroupPIDs(dir string) ([]int, error) {
 
 // takeSnapshot reads the processes of cgroup dir. Processes that exit while
 // being read are left out. withNet adds the socket table.
-func takeSnapshot(dir string, withNet bool) (*snapshot, error) {
+func takeSnapshot(dir string, withNet bool, exclude func(int) bool) (*snapshot, error) {
 	pids, err := cgroupPIDs(dir)
 	if err != nil {
 		return nil, err
 	}
 	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
 	for _, pid := range pids {
+		if exclude != nil && exclude(pid) {
+			continue
+		}
 		p, err := readProc(pid, withNet)
 		if err != nil {
 			continue // exited meanwhile

@@ -54,7 +54,7 @@ func (p *userspaceProbe) Begin(t Target) (Window, error) {
 	if t.FS != nil {
 		t.FS.TakeFSEffects() // effects before the turn belong to no turn
 	}
-	if w.begin, err = takeSnapshot(t.CgroupV2Dir, true); err != nil {
+	if w.begin, err = takeSnapshot(t.CgroupV2Dir, true, t.Exclude); err != nil {
 		p.turns.release(t.Sandbox)
 		return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
 	}
@@ -96,7 +96,7 @@ func (w *userWindow) End() (*effect.Report, error) {
 	} else {
 		r.LostEvents = 1 // file-system effects are invisible to this backend
 	}
-	end, err := takeSnapshot(w.t.CgroupV2Dir, true)
+	end, err := takeSnapshot(w.t.CgroupV2Dir, true, w.t.Exclude)
 	if err != nil {
 		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
 	}

@@ -1,0 +1,191 @@
+package probe
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+)
+
+func openBoth(t *testing.T) []Probe {
+	testenv.RequireRoot(t)
+	u, err := Open(Options{Backend: BackendUserspace})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { u.Close() })
+	e, err := Open(Options{Backend: BackendEBPF})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	t.Cleanup(func() { e.Close() })
+	return []Probe{u, e}
+}
+
+func TestWindowRules(t *testing.T) {
+	for _, p := range openBoth(t) {
+		t.Run(p.Backend(), func(t *testing.T) {
+			cg := newCgroup(t)
+			tg := Target{Sandbox: "rules", CgroupV2Dir: cg, FS: NewDirSource(t.TempDir())}
+			w, err := p.Begin(tg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Begin(tg); !errors.Is(err, ErrWindowOpen) {
+				t.Fatalf("second Begin: %v, want ErrWindowOpen", err)
+			}
+			w.Abort()
+			w.Abort()
+			if _, err := w.End(); !errors.Is(err, ErrClosed) {
+				t.Fatalf("End after Abort: %v", err)
+			}
+			var last uint64
+			for i := 0; i < 3; i++ {
+				w, err := p.Begin(tg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				r, err := w.End()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r.Turn <= last {
+					t.Fatalf("turn %d after %d", r.Turn, last)
+				}
+				last = r.Turn
+				if _, err := w.End(); !errors.Is(err, ErrClosed) {
+					t.Fatalf("second End: %v", err)
+				}
+			}
+		})
+	}
+}
+
+func TestUserspaceWithoutFSSourceIsNeverSkippable(t *testing.T) {
+	testenv.RequireRoot(t)
+	p, _ := NewUserspace(Options{})
+	defer p.Close()
+	w, err := p.Begin(Target{Sandbox: "nofs", CgroupV2Dir: newCgroup(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := w.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.LostEvents != 1 {
+		t.Fatalf("LostEvents = %d, want 1", r.LostEvents)
+	}
+}
+
+func TestExclude(t *testing.T) {
+	for _, p := range openBoth(t) {
+		t.Run(p.Backend(), func(t *testing.T) {
+			cg, dir := newCgroup(t), t.TempDir()
+			bash := startShell(t, cg, dir, false)
+			isSleep := func(pid int) bool {
+				b, _ := os.ReadFile("/proc/" + itoa(pid) + "/comm")
+				return strings.TrimSpace(string(b)) == "sleep"
+			}
+			w, err := p.Begin(Target{Sandbox: "excl", CgroupV2Dir: cg, FS: NewDirSource(dir), Exclude: isSleep})
+			if err != nil {
+				t.Fatal(err)
+			}
+			bash.run("sleep 3600 & while [ \"$(cat /proc/$!/comm)\" != sleep ]; do :; done")
+			r, err := w.End()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.Proc.NewLongLived != 0 || r.Proc.Alive != 1 {
+				t.Fatalf("excluded process counted: %+v", r.Proc)
+			}
+		})
+	}
+}
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+func TestEBPFSandboxesAreIsolated(t *testing.T) {
+	testenv.RequireRoot(t)
+	p, err := OpenEBPF(Options{})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer p.Close()
+	cgA, cgB := newCgroup(t), newCgroup(t)
+	dirA, dirB := t.TempDir(), t.TempDir()
+	bashB := startShell(t, cgB, dirB, false)
+	wA, err := p.Begin(Target{Sandbox: "A", CgroupV2Dir: cgA})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wB, err := p.Begin(Target{Sandbox: "B", CgroupV2Dir: cgB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runIn(t, cgA, dirA, "mkdir", "x")
+	rA, err := wA.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bashB.run("true")
+	rB, err := wB.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rA.FS.Created != 1 || rA.Proc.Execs != 1 || len(rA.Proc.ExecSamples) != 1 || rA.Proc.ExecSamples[0].Comm != "mkdir" {
+		t.Errorf("A: %+v %+v", rA.FS, rA.Proc)
+	}
+	if rB.FSChanged() || rB.Proc.Execs != 0 || len(rB.Proc.ExecSamples) != 0 || rB.Proc.Alive != 1 {
+		t.Errorf("B saw A's effects: %+v %+v", rB.FS, rB.Proc)
+	}
+}
+
+func TestEBPFForkStormIsBounded(t *testing.T) {
+	testenv.RequireRoot(t)
+	p, err := OpenEBPF(Options{})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer p.Close()
+	cg := newCgroup(t)
+	w, err := p.Begin(Target{Sandbox: "storm", CgroupV2Dir: cg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runIn(t, cg, t.TempDir(), "sh", "-c", "i=0; while [ $i -lt 300 ]; do /bin/true; i=$((i+1)); done")
+	r, err := w.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Proc.Forked < 300 || r.Proc.Execs < 301 || len(r.Proc.ExecSamples) != effect.MaxSamples || r.LostEvents != 0 {
+		t.Fatalf("forked %d execs %d samples %d lost %d", r.Proc.Forked, r.Proc.Execs, len(r.Proc.ExecSamples), r.LostEvents)
+	}
+}
+
+func TestEBPFLostEventsAreReported(t *testing.T) {
+	testenv.RequireRoot(t)
+	pr, err := OpenEBPF(Options{RingBufferBytes: os.Getpagesize()})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer pr.Close()
+	p := pr.(*ebpfProbe)
+	cg, dir := newCgroup(t), t.TempDir()
+	w, err := p.Begin(Target{Sandbox: "lossy", CgroupV2Dir: cg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Stall the ring-buffer reader (it blocks dispatching its first
+	// record) while the turn emits more samples than a page holds.
+	p.mu.Lock()
+	runIn(t, cg, dir, "sh", "-c", "mkdir d && cd d && i=0; while [ $i -lt 100 ]; do echo $i > f$i; i=$((i+1)); done")
+	p.mu.Unlock()
+	r, err := w.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.LostEvents == 0 || r.FS.Created != 101 {
+		t.Fatalf("lost %d created %d", r.LostEvents, r.FS.Created)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "d", "f99")); err != nil {
+		t.Fatal(err)
+	}
+}

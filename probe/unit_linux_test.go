@@ -1,0 +1,134 @@
+package probe
+
+import (
+	"encoding/binary"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+
+	"github.com/rewind-sandbox/rewind/effect"
+)
+
+func TestParseHexAddr(t *testing.T) {
+	for _, c := range []struct {
+		in       string
+		want     string
+		loopback bool
+	}{
+		{"0100007F:1F90", "127.0.0.1:8080", true},
+		{"0202000A:0050", "10.0.2.2:80", false},
+		{"00000000:0000", "0.0.0.0:0", true},
+		{"00000000000000000000000001000000:0016", "[::1]:22", true},
+		{"0000000000000000FFFF00000100007F:0016", "127.0.0.1:22", true},
+		{"0000000000000000FFFF00000202000A:01BB", "10.0.2.2:443", false},
+		{"B80D0120000000000000000001000000:0035", "[2001:db8::1]:53", false},
+	} {
+		ip, port, ok := parseHexAddr(c.in)
+		if !ok {
+			t.Errorf("%s: not parsed", c.in)
+			continue
+		}
+		if got := joinHostPort(ip, port); got != c.want {
+			t.Errorf("%s: %s, want %s", c.in, got, c.want)
+		}
+		if got := isLoopbackOrUnspec(ip); got != c.loopback {
+			t.Errorf("%s: loopback %v, want %v", c.in, got, c.loopback)
+		}
+	}
+	for _, bad := range []string{"", "0100007F", "XYZ:0001", "0100007F:XYZ"} {
+		if _, _, ok := parseHexAddr(bad); ok {
+			t.Errorf("%q parsed", bad)
+		}
+	}
+}
+
+func TestSockaddrString(t *testing.T) {
+	v4 := make([]byte, 24)
+	binary.LittleEndian.PutUint16(v4, 2)
+	binary.BigEndian.PutUint16(v4[2:], 443)
+	copy(v4[4:], []byte{10, 1, 2, 3})
+	v6 := make([]byte, 24)
+	binary.LittleEndian.PutUint16(v6, 10)
+	binary.BigEndian.PutUint16(v6[2:], 53)
+	copy(v6[8:], []byte{0x20, 0x01, 0x0d, 0xb8, 15: 1})
+	unix := make([]byte, 24)
+	binary.LittleEndian.PutUint16(unix, 1)
+	for _, c := range []struct {
+		b    []byte
+		want string
+		ok   bool
+	}{{v4, "10.1.2.3:443", true}, {v6, "[2001:db8::1]:53", true}, {unix, "", false}, {v4[:8], "", false}} {
+		got, ok := sockaddrString(c.b)
+		if got != c.want || ok != c.ok {
+			t.Errorf("got %q %v, want %q %v", got, ok, c.want, c.ok)
+		}
+	}
+}
+
+func TestApplySnapshots(t *testing.T) {
+	p := func(pid int, start, flt, run uint64, cwd, comm string) *procInfo {
+		return &procInfo{PID: pid, StartTime: start, MinFlt: flt, RunNS: run, Cwd: cwd, Comm: comm}
+	}
+	begin := &snapshot{Procs: map[int]*procInfo{
+		1:  p(1, 10, 100, 5, "/", "init"),
+		20: p(20, 11, 50, 7, "/w", "bash"),
+		21: p(21, 12, 10, 1, "/w", "sleep"),  // exits
+		22: p(22, 13, 10, 1, "/w", "python"), // idle
+		23: p(23, 14, 10, 1, "/w", "old"),    // pid reused below
+	}}
+	end := &snapshot{Procs: map[int]*procInfo{
+		1:  p(1, 10, 900, 50, "/", "init"),     // init: excluded from memory
+		20: p(20, 11, 50, 9, "/w/sub", "bash"), // ran, no fault, cd
+		22: p(22, 13, 10, 1, "/w", "python"),   // idle: nothing
+		23: p(23, 99, 40, 3, "/w", "server"),   // new process, reused pid
+		30: p(30, 20, 0, 0, "/w", "new"),       // new, no faults yet
+	}}
+	var r effect.Report
+	d := applySnapshots(&r, begin, end, 1)
+	if r.Proc.Alive != 5 || r.Proc.Exited != 2 || r.Proc.NewLongLived != 2 || r.Proc.CwdChanges != 1 || d.New != 2 {
+		t.Fatalf("proc %+v new %d", r.Proc, d.New)
+	}
+	if r.Mem.PagesWritten != 1+40+1 || len(r.Mem.PerProc) != 3 || r.Mem.PerProc[0].PID != 23 {
+		t.Fatalf("mem %+v", r.Mem)
+	}
+	if len(r.Proc.LongLived) != 2 || r.Proc.LongLived[0].Comm != "server" {
+		t.Fatalf("long lived %+v", r.Proc.LongLived)
+	}
+}
+
+func TestDirSource(t *testing.T) {
+	root := t.TempDir()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.WriteFile(filepath.Join(root, "keep"), []byte("a"), 0o644))
+	must(os.WriteFile(filepath.Join(root, "old"), []byte("a"), 0o644))
+	must(os.WriteFile(filepath.Join(root, "gone"), []byte("a"), 0o644))
+	must(os.WriteFile(filepath.Join(root, "mod"), []byte("a"), 0o644))
+	s := NewDirSource(root)
+	if f := s.TakeFSEffects(); f.Created+f.Modified+f.Deleted+f.Renamed+f.MetaChanged != 0 || f.UpperNonEmpty {
+		t.Fatalf("fresh source: %+v", f)
+	}
+	must(os.Rename(filepath.Join(root, "old"), filepath.Join(root, "new")))
+	must(os.Remove(filepath.Join(root, "gone")))
+	must(os.WriteFile(filepath.Join(root, "mod"), []byte("abcd"), 0o644))
+	must(os.Chmod(filepath.Join(root, "keep"), 0o600))
+	must(os.Mkdir(filepath.Join(root, "dir"), 0o755))
+	f := s.TakeFSEffects()
+	want := effect.FS{Created: 1, Modified: 1, Deleted: 1, Renamed: 1, MetaChanged: 1, BytesWritten: 4, UpperNonEmpty: true}
+	got := f
+	got.Samples = nil
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("got %+v, want %+v", got, want)
+	}
+	if len(f.Samples) != 5 || f.Samples[0] != (effect.PathSample{Op: "create", Path: "dir"}) {
+		t.Fatalf("samples %+v", f.Samples)
+	}
+	if f := s.TakeFSEffects(); f.Created+f.Modified+f.Deleted+f.Renamed+f.MetaChanged != 0 || !f.UpperNonEmpty {
+		t.Fatalf("second take: %+v", f)
+	}
+}
