@@ -1,0 +1,223 @@
+package kernelpath
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+var (
+	diffOps  = flag.Int("kp.ops", 1500, "operations per run of the differential test")
+	diffSeed = flag.Uint64("kp.seed", 1, "seed of the differential test")
+)
+
+// TestDifferential applies one seeded random sequence of file operations,
+// checkpoints and switches to a kernelpath mount and to a model (a plain
+// directory, fully copied at each checkpoint) and checks after every
+// switch and at the end that both trees are identical: paths, types,
+// modes, owners, sizes, contents, symlink targets, user xattrs, link
+// counts. Errors of each operation must match too.
+//
+// Hard links are left out on purpose: native overlayfs (index=off) breaks
+// a hard link of a lower file on copy-up, which a plain directory does not.
+func TestDifferential(t *testing.T) {
+	for _, kind := range fsKinds {
+		t.Run(kind, func(t *testing.T) {
+			st := newStore(t, kind)
+			f := mountKP(t, st, Options{MountID: "diff"})
+			model := filepath.Join(filepath.Dir(st.Dir()), "model")
+			if err := os.Mkdir(model, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			// The view's root is the upper's root: give the model the same
+			// mode.
+			var rs unix.Stat_t
+			if err := unix.Stat(f.Mountpoint(), &rs); err != nil {
+				t.Fatal(err)
+			}
+			_ = os.Chmod(model, os.FileMode(rs.Mode&0o777))
+			runDifferential(t, f, model, *diffSeed, *diffOps)
+		})
+	}
+}
+
+type diffRun struct {
+	t      *testing.T
+	f      *FS
+	model  string
+	rng    *rand.Rand
+	saved  map[string]string // checkpoint id -> model copy
+	ids    []string
+	nckpt  int
+	nswtch int
+}
+
+func runDifferential(t *testing.T, f *FS, model string, seed uint64, ops int) {
+	r := &diffRun{t: t, f: f, model: model, rng: rand.New(rand.NewPCG(seed, 0x5eed)), saved: map[string]string{}}
+	for i := range ops {
+		desc := r.step()
+		if t.Failed() {
+			t.Fatalf("op %d (%s) failed; seed %d", i, desc, seed)
+		}
+	}
+	r.compare("end")
+	t.Logf("%d ops, %d checkpoints, %d switches", ops, r.nckpt, r.nswtch)
+}
+
+var (
+	diffDirs  = []string{"", "a", "b", "a/c", "b/d"}
+	diffNames = []string{"f0", "f1", "f2", "a", "b", "c", "d", "l0"}
+)
+
+func (r *diffRun) path() string {
+	d := diffDirs[r.rng.IntN(len(diffDirs))]
+	n := diffNames[r.rng.IntN(len(diffNames))]
+	if d == "" {
+		return n
+	}
+	return d + "/" + n
+}
+
+func (r *diffRun) data() []byte {
+	n := r.rng.IntN(6000)
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte('a' + r.rng.IntN(26))
+	}
+	return b
+}
+
+// both runs op on the mount and on the model and checks the errnos match.
+func (r *diffRun) both(desc string, op func(root string) error) string {
+	e1 := op(r.f.Mountpoint())
+	e2 := op(r.model)
+	if errno(e1) != errno(e2) {
+		r.t.Errorf("%s: mount: %v, model: %v", desc, e1, e2)
+	}
+	return desc
+}
+
+func errno(err error) unix.Errno {
+	if err == nil {
+		return 0
+	}
+	var e unix.Errno
+	if errors.As(err, &e) {
+		return e
+	}
+	return unix.EIO
+}
+
+func (r *diffRun) step() string {
+	p, q := r.path(), r.path()
+	switch k := r.rng.IntN(100); {
+	case k < 20:
+		d := r.data()
+		return r.both("write "+p, func(root string) error {
+			// O_NONBLOCK: a FIFO without reader fails (ENXIO) instead of blocking.
+			fh, err := os.OpenFile(filepath.Join(root, p), os.O_WRONLY|os.O_CREATE|os.O_TRUNC|unix.O_NONBLOCK, 0o644)
+			if err != nil {
+				return err
+			}
+			_, err = fh.Write(d)
+			fh.Close()
+			return err
+		})
+	case k < 28:
+		d := r.data()
+		d = d[:min(len(d), r.rng.IntN(100))]
+		return r.both("append "+p, func(root string) error {
+			fh, err := os.OpenFile(filepath.Join(root, p), os.O_WRONLY|os.O_APPEND|unix.O_NONBLOCK, 0)
+			if err != nil {
+				return err
+			}
+			_, err = fh.Write(d)
+			fh.Close()
+			return err
+		})
+	case k < 32:
+		n := int64(r.rng.IntN(8000))
+		return r.both(fmt.Sprintf("truncate %s %d", p, n), func(root string) error {
+			return unix.Truncate(filepath.Join(root, p), n)
+		})
+	case k < 42:
+		return r.both("mkdir "+p, func(root string) error { return unix.Mkdir(filepath.Join(root, p), 0o755) })
+	case k < 52:
+		return r.both("unlink "+p, func(root string) error { return unix.Unlink(filepath.Join(root, p)) })
+	case k < 57:
+		return r.both("rmdir "+p, func(root string) error { return unix.Rmdir(filepath.Join(root, p)) })
+	case k < 67:
+		return r.both("rename "+p+" "+q, func(root string) error {
+			return unix.Rename(filepath.Join(root, p), filepath.Join(root, q))
+		})
+	case k < 71:
+		target := "../" + q
+		return r.both("symlink "+p, func(root string) error { return unix.Symlink(target, filepath.Join(root, p)) })
+	case k < 76:
+		m := []uint32{0o644, 0o600, 0o755, 0o700, 0o640}[r.rng.IntN(5)]
+		return r.both(fmt.Sprintf("chmod %s %o", p, m), func(root string) error {
+			var s unix.Stat_t
+			if err := unix.Lstat(filepath.Join(root, p), &s); err != nil {
+				return err
+			}
+			if s.Mode&unix.S_IFMT == unix.S_IFLNK {
+				return nil
+			}
+			return unix.Chmod(filepath.Join(root, p), m)
+		})
+	case k < 80:
+		v := fmt.Sprint(r.rng.IntN(1000))
+		return r.both("setxattr "+p, func(root string) error {
+			return unix.Lsetxattr(filepath.Join(root, p), "user.k", []byte(v), 0)
+		})
+	case k < 82:
+		return r.both("mkfifo "+p, func(root string) error { return unix.Mkfifo(filepath.Join(root, p), 0o644) })
+	case k < 92:
+		id, err := r.f.Checkpoint()
+		if err != nil {
+			r.t.Errorf("checkpoint: %v", err)
+			return "checkpoint"
+		}
+		dir := r.model + ".ckpt-" + id
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			r.t.Fatal(err)
+		}
+		copyTreeCP(r.t, r.model, dir)
+		r.saved[id] = dir
+		r.ids = append(r.ids, id)
+		r.nckpt++
+		return "checkpoint " + id
+	default:
+		if len(r.ids) == 0 {
+			return "noop"
+		}
+		id := r.ids[r.rng.IntN(len(r.ids))]
+		if err := r.f.Switch(id); err != nil {
+			r.t.Errorf("switch %s: %v", id, err)
+			return "switch"
+		}
+		if err := os.RemoveAll(r.model); err != nil {
+			r.t.Fatal(err)
+		}
+		if err := os.Mkdir(r.model, 0o755); err != nil {
+			r.t.Fatal(err)
+		}
+		copyTreeCP(r.t, r.saved[id], r.model)
+		r.nswtch++
+		r.compare("switch " + id)
+		return "switch " + id
+	}
+}
+
+func (r *diffRun) compare(when string) {
+	got, want := treeDump(r.t, r.f.Mountpoint()), treeDump(r.t, r.model)
+	if got != want {
+		r.t.Errorf("%s: view differs from model\n--- view\n%s\n--- model\n%s", when, got, want)
+	}
+}
