@@ -119,7 +119,9 @@ func TestHostileModules(t *testing.T) {
 		{"initloop", "instantiate", "disabled"},
 		{"hugemem", "", "disabled"}, // rejected at compile or instantiate
 	}
-	h, logs := newTestHost(t, Options{InitTimeout: 500 * time.Millisecond, MaxFailures: 3})
+	// Calls get 500 ms, not 5 ms: a trap must be reported as a trap even if
+	// a loaded CI machine stalls the call (TestDefaultDeadline covers 5 ms).
+	h, logs := newTestHost(t, Options{Timeout: 500 * time.Millisecond, InitTimeout: 2 * time.Second, MaxFailures: 3})
 	ctx := context.Background()
 	for _, tt := range tests {
 		t.Run(tt.module, func(t *testing.T) {
@@ -195,7 +197,7 @@ func TestHostileModules(t *testing.T) {
 }
 
 func TestLostEventsNeverSkip(t *testing.T) {
-	h, _ := newTestHost(t, Options{})
+	h, _ := newTestHost(t, Options{Timeout: 10 * time.Second})
 	ctx := context.Background()
 	p, err := h.Load(ctx, "skip", hostile(t, "skip"))
 	if err != nil {
@@ -218,7 +220,7 @@ func TestFailuresResetOnSuccess(t *testing.T) {
 	// A policy that fails on every other call is never disabled: only
 	// consecutive failures count. guesterr fails always; alternate it with
 	// successes by sharing the counter through a tiny wrapper.
-	h, _ := newTestHost(t, Options{MaxFailures: 2})
+	h, _ := newTestHost(t, Options{MaxFailures: 2, Timeout: 10 * time.Second})
 	ctx := context.Background()
 	p, err := h.LoadBuiltin(ctx, "effects")
 	if err != nil {
@@ -387,5 +389,29 @@ func TestMemoryLimit(t *testing.T) {
 		if d.Mode != tt.want || d.Fallback {
 			t.Errorf("limit %d: %+v, want %v", tt.limit, d, tt.want)
 		}
+	}
+}
+
+// TestDefaultDeadline runs an infinite loop under the default 5 ms deadline:
+// the call is stopped, the decision is a full fallback, and the host goes on.
+func TestDefaultDeadline(t *testing.T) {
+	h, _ := newTestHost(t, Options{})
+	ctx := context.Background()
+	p, err := h.Load(ctx, "loop", hostile(t, "loop"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < DefaultMaxFailures+1; i++ {
+		d, err := p.Decide(ctx, &effect.Report{Turn: uint64(i)})
+		if err != nil || d.Mode != Full || !d.Fallback {
+			t.Fatalf("call %d: %+v, %v", i, d, err)
+		}
+		if i == 0 && !strings.Contains(d.Reason, "deadline") {
+			t.Fatalf("reason %q", d.Reason)
+		}
+		t.Logf("call %d: %v: %s", i, d.Latency, d.Reason)
+	}
+	if dis, why := p.Disabled(); !dis || !strings.Contains(why, "5 consecutive failures") {
+		t.Fatalf("disabled %v: %q", dis, why)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
@@ -49,7 +50,7 @@ func TestBuildAndRun(t *testing.T) {
 		t.Fatalf("build: %v\n%s", err, b)
 	}
 	ctx := context.Background()
-	h, err := policy.NewHost(ctx, policy.Options{})
+	h, err := policy.NewHost(ctx, policy.Options{Timeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
