@@ -1,0 +1,86 @@
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+)
+
+// requireFS checks what the file-system paths need: root, /dev/fuse,
+// mkfs.xfs and a loop device.
+func requireFS(t testing.TB) {
+	t.Helper()
+	testenv.RequireRoot(t)
+	_, err := os.Stat("/dev/fuse")
+	testenv.RequireNoErr(t, err, "/dev/fuse")
+	_, err = exec.LookPath("python3")
+	testenv.RequireNoErr(t, err, "python3 (mmap steps)")
+}
+
+// loopXFS makes an XFS file system with reflink=1 on a loop file and
+// returns its mount point; it is unmounted at cleanup.
+func loopXFS(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	mp, err := MakeLoopXFS(dir, 1<<30)
+	testenv.RequireNoErr(t, err, "loop XFS with reflink=1")
+	t.Cleanup(func() {
+		if err := RemoveLoopXFS(dir, mp); err != nil {
+			t.Errorf("remove loop XFS: %v", err)
+		}
+	})
+	return mp
+}
+
+func runWorkload(t *testing.T, w *Workload, kdir string) *Result {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	res, err := Run(ctx, w, Options{Paths: FSPaths, WorkDir: t.TempDir(), KernelDir: kdir})
+	if err != nil {
+		t.Fatalf("%s: %v", w.Name, err)
+	}
+	for _, p := range res.Paths {
+		if p.Status != "pass" {
+			t.Errorf("%s on %s: %s at step %d: %s", w.Name, p.Path, p.Status, p.Step, p.Detail)
+		}
+	}
+	return res
+}
+
+func TestCorpusFS(t *testing.T) {
+	requireFS(t)
+	kdir := loopXFS(t)
+	files, err := filepath.Glob("testdata/*.json")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no corpus: %v", err)
+	}
+	for _, f := range files {
+		w, err := Load(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Run(w.Name, func(t *testing.T) {
+			res := runWorkload(t, w, kdir)
+			for _, p := range res.Paths {
+				if p.Compares == 0 {
+					t.Errorf("%s: no state compared", p.Path)
+				}
+				t.Logf("%s: %s, %d digests compared, exceptions %v", p.Path, p.Status, p.Compares, p.Exceptions)
+			}
+		})
+	}
+}
+
+var _ = fmt.Sprint
+var _ = strings.Cut
+var _ = unix.Getpid
