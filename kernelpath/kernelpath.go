@@ -103,3 +103,36 @@ type Report struct {
 	// Detail explains the result in one line.
 	Detail string `json:"detail"`
 }
+
+// DefaultStoreConfig is where `rewind init-store` persists the state dir's
+// loop mount; the daemon reads it at start and calls EnsureStore.
+const DefaultStoreConfig = "/etc/rewind/store.json"
+
+// MinImageSize is the smallest image init-store creates (mkfs.xfs needs
+// about 300 MiB).
+const MinImageSize = 512 << 20
+
+// StoreImage is what `rewind init-store` asks for.
+type StoreImage struct {
+	// Image is the image file (created sparse if absent).
+	Image string
+	// FS is "xfs" (made with reflink=1) or "btrfs".
+	FS string
+	// Size is the image size in bytes (used only when creating it).
+	Size int64
+	// StateDir is where the image is mounted (the daemon's state dir).
+	StateDir string
+	// ConfigPath is where the config is written ("" = don't write).
+	ConfigPath string
+}
+
+// StoreConfig is the persisted store config (JSON, version 1):
+//
+//	{"version":1,"state_dir":"/var/lib/rewind","image":"/var/lib/rewind.img","fs":"xfs","created":"..."}
+type StoreConfig struct {
+	Version  int       `json:"version"`
+	StateDir string    `json:"state_dir"`
+	Image    string    `json:"image"`
+	FS       string    `json:"fs"`
+	Created  time.Time `json:"created"`
+}

@@ -179,3 +179,5 @@ func TestOverlayFormat(t *testing.T) {
 		}
 	}
 }
+
+func errorsIs(err, target error) bool { return errors.Is(err, target) }
