@@ -22,6 +22,7 @@ func newRootCmd() *cobra.Command {
 	}
 	root.AddCommand(newVersionCmd())
 	root.AddCommand(newDoctorCmd())
+	root.AddCommand(newInitStoreCmd())
 	root.AddCommand(newStateCmds()...)
 	root.AddCommand(newPolicyCmd())
 	// Each area registers its command tree here, one line each.
