@@ -6,11 +6,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
@@ -81,6 +78,52 @@ func TestCorpusFS(t *testing.T) {
 	}
 }
 
-var _ = fmt.Sprint
-var _ = strings.Cut
-var _ = unix.Getpid
+// TestExceptionsAreNecessary removes each documented exception from the
+// corpus workloads that use it and checks that the path then fails: an
+// exception never hides a difference that does not exist, and the runner
+// does catch the behaviour it describes.
+func TestExceptionsAreNecessary(t *testing.T) {
+	requireFS(t)
+	kdir := loopXFS(t)
+	for _, file := range []string{"testdata/hardlink-copyup.json", "testdata/fd-across.json"} {
+		w, err := Load(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, s := range w.Steps {
+			for path, ex := range s.Except {
+				t.Run(fmt.Sprintf("%s/%d/%s/%s", w.Name, i, path, ex), func(t *testing.T) {
+					w2 := *w
+					w2.Steps = append([]Step(nil), w.Steps...)
+					st := w2.Steps[i]
+					st.Except = map[string]string{}
+					for p, e := range s.Except {
+						if p != path {
+							st.Except[p] = e
+						}
+					}
+					w2.Steps[i] = st
+					// Stop right after the first comparison following the
+					// step, so later steps do not mask the difference.
+					end := i + 1
+					for end < len(w2.Steps) && !isComparePoint(w2.Steps[end]) {
+						end++
+					}
+					if end < len(w2.Steps) {
+						w2.Steps = w2.Steps[:end+1]
+					}
+					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+					defer cancel()
+					res, err := Run(ctx, &w2, Options{Paths: []string{path}, WorkDir: t.TempDir(), KernelDir: kdir})
+					if err != nil {
+						t.Fatal(err)
+					}
+					if p := res.Paths[0]; p.Status != "fail" || p.Step < i {
+						t.Fatalf("without exception %s at step %d, %s: %s at step %d (%s); want a failure at or after step %d",
+							ex, i, path, p.Status, p.Step, p.Detail, i)
+					}
+				})
+			}
+		}
+	}
+}

@@ -153,11 +153,15 @@ func (m *model) close() error {
 
 // beforeStep lets a model variant reproduce an exception named by s.
 func (m *model) beforeStep(s Step) error {
-	if m.forPath == "" || s.Except[m.forPath] != ExHardlinkCopyUp || !m.exc[ExHardlinkCopyUp] {
+	ex := s.Except[m.forPath]
+	if m.forPath == "" || !m.exc[ex] || (ex != ExHardlinkCopyUp && ex != ExUnlinkLowerNlink) {
 		return nil
 	}
-	// Break the link of s.Path: the name gets a private copy; the old
-	// inode keeps its link count through a hidden name.
+	// ExHardlinkCopyUp: break the link of s.Path: the name gets a private
+	// copy; the old inode keeps its link count through a hidden name. For
+	// rm, only the
+	// hidden name (ExUnlinkLowerNlink): removing one name of a lower
+	// inode leaves the other names' link count unchanged.
 	o := m.ops()
 	p := filepath.Join(o.root, s.Path)
 	var st unix.Stat_t
@@ -171,6 +175,9 @@ func (m *model) beforeStep(s Step) error {
 	m.nsave++
 	if err := os.Link(p, filepath.Join(hidden, fmt.Sprintf("l%d", m.nsave))); err != nil {
 		return err
+	}
+	if ex == ExUnlinkLowerNlink {
+		return nil
 	}
 	tmp := filepath.Join(hidden, fmt.Sprintf("c%d", m.nsave))
 	if out, err := exec.Command("cp", "-a", "--sparse=always", "--", p, tmp).CombinedOutput(); err != nil {
@@ -229,8 +236,8 @@ func (t *fsTarget) mountView(from string) (*fsView, error) {
 	return &fsView{fs: f, ops: &opState{root: mp, fds: map[string]*heldFD{}}}, nil
 }
 
-func (t *fsTarget) name() string            { return t.label }
-func (t *fsTarget) ops() *opState           { return t.views[t.cur].ops }
+func (t *fsTarget) name() string           { return t.label }
+func (t *fsTarget) ops() *opState          { return t.views[t.cur].ops }
 func (t *fsTarget) applies(ex string) bool { return t.exc[ex] }
 
 func (t *fsTarget) checkpoint(label string) error {

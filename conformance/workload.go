@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"os"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -48,20 +49,20 @@ type Step struct {
 	Offset int64  `json:"offset,omitempty"`
 	// At is the offset of a positional fdwrite (pwrite); absent = write at
 	// the descriptor's current offset.
-	At     *int64 `json:"at,omitempty"`
-	Size   int64  `json:"size,omitempty"`
-	UID    *int   `json:"uid,omitempty"`
-	GID    *int   `json:"gid,omitempty"`
-	Name   string `json:"name,omitempty"`  // xattr name
-	Value  string `json:"value,omitempty"` // xattr value
-	Kind   string `json:"kind,omitempty"`  // mknod: "fifo" | "char"
-	Major  uint32 `json:"major,omitempty"`
-	Minor  uint32 `json:"minor,omitempty"`
-	FD     string `json:"fd,omitempty"`    // name of a held file descriptor
-	Flags  string `json:"flags,omitempty"` // open: r, w, rw, a, creat
-	Cmd    string `json:"cmd,omitempty"`   // sh
-	Label  string `json:"label,omitempty"` // checkpoint / restore / fork
-	View   string `json:"view,omitempty"`  // fork / view
+	At    *int64 `json:"at,omitempty"`
+	Size  int64  `json:"size,omitempty"`
+	UID   *int   `json:"uid,omitempty"`
+	GID   *int   `json:"gid,omitempty"`
+	Name  string `json:"name,omitempty"`  // xattr name
+	Value string `json:"value,omitempty"` // xattr value
+	Kind  string `json:"kind,omitempty"`  // mknod: "fifo" | "char"
+	Major uint32 `json:"major,omitempty"`
+	Minor uint32 `json:"minor,omitempty"`
+	FD    string `json:"fd,omitempty"`    // name of a held file descriptor
+	Flags string `json:"flags,omitempty"` // open: r, w, rw, a, creat
+	Cmd   string `json:"cmd,omitempty"`   // sh
+	Label string `json:"label,omitempty"` // checkpoint / restore / fork
+	View  string `json:"view,omitempty"`  // fork / view
 	// Expect is the content an fdread/expect step must see, or the
 	// output an sh step must print (when ExpectSet).
 	Expect *string `json:"expect,omitempty"`
@@ -233,8 +234,8 @@ func (s Step) validate(labels map[string]bool) error {
 		if _, ok := Exceptions[e]; !ok {
 			return fmt.Errorf("unknown exception %q for path %s", e, p)
 		}
-		if Exceptions[e].Path != p {
-			return fmt.Errorf("exception %q applies to path %s, not %s", e, Exceptions[e].Path, p)
+		if !slices.Contains(Exceptions[e].Paths, p) {
+			return fmt.Errorf("exception %q applies to %s, not %s", e, strings.Join(Exceptions[e].Paths, ", "), p)
 		}
 	}
 	switch s.Op {
