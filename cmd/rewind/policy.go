@@ -85,7 +85,7 @@ The policy runs under the same limits as in the daemon.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&o.reports, "reports", "", "JSONL file of effect reports (required)")
+	f.StringVar(&o.reports, "reports", "", "JSONL file of effect reports, - for stdin (required)")
 	f.StringVar(&o.expect, "expect", "", "JSONL file of expected decisions")
 	f.DurationVar(&o.timeout, "timeout", policy.DefaultTimeout, "deadline of one decision")
 	f.Uint64Var(&o.memory, "memory", policy.DefaultMemoryLimit, "memory limit of the policy in bytes")
@@ -95,6 +95,13 @@ The policy runs under the same limits as in the daemon.`,
 }
 
 func readJSONL[T any](path string, read func(io.Reader) ([]T, error)) ([]T, error) {
+	if path == "-" {
+		v, err := read(os.Stdin)
+		if err != nil {
+			return nil, fmt.Errorf("stdin: %w", err)
+		}
+		return v, nil
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
