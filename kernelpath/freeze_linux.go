@@ -53,16 +53,28 @@ func keepXattr(name string) bool {
 // sandbox is never followed.
 type treeCopier struct {
 	reflink bool
+	small   int64 // copy data of files up to this size instead of cloning
+	uid     uint32
+	gid     uint32
+	umask   uint32
 	dstRoot int
 	links   map[uint64]string // inode -> path (relative to dstRoot) of a first copy
 	fp      map[string]entryFP
 	buf     []byte
+	data    []byte
 }
+
+// smallFileXFS is the size up to which a frozen file's data is copied
+// rather than reflinked on XFS (and in copy mode): an XFS clone costs a log
+// transaction, more than writing a few blocks (measured: 100 small files
+// 5.2 ms cloned, 1.9 ms copied). On btrfs cloning small files is cheaper
+// than copying them (2.6-5 ms vs 7 ms), so it always clones.
+const smallFileXFS = 16 << 10
 
 // freezeTree copies every entry of the directory src into the empty
 // directory dst (both on the same file system for reflink) and returns the
 // fingerprints of the entries copied (paths relative, "/"-separated).
-func freezeTree(src, dst string, reflink bool) (map[string]entryFP, error) {
+func freezeTree(src, dst string, reflink bool, fstype string) (map[string]entryFP, error) {
 	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open upper: %w", err)
@@ -73,7 +85,11 @@ func freezeTree(src, dst string, reflink bool) (map[string]entryFP, error) {
 		return nil, fmt.Errorf("open layer: %w", err)
 	}
 	defer unix.Close(dfd)
-	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096)}
+	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096),
+		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask()}
+	if !reflink || fstype != "btrfs" {
+		c.small = smallFileXFS
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(sfd, &st); err != nil {
 		unix.Close(sfd)
@@ -159,7 +175,8 @@ func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
 			return err
 		}
 		defer unix.Close(sfd)
-		dfd, err := unix.Openat(dst, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|oflags, 0o600)
+		perm := st.Mode & 0o777
+		dfd, err := unix.Openat(dst, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|oflags, perm)
 		if err != nil {
 			return err
 		}
@@ -169,7 +186,11 @@ func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
 				return err
 			}
 		}
-		return c.copyMeta(sfd, dfd, &st)
+		// The file was created with our ids and perm &^ umask; fix only
+		// what differs (setgid parents, special bits, other owners).
+		chown := st.Uid != c.uid || st.Gid != c.gid || c.parentSetgid(dst)
+		chmod := chown || st.Mode&0o7777 != perm&^c.umask
+		return c.copyMetaOpt(sfd, dfd, &st, chown, chmod)
 	case unix.S_IFLNK:
 		target, err := readlinkat(src, name)
 		if err != nil {
@@ -189,6 +210,24 @@ func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
 
 // copyData clones (or copies) size bytes from sfd to dfd.
 func (c *treeCopier) copyData(sfd, dfd int, size int64) error {
+	if size <= c.small {
+		// A clone costs a log transaction; a small file's few blocks are
+		// cheaper to copy, and copying them keeps the cost bounded per entry.
+		if int64(len(c.data)) < c.small {
+			c.data = make([]byte, int(c.small))
+		}
+		n, err := unix.Pread(sfd, c.data[:size], 0)
+		if err != nil {
+			return fmt.Errorf("read: %w", err)
+		}
+		if _, err := unix.Pwrite(dfd, c.data[:n], 0); err != nil {
+			return fmt.Errorf("write: %w", err)
+		}
+		if int64(n) == size {
+			return nil
+		}
+		return c.copyRW(sfd, dfd, int64(n))
+	}
 	if c.reflink {
 		err := unix.IoctlFileClone(dfd, sfd)
 		if err == nil {
@@ -234,11 +273,19 @@ func (c *treeCopier) copyRW(sfd, dfd int, off int64) error {
 
 // copyMeta copies owner, mode, xattrs and times from fd sfd to fd dfd.
 func (c *treeCopier) copyMeta(sfd, dfd int, st *unix.Stat_t) error {
-	if err := unix.Fchown(dfd, int(st.Uid), int(st.Gid)); err != nil {
-		return fmt.Errorf("chown: %w", err)
+	return c.copyMetaOpt(sfd, dfd, st, true, true)
+}
+
+func (c *treeCopier) copyMetaOpt(sfd, dfd int, st *unix.Stat_t, chown, chmod bool) error {
+	if chown {
+		if err := unix.Fchown(dfd, int(st.Uid), int(st.Gid)); err != nil {
+			return fmt.Errorf("chown: %w", err)
+		}
 	}
-	if err := unix.Fchmod(dfd, st.Mode&0o7777); err != nil {
-		return fmt.Errorf("chmod: %w", err)
+	if chmod {
+		if err := unix.Fchmod(dfd, st.Mode&0o7777); err != nil {
+			return fmt.Errorf("chmod: %w", err)
+		}
 	}
 	if err := c.copyXattrs(
 		func(b []byte) (int, error) { return unix.Flistxattr(sfd, b) },
@@ -320,6 +367,31 @@ func (c *treeCopier) copyXattrs(list func([]byte) (int, error), get func(string,
 		}
 	}
 	return nil
+}
+
+// parentSetgid reports whether directory fd dir has the setgid bit (new
+// entries then inherit its group).
+func (c *treeCopier) parentSetgid(dir int) bool {
+	var st unix.Stat_t
+	if err := unix.Fstat(dir, &st); err != nil {
+		return true
+	}
+	return st.Mode&unix.S_ISGID != 0
+}
+
+// currentUmask reads the process umask without changing it.
+func currentUmask() uint32 {
+	b, err := os.ReadFile("/proc/self/status")
+	if err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "Umask:"); ok {
+				if m, err := strconv.ParseUint(strings.TrimSpace(v), 8, 32); err == nil {
+					return uint32(m)
+				}
+			}
+		}
+	}
+	return 0o777 // unknown: always chmod
 }
 
 // futimens sets atime and mtime of fd (utimensat with a NULL path).

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -181,3 +182,52 @@ func TestOverlayFormat(t *testing.T) {
 }
 
 func errorsIs(err, target error) bool { return errors.Is(err, target) }
+
+// TestFreezeMetadata: a checkpoint keeps owners, special mode bits,
+// setgid-directory groups, xattrs, times, special files and hard links made
+// in the upper.
+func TestFreezeMetadata(t *testing.T) {
+	for _, kind := range fsKinds {
+		t.Run(kind, func(t *testing.T) {
+			st := newStore(t, kind)
+			f := mountKP(t, st, Options{MountID: "meta"})
+			mp := f.Mountpoint()
+			must := func(err error) {
+				t.Helper()
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			must(os.Mkdir(mp+"/sg", 0o755))
+			must(os.Chown(mp+"/sg", 0, 1234))
+			must(os.Chmod(mp+"/sg", 0o2775))
+			writeFile(t, mp+"/sg/inherit", "g") // group 1234 by inheritance
+			writeFile(t, mp+"/suid", "s")
+			must(os.Chmod(mp+"/suid", 0o4755))
+			writeFile(t, mp+"/user", "u")
+			must(os.Chown(mp+"/user", 1000, 1000))
+			must(os.Chmod(mp+"/user", 0o600))
+			writeFile(t, mp+"/big", strings.Repeat("x", 100000))
+			must(unix.Setxattr(mp+"/big", "user.note", []byte("hello"), 0))
+			must(os.Symlink("target/../x", mp+"/sym"))
+			must(os.Lchown(mp+"/sym", 1000, 1001))
+			must(unix.Mkfifo(mp+"/fifo", 0o640))
+			must(unix.Mknod(mp+"/null", unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+			must(os.Link(mp+"/user", mp+"/user-link"))
+			old := time.Date(2001, 2, 3, 4, 5, 6, 7, time.UTC)
+			must(os.Chtimes(mp+"/big", old, old))
+			want := treeDump(t, mp)
+			id, err := f.Checkpoint()
+			must(err)
+			g := mountKP(t, st, Options{MountID: "meta2", From: id})
+			if got := treeDump(t, g.Mountpoint()); got != want {
+				t.Fatalf("frozen view differs:\n%s\nwant:\n%s", got, want)
+			}
+			fi, err := os.Stat(g.Mountpoint() + "/big")
+			must(err)
+			if !fi.ModTime().Equal(old) {
+				t.Fatalf("mtime %v, want %v", fi.ModTime(), old)
+			}
+		})
+	}
+}

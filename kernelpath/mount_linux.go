@@ -25,6 +25,7 @@ type FS struct {
 	mp     string
 	log    *slog.Logger
 	freeze string // FreezeIoctl, FreezeReflink or FreezeCopy
+	fstype string // of the state dir
 
 	mu      sync.Mutex
 	closed  bool
@@ -65,7 +66,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	if err := detachStale(st, mp, log); err != nil {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
-	f := &FS{st: st, id: id, mp: mp, log: log, lowers: opts.Lowers}
+	f := &FS{st: st, id: id, mp: mp, log: log, lowers: append([]string(nil), opts.Lowers...), fstype: fsType(st.Dir())}
 	if opts.From != "" {
 		c, err := st.Checkpoint(opts.From)
 		if err != nil {
@@ -115,7 +116,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		_ = unix.Unmount(mp, unix.MNT_DETACH)
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
-	log.Info("kernelpath: mounted", "mount", id, "mountpoint", mp, "layers", len(f.layers), "freeze", f.freeze, "fstype", fsType(st.Dir()))
+	log.Info("kernelpath: mounted", "mount", id, "mountpoint", mp, "layers", len(f.layers), "freeze", f.freeze, "fstype", f.fstype)
 	return f, nil
 }
 
@@ -251,7 +252,7 @@ func (f *FS) Checkpoint() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
-	fp, err := freezeTree(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.freeze == FreezeReflink)
+	fp, err := freezeTree(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.freeze == FreezeReflink, f.fstype)
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
 	}

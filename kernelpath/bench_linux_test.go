@@ -1,0 +1,169 @@
+package kernelpath
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// Benchmarks (root, loop devices):
+//
+//	go test -run '^$' -bench . -benchtime 50x ./kernelpath/
+//
+// Each benchmark measures the kernel path and the FUSE backend (package
+// fs) on the same store in the same run and reports p50/p99 in µs plus the
+// ratio kernel/FUSE.
+
+// view is what the benchmarks need from either backend.
+type view interface {
+	layer.FS
+}
+
+func mountBackend(b *testing.B, st *layer.Store, backend, from string) view {
+	b.Helper()
+	mp := filepath.Join(filepath.Dir(st.Dir()), "mnt-"+layer.NewID())
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	var v view
+	var err error
+	id := backend + "-" + layer.NewID()
+	switch backend {
+	case "kernel":
+		v, err = Mount(st, mp, Options{MountID: id, From: from, Logger: slog.New(slog.DiscardHandler)})
+	case "fuse":
+		v, err = fs.Mount(st, mp, fs.Options{MountID: id, From: from})
+	}
+	if err != nil {
+		b.Fatalf("mount %s: %v", backend, err)
+	}
+	b.Cleanup(func() { _ = v.Unmount() })
+	return v
+}
+
+// populate writes n small files spread over directories of 100.
+func populate(b *testing.B, root, prefix string, n int) {
+	b.Helper()
+	for i := range n {
+		d := filepath.Join(root, fmt.Sprintf("%s%03d", prefix, i/100))
+		if i%100 == 0 {
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := os.WriteFile(filepath.Join(d, strconv.Itoa(i)), []byte("content of a small source file\n"), 0o644); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+type lat struct{ d []time.Duration }
+
+func (l *lat) add(d time.Duration) { l.d = append(l.d, d) }
+func (l *lat) pct(p float64) time.Duration {
+	s := append([]time.Duration(nil), l.d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	if len(s) == 0 {
+		return 0
+	}
+	return s[min(len(s)-1, int(float64(len(s))*p))]
+}
+
+func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1000 }
+
+// BenchmarkCheckpoint: a view of `tree` files (frozen in a base
+// checkpoint) with `delta` entries written since; one op = one Checkpoint.
+func BenchmarkCheckpoint(b *testing.B) {
+	for _, kind := range fsKinds {
+		for _, tree := range []int{1000, 10000} {
+			for _, delta := range []int{10, 100, 1000} {
+				b.Run(fmt.Sprintf("%s/tree=%d/delta=%d", kind, tree, delta), func(b *testing.B) {
+					st := newStore(b, kind)
+					res := map[string]*lat{}
+					for _, backend := range []string{"kernel", "fuse"} {
+						v := mountBackend(b, st, backend, "")
+						populate(b, v.Mountpoint(), "t", tree)
+						base, err := v.Checkpoint()
+						if err != nil {
+							b.Fatal(err)
+						}
+						if err := v.Switch(base); err != nil {
+							b.Fatal(err)
+						}
+						populate(b, v.Mountpoint(), "d", delta)
+						l := &lat{}
+						res[backend] = l
+						b.ResetTimer()
+						for range b.N {
+							t0 := time.Now()
+							if _, err := v.Checkpoint(); err != nil {
+								b.Fatal(err)
+							}
+							l.add(time.Since(t0))
+						}
+						b.StopTimer()
+					}
+					report(b, res)
+				})
+			}
+		}
+	}
+}
+
+// BenchmarkSwitch: switch back and forth between two checkpoints that
+// differ by `delta` files over a tree of 1000; one op = one Switch.
+func BenchmarkSwitch(b *testing.B) {
+	for _, kind := range fsKinds {
+		for _, delta := range []int{10, 100, 1000} {
+			b.Run(fmt.Sprintf("%s/delta=%d", kind, delta), func(b *testing.B) {
+				st := newStore(b, kind)
+				res := map[string]*lat{}
+				for _, backend := range []string{"kernel", "fuse"} {
+					v := mountBackend(b, st, backend, "")
+					populate(b, v.Mountpoint(), "t", 1000)
+					c1, err := v.Checkpoint()
+					if err != nil {
+						b.Fatal(err)
+					}
+					populate(b, v.Mountpoint(), "d", delta)
+					c2, err := v.Checkpoint()
+					if err != nil {
+						b.Fatal(err)
+					}
+					l := &lat{}
+					res[backend] = l
+					b.ResetTimer()
+					for i := range b.N {
+						t0 := time.Now()
+						if err := v.Switch([]string{c1, c2}[i%2]); err != nil {
+							b.Fatal(err)
+						}
+						l.add(time.Since(t0))
+					}
+					b.StopTimer()
+				}
+				report(b, res)
+			})
+		}
+	}
+}
+
+func report(b *testing.B, res map[string]*lat) {
+	k, f := res["kernel"], res["fuse"]
+	b.ReportMetric(us(k.pct(0.5)), "kernel-p50-µs")
+	b.ReportMetric(us(k.pct(0.99)), "kernel-p99-µs")
+	if f != nil && len(f.d) > 0 {
+		b.ReportMetric(us(f.pct(0.5)), "fuse-p50-µs")
+		b.ReportMetric(us(f.pct(0.99)), "fuse-p99-µs")
+		b.ReportMetric(float64(k.pct(0.5))/float64(f.pct(0.5)), "kernel/fuse-p50")
+	}
+	b.ReportMetric(0, "ns/op")
+}
