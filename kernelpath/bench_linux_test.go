@@ -49,6 +49,14 @@ func mountBackend(b *testing.B, st *layer.Store, backend, from string) view {
 	return v
 }
 
+func benchStore(b *testing.B, kind string) *layer.Store {
+	st, err := layer.OpenStore(filepath.Join(loopFSSize(b, kind, 16<<30), "state"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return st
+}
+
 // populate writes n small files spread over directories of 100.
 func populate(b *testing.B, root, prefix string, n int) {
 	b.Helper()
@@ -86,7 +94,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 		for _, tree := range []int{1000, 10000} {
 			for _, delta := range []int{10, 100, 1000} {
 				b.Run(fmt.Sprintf("%s/tree=%d/delta=%d", kind, tree, delta), func(b *testing.B) {
-					st := newStore(b, kind)
+					st := benchStore(b, kind)
 					res := map[string]*lat{}
 					for _, backend := range []string{"kernel", "fuse"} {
 						v := mountBackend(b, st, backend, "")
@@ -124,7 +132,7 @@ func BenchmarkSwitch(b *testing.B) {
 	for _, kind := range fsKinds {
 		for _, delta := range []int{10, 100, 1000} {
 			b.Run(fmt.Sprintf("%s/delta=%d", kind, delta), func(b *testing.B) {
-				st := newStore(b, kind)
+				st := benchStore(b, kind)
 				res := map[string]*lat{}
 				for _, backend := range []string{"kernel", "fuse"} {
 					v := mountBackend(b, st, backend, "")

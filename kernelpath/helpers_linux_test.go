@@ -24,11 +24,14 @@ import (
 // cleanup.
 func loopFS(t testing.TB, kind string) string {
 	t.Helper()
+	return loopFSSize(t, kind, 1<<30)
+}
+
+// loopFSSize is loopFS with a given (sparse) image size.
+func loopFSSize(t testing.TB, kind string, size int64) string {
+	t.Helper()
 	testenv.RequireRoot(t)
-	mkfs := map[string][]string{
-		"xfs":   {"mkfs.xfs", "-q", "-f", "-m", "reflink=1"},
-		"btrfs": {"mkfs.btrfs", "-q", "-f"},
-	}[kind]
+	mkfs := mkfsCommand(kind)
 	_, err := exec.LookPath(mkfs[0])
 	testenv.Require(t, err == nil, mkfs[0]+" (xfsprogs / btrfs-progs)")
 	dir := t.TempDir()
@@ -37,7 +40,7 @@ func loopFS(t testing.TB, kind string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := f.Truncate(1 << 30); err != nil {
+	if err := f.Truncate(size); err != nil {
 		t.Fatal(err)
 	}
 	f.Close()

@@ -66,10 +66,7 @@ func InitStore(opts StoreImage) (StoreConfig, error) {
 }
 
 func makeImage(img, fs string, size int64) error {
-	mkfs := map[string][]string{
-		"xfs":   {"mkfs.xfs", "-q", "-m", "reflink=1"},
-		"btrfs": {"mkfs.btrfs", "-q"},
-	}[fs]
+	mkfs := mkfsCommand(fs)
 	if _, err := exec.LookPath(mkfs[0]); err != nil {
 		return fmt.Errorf("%s not found: install %s", mkfs[0], map[string]string{"xfs": "xfsprogs", "btrfs": "btrfs-progs"}[fs])
 	}
@@ -96,6 +93,17 @@ func makeImage(img, fs string, size int64) error {
 		return fmt.Errorf("make %s image %s: %w", fs, img, err)
 	}
 	return nil
+}
+
+// mkfsCommand is the mkfs command line (without the image) for a store
+// image. XFS gets reflink and a copy-on-write extent size hint of one block
+// (the default, 32 blocks, makes a 1-byte write into a shared file cost
+// 128 KiB; measured: 124 KiB vs 4 KiB); directories pass the hint on.
+func mkfsCommand(fs string) []string {
+	return map[string][]string{
+		"xfs":   {"mkfs.xfs", "-q", "-f", "-m", "reflink=1", "-d", "cowextsize=1"},
+		"btrfs": {"mkfs.btrfs", "-q", "-f"},
+	}[fs]
 }
 
 // EnsureStore mounts cfg.Image on cfg.StateDir through a loop device unless
