@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
@@ -31,6 +32,10 @@ type ebpfProbe struct {
 	links                     []link.Link
 	rd                        *ringbuf.Reader
 	readerDone                chan struct{}
+	sysExit                   *ebpf.Program
+
+	attachMu    sync.Mutex
+	sysExitLink link.Link // attached on the first window without an FSSource
 
 	flushMu sync.Mutex // serialises flushes
 
@@ -95,32 +100,45 @@ func (p *ebpfProbe) load(opts Options) error {
 	if err != nil {
 		return fmt.Errorf("create ring buffer: %w", err)
 	}
-	filenameOff := binprmFilenameOffset()
+	o := loadKernelOffsets()
+	raw := func(name string, insns asm.Instructions) *ebpf.ProgramSpec {
+		return &ebpf.ProgramSpec{Name: name, Type: ebpf.RawTracepoint, License: "GPL", Instructions: insns}
+	}
 	specs := []struct {
-		name, tracepoint string
-		spec             *ebpf.ProgramSpec
+		tracepoint string
+		spec       *ebpf.ProgramSpec
+		optional   bool
 	}{
-		{"rw_sys_exit", "sys_exit", &ebpf.ProgramSpec{
-			Name: "rw_sys_exit", Type: ebpf.RawTracepoint, License: "GPL",
-			Instructions: sysExitProg(p.cgstats.FD(), p.sysclass.FD(), p.events.FD()),
-		}},
-		{"rw_exec", "sched_process_exec", &ebpf.ProgramSpec{
-			Name: "rw_exec", Type: ebpf.RawTracepoint, License: "GPL",
-			Instructions: execProg(p.cgstats.FD(), p.events.FD(), filenameOff),
-		}},
+		{"sched_process_exec", raw("rw_exec", execProg(p.cgstats.FD(), p.events.FD(), o.binprmFilename)), false},
+		{"sched_process_fork", raw("rw_fork", forkProg(p.cgstats.FD(), o)), false},
+		{"signal_generate", raw("rw_signal", signalProg(p.cgstats.FD())), false},
+		{"inet_sock_set_state", raw("rw_sockstate", sockStateProg(p.cgstats.FD(), p.events.FD(), o)), false},
+		{"sock_send_length", raw("rw_sendlen", sendLenProg(p.cgstats.FD(), o)), true}, // Linux >= 6.3
 	}
 	for _, s := range specs {
 		prog, err := ebpf.NewProgram(s.spec)
 		if err != nil {
-			return fmt.Errorf("load program %s: %w", s.name, err)
+			return fmt.Errorf("load program %s: %w", s.spec.Name, err)
 		}
 		p.progs = append(p.progs, prog)
 		l, err := link.AttachRawTracepoint(link.RawTracepointOptions{Name: s.tracepoint, Program: prog})
 		if err != nil {
+			if s.optional {
+				p.log.Info("probe: optional raw tracepoint unavailable", "tracepoint", s.tracepoint, "err", err)
+				continue
+			}
 			return fmt.Errorf("attach raw tracepoint %s: %w", s.tracepoint, err)
 		}
 		p.links = append(p.links, l)
 	}
+	// The syscall program is loaded now (so that a verifier error shows at
+	// Open) and attached only when a window needs it (Target.FS == nil):
+	// a hook on every syscall of the host costs far more than the others.
+	p.sysExit, err = ebpf.NewProgram(raw("rw_sys_exit", sysExitProg(p.cgstats.FD(), p.sysclass.FD(), p.events.FD())))
+	if err != nil {
+		return fmt.Errorf("load program rw_sys_exit: %w", err)
+	}
+	p.progs = append(p.progs, p.sysExit)
 	p.rd, err = ringbuf.NewReader(p.events)
 	if err != nil {
 		return fmt.Errorf("open ring buffer reader: %w", err)
@@ -128,20 +146,50 @@ func (p *ebpfProbe) load(opts Options) error {
 	return nil
 }
 
-// binprmFilenameOffset finds linux_binprm.filename in the kernel's BTF, or
-// returns -1 (exec samples then carry no file name).
-func binprmFilenameOffset() int {
+// loadKernelOffsets reads the struct offsets the programs need from the
+// kernel's BTF. Unknown offsets are -1 (the programs then do without).
+func loadKernelOffsets() kernelOffsets {
+	o := kernelOffsets{-1, -1, -1, -1, -1, -1, -1}
 	spec, err := btf.LoadKernelSpec()
 	if err != nil {
-		return -1
+		return o
 	}
-	var s *btf.Struct
-	if err := spec.TypeByName("linux_binprm", &s); err != nil {
-		return -1
+	field := func(typ, name string) int {
+		var s *btf.Struct
+		if err := spec.TypeByName(typ, &s); err != nil {
+			return -1
+		}
+		return memberOffset(s.Members, name)
 	}
-	for _, m := range s.Members {
-		if m.Name == "filename" {
+	o.binprmFilename = field("linux_binprm", "filename")
+	o.taskPID = field("task_struct", "pid")
+	o.taskTGID = field("task_struct", "tgid")
+	o.skFamily = field("sock_common", "skc_family")
+	o.skDport = field("sock_common", "skc_dport")
+	o.skDaddr = field("sock_common", "skc_daddr")
+	o.skV6Daddr = field("sock_common", "skc_v6_daddr")
+	return o
+}
+
+// memberOffset finds a member by name, looking into anonymous structs and
+// unions, and returns its byte offset or -1.
+func memberOffset(ms []btf.Member, name string) int {
+	for _, m := range ms {
+		if m.Name == name {
 			return int(m.Offset.Bytes())
+		}
+		if m.Name != "" {
+			continue
+		}
+		var inner []btf.Member
+		switch t := btf.UnderlyingType(m.Type).(type) {
+		case *btf.Struct:
+			inner = t.Members
+		case *btf.Union:
+			inner = t.Members
+		}
+		if off := memberOffset(inner, name); off >= 0 {
+			return int(m.Offset.Bytes()) + off
 		}
 	}
 	return -1
@@ -149,6 +197,9 @@ func binprmFilenameOffset() int {
 
 // release frees whatever load created.
 func (p *ebpfProbe) release() {
+	if p.sysExitLink != nil {
+		p.sysExitLink.Close()
+	}
 	for _, l := range p.links {
 		l.Close()
 	}
@@ -180,6 +231,12 @@ func (p *ebpfProbe) Close() error {
 		l.Close()
 	}
 	p.links = nil
+	p.attachMu.Lock()
+	if p.sysExitLink != nil {
+		p.sysExitLink.Close()
+		p.sysExitLink = nil
+	}
+	p.attachMu.Unlock()
 	p.rd.Close()
 	<-p.readerDone
 	p.rd = nil
@@ -305,6 +362,8 @@ func (p *ebpfProbe) Begin(t Target) (Window, error) {
 	}
 	if t.FS != nil {
 		t.FS.TakeFSEffects()
+	} else if err := p.attachSysExit(); err != nil {
+		return fail(err)
 	}
 	var zero [nCounters]uint64
 	if err := p.cgstats.Put(cgid, zero); err != nil {
@@ -314,6 +373,22 @@ func (p *ebpfProbe) Begin(t Target) (Window, error) {
 		return fail(err)
 	}
 	return w, nil
+}
+
+// attachSysExit attaches the syscall program once; it stays attached until
+// Close.
+func (p *ebpfProbe) attachSysExit() error {
+	p.attachMu.Lock()
+	defer p.attachMu.Unlock()
+	if p.sysExitLink != nil {
+		return nil
+	}
+	l, err := link.AttachRawTracepoint(link.RawTracepointOptions{Name: "sys_exit", Program: p.sysExit})
+	if err != nil {
+		return fmt.Errorf("attach raw tracepoint sys_exit: %w", err)
+	}
+	p.sysExitLink = l
+	return nil
 }
 
 // ebpfWindow is one turn observed by the eBPF backend.

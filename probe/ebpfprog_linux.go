@@ -57,21 +57,13 @@ const (
 // offsets into struct pt_regs (x86_64) of the path and the argument the
 // class inspects.
 const (
-	clsFork = iota + 1
-	clsClone
-	clsClone3
-	clsFS
+	clsFS = iota + 1
 	clsOpen
 	clsOpenat2
 	clsCreat
-	clsSignal
 	clsMmap
 	clsMunmap
 	clsBrk
-	clsConnect
-	clsSendto
-	clsSend
-	clsListen
 	clsChdir
 )
 
@@ -86,12 +78,12 @@ const (
 )
 
 const (
-	oWRONLY     = 0x1
-	oRDWR       = 0x2
-	oCREAT      = 0x40
-	oTRUNC      = 0x200
-	cloneThread = 0x10000
-	eINPROGRESS = 115
+	oWRONLY    = 0x1
+	oRDWR      = 0x2
+	oCREAT     = 0x40
+	oTRUNC     = 0x200
+	tcpSynSent = 2
+	tcpListen  = 10
 	// sampleLimit bounds the ring-buffer samples of one kind per window.
 	sampleLimit = 32
 )
@@ -102,11 +94,6 @@ func cls(class, pathOff, argOff, counter int) uint32 {
 
 // sysClasses maps x86_64 syscall numbers to class words.
 var sysClasses = map[int]uint32{
-	57:  cls(clsFork, 0, 0, 0),      // fork
-	58:  cls(clsFork, 0, 0, 0),      // vfork
-	56:  cls(clsClone, 0, regDI, 0), // clone(flags)
-	435: cls(clsClone3, 0, regDI, 0),
-
 	2:   cls(clsOpen, regDI, regSI, 0),    // open(path, flags)
 	257: cls(clsOpen, regSI, regDX, 0),    // openat(dfd, path, flags)
 	437: cls(clsOpenat2, regSI, regDX, 0), // openat2(dfd, path, how)
@@ -148,22 +135,10 @@ var sysClasses = map[int]uint32{
 	198: cls(clsFS, regDI, 0, cMeta),     // lremovexattr
 	199: cls(clsFS, 0, 0, cMeta),         // fremovexattr
 
-	62:  cls(clsSignal, 0, regSI, 0), // kill(pid, sig)
-	200: cls(clsSignal, 0, regSI, 0), // tkill(tid, sig)
-	234: cls(clsSignal, 0, regDX, 0), // tgkill(tgid, tid, sig)
-	129: cls(clsSignal, 0, regSI, 0), // rt_sigqueueinfo(pid, sig, info)
-	297: cls(clsSignal, 0, regDX, 0), // rt_tgsigqueueinfo(tgid, tid, sig, info)
-	424: cls(clsSignal, 0, regSI, 0), // pidfd_send_signal(pidfd, sig, ...)
-
 	9:  cls(clsMmap, 0, 0, 0),
 	25: cls(clsMmap, 0, 0, 0), // mremap
 	11: cls(clsMunmap, 0, 0, 0),
 	12: cls(clsBrk, 0, regDI, 0),
-
-	42: cls(clsConnect, 0, regSI, 0), // connect(fd, addr, len)
-	44: cls(clsSendto, 0, regR8, 0),  // sendto(fd, buf, len, flags, addr, alen)
-	46: cls(clsSend, 0, 0, 0),        // sendmsg
-	50: cls(clsListen, 0, 0, 0),
 	80: cls(clsChdir, 0, 0, 0),
 	81: cls(clsChdir, 0, 0, 0),
 }
@@ -310,7 +285,6 @@ func sysExitProg(cgstats, sysclass, events int) asm.Instructions {
 	b := &builder{}
 	b.emit(asm.Mov.Reg(asm.R6, asm.R1))
 	b.prologue(cgstats)
-	b.incr(cSyscalls)
 	// Syscall number from regs->orig_ax.
 	b.emit(
 		asm.LoadMem(asm.R8, asm.R6, 0, asm.DWord),
@@ -339,57 +313,11 @@ func sysExitProg(cgstats, sysclass, events int) asm.Instructions {
 		cls   int32
 		label string
 	}{
-		{clsFork, "fork"}, {clsClone, "clone"}, {clsClone3, "clone3"}, {clsFS, "fs"},
-		{clsOpen, "open"}, {clsOpenat2, "openat2"}, {clsCreat, "creat"}, {clsSignal, "signal"},
-		{clsMmap, "mmap"}, {clsMunmap, "munmap"}, {clsBrk, "brk"}, {clsConnect, "connect"},
-		{clsSendto, "sendto"}, {clsSend, "send"}, {clsListen, "listen"}, {clsChdir, "chdir"},
+		{clsFS, "fs"}, {clsOpen, "open"}, {clsOpenat2, "openat2"}, {clsCreat, "creat"},
+		{clsMmap, "mmap"}, {clsMunmap, "munmap"}, {clsBrk, "brk"}, {clsChdir, "chdir"},
 	} {
 		b.emit(asm.JEq.Imm(asm.R1, c.cls, c.label))
 	}
-	b.emit(asm.Ja.Label("exit"))
-
-	// Processes.
-	b.label("fork")
-	b.emit(asm.JSLE.Imm(asm.R6, 0, "exit"))
-	b.incr(cForked)
-	b.emit(asm.Ja.Label("exit"))
-
-	b.label("clone")
-	b.emit(asm.JSLE.Imm(asm.R6, 0, "exit"))
-	b.readReg(16)
-	b.emit(
-		asm.LoadMem(asm.R1, asm.RFP, stTmp, asm.DWord),
-		asm.And.Imm(asm.R1, cloneThread),
-		asm.JNE.Imm(asm.R1, 0, "exit"),
-	)
-	b.incr(cForked)
-	b.emit(asm.Ja.Label("exit"))
-
-	b.label("clone3")
-	b.emit(asm.JSLE.Imm(asm.R6, 0, "exit"))
-	b.readReg(16)
-	b.emit(
-		asm.LoadMem(asm.R3, asm.RFP, stTmp, asm.DWord),
-		asm.Mov.Reg(asm.R1, asm.RFP),
-		asm.Add.Imm(asm.R1, stTmp2),
-		asm.Mov.Imm(asm.R2, 8),
-		asm.FnProbeReadUser.Call(),
-		asm.JNE.Imm(asm.R0, 0, "exit"),
-		asm.LoadMem(asm.R1, asm.RFP, stTmp2, asm.DWord),
-		asm.And.Imm(asm.R1, cloneThread),
-		asm.JNE.Imm(asm.R1, 0, "exit"),
-	)
-	b.incr(cForked)
-	b.emit(asm.Ja.Label("exit"))
-
-	b.label("signal")
-	b.emit(asm.JNE.Imm(asm.R6, 0, "exit"))
-	b.readReg(16)
-	b.emit(
-		asm.LoadMem(asm.R1, asm.RFP, stTmp, asm.DWord),
-		asm.JEq.Imm(asm.R1, 0, "exit"),
-	)
-	b.incr(cSignals)
 	b.emit(asm.Ja.Label("exit"))
 
 	b.label("chdir")
@@ -528,98 +456,6 @@ func sysExitProg(cgstats, sysclass, events int) asm.Instructions {
 	)
 	b.output(events)
 
-	// Network.
-	b.label("listen")
-	b.emit(asm.JNE.Imm(asm.R6, 0, "exit"))
-	b.incr(cListens)
-	b.emit(asm.Ja.Label("exit"))
-
-	b.label("send")
-	b.emit(
-		asm.JSLE.Imm(asm.R6, 0, "exit"),
-		asm.AddAtomic.Mem(asm.R7, asm.R6, asm.DWord, cBytesSent*8),
-		asm.Ja.Label("exit"),
-	)
-
-	b.label("sendto")
-	b.emit(
-		asm.JSLE.Imm(asm.R6, 0, "exit"),
-		asm.AddAtomic.Mem(asm.R7, asm.R6, asm.DWord, cBytesSent*8),
-		asm.Ja.Label("addr"),
-	)
-
-	b.label("connect")
-	b.emit(
-		asm.JEq.Imm(asm.R6, 0, "addr"),
-		asm.JEq.Imm(asm.R6, -eINPROGRESS, "addr"),
-		asm.Ja.Label("exit"),
-	)
-
-	b.label("addr")
-	b.emit(asm.Mov.Imm(asm.R1, 0))
-	for off := stSA; off < stSA+24; off += 8 {
-		b.emit(asm.StoreMem(asm.RFP, int16(off), asm.R1, asm.DWord))
-	}
-	b.readReg(16)
-	b.emit(
-		asm.LoadMem(asm.R3, asm.RFP, stTmp, asm.DWord),
-		asm.JEq.Imm(asm.R3, 0, "exit"),
-		asm.Mov.Reg(asm.R1, asm.RFP),
-		asm.Add.Imm(asm.R1, stSA),
-		asm.Mov.Imm(asm.R2, 8),
-		asm.FnProbeReadUser.Call(),
-		asm.JNE.Imm(asm.R0, 0, "exit"),
-		asm.LoadMem(asm.R1, asm.RFP, stSA, asm.Half),
-		asm.JEq.Imm(asm.R1, 2, "addr4"),
-		asm.JEq.Imm(asm.R1, 10, "addr6"),
-		asm.Ja.Label("exit"),
-	)
-	b.label("addr4")
-	b.emit(
-		asm.LoadMem(asm.R1, asm.RFP, stSA+4, asm.Byte),
-		asm.JEq.Imm(asm.R1, 127, "exit"),
-		asm.LoadMem(asm.R1, asm.RFP, stSA+4, asm.Word),
-		asm.JEq.Imm(asm.R1, 0, "exit"),
-		asm.Ja.Label("remote"),
-	)
-	b.label("addr6")
-	b.emit(
-		asm.LoadMem(asm.R3, asm.RFP, stTmp, asm.DWord),
-		asm.Mov.Reg(asm.R1, asm.RFP),
-		asm.Add.Imm(asm.R1, stSA),
-		asm.Mov.Imm(asm.R2, 24),
-		asm.FnProbeReadUser.Call(),
-		asm.JNE.Imm(asm.R0, 0, "exit"),
-		asm.LoadMem(asm.R1, asm.RFP, stSA+8, asm.DWord),
-		asm.LoadMem(asm.R2, asm.RFP, stSA+16, asm.DWord),
-		asm.JNE.Imm(asm.R1, 0, "remote"),
-		asm.JEq.Imm(asm.R2, 0, "exit"), // ::
-		asm.LoadImm(asm.R3, 0x0100000000000000, asm.DWord),
-		asm.JEq.Reg(asm.R2, asm.R3, "exit"), // ::1
-		asm.Mov.Reg(asm.R3, asm.R2),
-		asm.LSh.Imm(asm.R3, 32),
-		asm.RSh.Imm(asm.R3, 32),
-		asm.LoadImm(asm.R4, 0xffff0000, asm.DWord),
-		asm.JNE.Reg(asm.R3, asm.R4, "remote"),
-		asm.Mov.Reg(asm.R3, asm.R2),
-		asm.RSh.Imm(asm.R3, 32),
-		asm.JEq.Imm(asm.R3, 0, "exit"), // ::ffff:0.0.0.0
-		asm.And.Imm(asm.R3, 0xff),
-		asm.JEq.Imm(asm.R3, 127, "exit"), // ::ffff:127.x
-	)
-	b.label("remote")
-	b.incr(cRemote)
-	b.limit(cSampNet)
-	b.zeroEvt()
-	for off := int16(0); off < 24; off += 8 {
-		b.emit(
-			asm.LoadMem(asm.R1, asm.RFP, stSA+off, asm.DWord),
-			asm.StoreMem(asm.RFP, stEvt+evtData+off, asm.R1, asm.DWord),
-		)
-	}
-	b.header(evNet)
-	b.output(events)
-
 	b.epilogue()
 	return b.insns
 }
@@ -672,4 +508,189 @@ func fsOpName(counter uint64) string {
 		return "meta"
 	}
 	return fmt.Sprintf("op%d", counter)
+}
+
+// kernelOffsets are byte offsets of kernel struct fields, from the kernel's
+// BTF; -1 when unknown.
+type kernelOffsets struct {
+	binprmFilename int // linux_binprm.filename
+	taskPID        int // task_struct.pid
+	taskTGID       int // task_struct.tgid
+	skFamily       int // sock_common.skc_family
+	skDport        int // sock_common.skc_dport
+	skDaddr        int // sock_common.skc_daddr
+	skV6Daddr      int // sock_common.skc_v6_daddr
+}
+
+// forkProg builds the sched_process_fork program (args: parent, child; it
+// runs in the parent). Threads are not counted when task_struct's pid and
+// tgid offsets are known.
+func forkProg(cgstats int, o kernelOffsets) asm.Instructions {
+	b := &builder{}
+	b.emit(asm.Mov.Reg(asm.R6, asm.R1))
+	b.prologue(cgstats)
+	if o.taskPID >= 0 && o.taskTGID >= 0 {
+		b.emit(asm.LoadMem(asm.R8, asm.R6, 8, asm.DWord)) // child
+		b.readKernel(asm.R8, o.taskPID, stTmp, 4)
+		b.readKernel(asm.R8, o.taskTGID, stTmp2, 4)
+		b.emit(
+			asm.LoadMem(asm.R1, asm.RFP, stTmp, asm.Word),
+			asm.LoadMem(asm.R2, asm.RFP, stTmp2, asm.Word),
+			asm.JNE.Reg(asm.R1, asm.R2, "exit"),
+		)
+	}
+	b.incr(cForked)
+	b.epilogue()
+	return b.insns
+}
+
+// readKernel copies size bytes at base+off (kernel memory) to the stack at
+// dst, exiting on failure.
+func (b *builder) readKernel(base asm.Register, off int, dst int16, size int32) {
+	b.emit(
+		asm.Mov.Reg(asm.R3, base),
+		asm.Add.Imm(asm.R3, int32(off)),
+		asm.Mov.Reg(asm.R1, asm.RFP),
+		asm.Add.Imm(asm.R1, int32(dst)),
+		asm.Mov.Imm(asm.R2, size),
+		asm.FnProbeReadKernel.Call(),
+		asm.JNE.Imm(asm.R0, 0, "exit"),
+	)
+}
+
+// signalProg builds the signal_generate program (args: sig, info, task,
+// group, result; it runs in the sender). Only signals sent by a process
+// count (kill, tgkill, sigqueue, ...): SEND_SIG_PRIV and kernel si_codes
+// (> 0: SIGCHLD, SIGSEGV, SIGPIPE, ...) do not.
+func signalProg(cgstats int) asm.Instructions {
+	b := &builder{}
+	b.emit(asm.Mov.Reg(asm.R6, asm.R1))
+	b.prologue(cgstats)
+	b.emit(
+		asm.LoadMem(asm.R8, asm.R6, 8, asm.DWord), // info
+		asm.JEq.Imm(asm.R8, 0, "count"),           // SEND_SIG_NOINFO: from a process
+		asm.JEq.Imm(asm.R8, 1, "exit"),            // SEND_SIG_PRIV: from the kernel
+	)
+	b.readKernel(asm.R8, 8, stTmp, 4) // kernel_siginfo.si_code
+	b.emit(
+		asm.LoadMem(asm.R1, asm.RFP, stTmp, asm.Word),
+		asm.JSGT.Imm32(asm.R1, 0, "exit"),
+	)
+	b.label("count")
+	b.incr(cSignals)
+	b.epilogue()
+	return b.insns
+}
+
+// sockStateProg builds the inet_sock_set_state program (args: sk,
+// oldstate, newstate). TCP_LISTEN counts a listening socket; TCP_SYN_SENT
+// (set by connect, in the connecting process) counts a connection when the
+// peer is not loopback.
+func sockStateProg(cgstats, events int, o kernelOffsets) asm.Instructions {
+	b := &builder{}
+	b.emit(asm.Mov.Reg(asm.R6, asm.R1))
+	b.prologue(cgstats)
+	b.emit(
+		asm.LoadMem(asm.R1, asm.R6, 16, asm.DWord),
+		asm.JEq.Imm32(asm.R1, tcpListen, "listen"),
+		asm.JEq.Imm32(asm.R1, tcpSynSent, "connect"),
+		asm.Ja.Label("exit"),
+	)
+	b.label("listen")
+	b.incr(cListens)
+	b.emit(asm.Ja.Label("exit"))
+
+	b.label("connect")
+	if o.skFamily < 0 || o.skDport < 0 || o.skDaddr < 0 {
+		b.emit(asm.Ja.Label("remote")) // cannot tell loopback: count it
+	} else {
+		b.emit(asm.Mov.Imm(asm.R1, 0))
+		for off := stSA; off < stSA+24; off += 8 {
+			b.emit(asm.StoreMem(asm.RFP, int16(off), asm.R1, asm.DWord))
+		}
+		b.emit(asm.LoadMem(asm.R8, asm.R6, 0, asm.DWord)) // sk
+		b.readKernel(asm.R8, o.skFamily, stSA, 2)
+		b.readKernel(asm.R8, o.skDport, stSA+2, 2)
+		b.emit(
+			asm.LoadMem(asm.R1, asm.RFP, stSA, asm.Half),
+			asm.JEq.Imm(asm.R1, 2, "addr4"),
+			asm.JEq.Imm(asm.R1, 10, "addr6"),
+			asm.Ja.Label("exit"),
+		)
+		b.label("addr4")
+		b.readKernel(asm.R8, o.skDaddr, stSA+4, 4)
+		b.emit(
+			asm.LoadMem(asm.R1, asm.RFP, stSA+4, asm.Byte),
+			asm.JEq.Imm(asm.R1, 127, "exit"),
+			asm.LoadMem(asm.R1, asm.RFP, stSA+4, asm.Word),
+			asm.JEq.Imm(asm.R1, 0, "exit"),
+			asm.Ja.Label("remote"),
+		)
+		b.label("addr6")
+		if o.skV6Daddr < 0 {
+			b.emit(asm.Ja.Label("remote"))
+		} else {
+			b.readKernel(asm.R8, o.skV6Daddr, stSA+8, 16)
+			b.emit(
+				asm.LoadMem(asm.R1, asm.RFP, stSA+8, asm.DWord),
+				asm.LoadMem(asm.R2, asm.RFP, stSA+16, asm.DWord),
+				asm.JNE.Imm(asm.R1, 0, "remote"),
+				asm.JEq.Imm(asm.R2, 0, "exit"), // ::
+				asm.LoadImm(asm.R3, 0x0100000000000000, asm.DWord),
+				asm.JEq.Reg(asm.R2, asm.R3, "exit"), // ::1
+				asm.Mov.Reg(asm.R3, asm.R2),
+				asm.LSh.Imm(asm.R3, 32),
+				asm.RSh.Imm(asm.R3, 32),
+				asm.LoadImm(asm.R4, 0xffff0000, asm.DWord),
+				asm.JNE.Reg(asm.R3, asm.R4, "remote"),
+				asm.Mov.Reg(asm.R3, asm.R2),
+				asm.RSh.Imm(asm.R3, 32),
+				asm.JEq.Imm(asm.R3, 0, "exit"), // ::ffff:0.0.0.0
+				asm.And.Imm(asm.R3, 0xff),
+				asm.JEq.Imm(asm.R3, 127, "exit"), // ::ffff:127.x
+			)
+		}
+	}
+	b.label("remote")
+	b.incr(cRemote)
+	b.limit(cSampNet)
+	b.zeroEvt()
+	for off := int16(0); off < 24; off += 8 {
+		b.emit(
+			asm.LoadMem(asm.R1, asm.RFP, stSA+off, asm.DWord),
+			asm.StoreMem(asm.RFP, stEvt+evtData+off, asm.R1, asm.DWord),
+		)
+	}
+	b.header(evNet)
+	b.output(events)
+	b.epilogue()
+	return b.insns
+}
+
+// sendLenProg builds the sock_send_length program (args: sk, ret, flags;
+// it runs in the sender): bytes sent on inet sockets.
+func sendLenProg(cgstats int, o kernelOffsets) asm.Instructions {
+	b := &builder{}
+	b.emit(asm.Mov.Reg(asm.R6, asm.R1))
+	b.prologue(cgstats)
+	b.emit(
+		asm.LoadMem(asm.R9, asm.R6, 8, asm.DWord),
+		asm.LSh.Imm(asm.R9, 32),
+		asm.ArSh.Imm(asm.R9, 32), // sign-extend the int
+		asm.JSLE.Imm(asm.R9, 0, "exit"),
+		asm.LoadMem(asm.R8, asm.R6, 0, asm.DWord),
+	)
+	if o.skFamily >= 0 {
+		b.readKernel(asm.R8, o.skFamily, stTmp, 2)
+		b.emit(
+			asm.LoadMem(asm.R1, asm.RFP, stTmp, asm.Half),
+			asm.JEq.Imm(asm.R1, 2, "inet"),
+			asm.JEq.Imm(asm.R1, 10, "inet"),
+			asm.Ja.Label("exit"),
+		)
+	}
+	b.label("inet")
+	b.emit(asm.AddAtomic.Mem(asm.R7, asm.R9, asm.DWord, cBytesSent*8))
+	b.epilogue()
+	return b.insns
 }

@@ -384,8 +384,22 @@ func TestScenariosUserspace(t *testing.T) {
 
 func TestScenariosEBPF(t *testing.T) {
 	testenv.RequireRoot(t)
-	p, err := Open(Options{Backend: BackendEBPF})
-	testenv.RequireNoErr(t, err, "eBPF probe")
-	defer p.Close()
-	runScenarios(t, p, false)
+	for _, mode := range []struct {
+		name     string
+		fsSource bool
+	}{{"fs-source", true}, {"syscalls", false}} {
+		t.Run(mode.name, func(t *testing.T) {
+			p, err := Open(Options{Backend: BackendEBPF})
+			testenv.RequireNoErr(t, err, "eBPF probe")
+			defer p.Close()
+			runScenarios(t, p, mode.fsSource)
+			ep := p.(*ebpfProbe)
+			ep.attachMu.Lock()
+			attached := ep.sysExitLink != nil
+			ep.attachMu.Unlock()
+			if attached == mode.fsSource {
+				t.Errorf("sys_exit hook attached = %v with fs source = %v", attached, mode.fsSource)
+			}
+		})
+	}
 }
