@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
 )
 
 var (
@@ -49,7 +51,7 @@ func TestDifferential(t *testing.T) {
 
 type diffRun struct {
 	t      *testing.T
-	f      *FS
+	f      layer.FS
 	model  string
 	rng    *rand.Rand
 	saved  map[string]string // checkpoint id -> model copy
@@ -58,7 +60,7 @@ type diffRun struct {
 	nswtch int
 }
 
-func runDifferential(t *testing.T, f *FS, model string, seed uint64, ops int) {
+func runDifferential(t *testing.T, f layer.FS, model string, seed uint64, ops int) {
 	r := &diffRun{t: t, f: f, model: model, rng: rand.New(rand.NewPCG(seed, 0x5eed)), saved: map[string]string{}}
 	for i := range ops {
 		desc := r.step()
