@@ -231,3 +231,51 @@ func TestFreezeMetadata(t *testing.T) {
 		})
 	}
 }
+
+func TestTakeFSEffects(t *testing.T) {
+	st := newStore(t, "xfs")
+	f := mountKP(t, st, Options{MountID: "fx"})
+	mp := f.Mountpoint()
+	writeFile(t, mp+"/base", "b")
+	writeFile(t, mp+"/keep", "k")
+	c, err := f.Checkpoint()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Switch(c); err != nil {
+		t.Fatal(err)
+	}
+	if e := f.TakeFSEffects(); e.UpperNonEmpty || e.Created+e.Modified+e.Deleted+e.MetaChanged != 0 {
+		t.Fatalf("fresh view: %+v", e)
+	}
+	writeFile(t, mp+"/new", "hello")
+	if err := os.Remove(mp + "/base"); err != nil {
+		t.Fatal(err)
+	}
+	e := f.TakeFSEffects()
+	if e.Created != 1 || e.Deleted != 1 || !e.UpperNonEmpty || e.BytesWritten != 5 || len(e.Samples) != 2 {
+		t.Fatalf("effects: %+v", e)
+	}
+	fh, err := os.OpenFile(mp+"/new", os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fh.WriteString("!!")
+	fh.Close()
+	if err := os.Chmod(mp+"/keep", 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e = f.TakeFSEffects()
+	if e.Modified != 1 || e.MetaChanged != 1 || e.Created != 0 || e.Deleted != 0 || !e.UpperNonEmpty {
+		t.Fatalf("effects 2: %+v", e)
+	}
+	if e = f.TakeFSEffects(); e.Created+e.Modified+e.Deleted+e.MetaChanged != 0 || !e.UpperNonEmpty {
+		t.Fatalf("read-only turn: %+v", e)
+	}
+	if _, err := f.Checkpoint(); err != nil {
+		t.Fatal(err)
+	}
+	if e = f.TakeFSEffects(); e.UpperNonEmpty || e.Created+e.Modified+e.Deleted+e.MetaChanged != 0 {
+		t.Fatalf("after checkpoint: %+v", e)
+	}
+}

@@ -450,6 +450,23 @@ func (f *FS) TakeFSEffects() effect.FS {
 			sample("delete", p)
 		case c.isWhiteout():
 		case !had:
+			if l, ok := f.lowerStat(p); ok && c.mode&unix.S_IFMT == l.mode&unix.S_IFMT {
+				// A copy-up of a lower entry: a change, not a creation.
+				if c.mode&unix.S_IFMT == unix.S_IFDIR {
+					continue // a directory copied up for a change below it
+				}
+				if c.size != l.size || c.mtime != l.mtime {
+					out.Modified++
+					sample("modify", p)
+					if c.size > l.size {
+						out.BytesWritten += uint64(c.size - l.size)
+					}
+				} else {
+					out.MetaChanged++
+					sample("meta", p)
+				}
+				continue
+			}
 			out.Created++
 			sample("create", p)
 			if c.mode&unix.S_IFMT == unix.S_IFREG {
@@ -481,6 +498,43 @@ func (f *FS) TakeFSEffects() effect.FS {
 	f.takenFP = cur
 	out.UpperNonEmpty = !sameFP(cur, f.ckptFP)
 	return out
+}
+
+// lowerStat finds path p in the frozen layers and base dirs, topmost first
+// (approximate: redirects and opaque dirs are not followed; for effects
+// only). All lookups are beneath a layer root without following symlinks.
+func (f *FS) lowerStat(p string) (entryFP, bool) {
+	dirs := make([]string, 0, len(f.layers)+len(f.lowers))
+	for i := len(f.layers) - 1; i >= 0; i-- {
+		dirs = append(dirs, f.st.LayerPath(f.layers[i]))
+	}
+	dirs = append(dirs, f.lowers...)
+	for _, d := range dirs {
+		root, err := unix.Open(d, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		fd, err := unix.Openat2(root, p, &unix.OpenHow{
+			Flags:   unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+		})
+		unix.Close(root)
+		if err != nil {
+			continue
+		}
+		var st unix.Stat_t
+		err = unix.Fstat(fd, &st)
+		unix.Close(fd)
+		if err != nil {
+			continue
+		}
+		e := fpOf(&st)
+		if e.isWhiteout() {
+			return entryFP{}, false
+		}
+		return e, true
+	}
+	return entryFP{}, false
 }
 
 func sameFP(a, b map[string]entryFP) bool {
