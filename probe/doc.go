@@ -11,18 +11,26 @@
 //
 // # Backends
 //
-// The eBPF backend (OpenEBPF) loads two programs written with cilium/ebpf's
-// asm package — no clang at build time — and attaches them once, for the
-// whole host, to raw tracepoints, which need neither tracefs nor
-// fentry/kprobes (both unavailable on the target hosts): raw_syscalls
-// sys_exit and sched_process_exec. Each program first looks the current
-// task's cgroup v2 id up in a hash map holding one counter block per open
-// window; tasks of other cgroups cost one map lookup. Counters are exact
-// (atomic adds in the map). Paths, exec file names and remote addresses go
-// through a ring buffer, at most 32 of each kind per window (the report
+// The eBPF backend (OpenEBPF) loads programs written with cilium/ebpf's asm
+// package — no clang at build time — and attaches them once, for the whole
+// host, to raw tracepoints, which need neither tracefs nor fentry/kprobes
+// (both unavailable on the target hosts): sched_process_exec,
+// sched_process_fork, signal_generate, inet_sock_set_state and (Linux >= 6.3)
+// sock_send_length. None of these is on the path of an ordinary syscall, so
+// a syscall-heavy workload pays nothing measurable. Each program first looks
+// the current task's cgroup v2 id up in a hash map holding one counter block
+// per open window; tasks of other cgroups cost one map lookup. Counters are
+// exact (atomic adds in the map). Paths, exec file names and remote addresses
+// go through a ring buffer, at most 32 of each kind per window (the report
 // keeps effect.MaxSamples); a sample the ring buffer cannot take is counted
 // in LostEvents. End reads and deletes the window's counters, flushes the
 // ring buffer and reads /proc.
+//
+// A sixth program, on raw_syscalls sys_exit, counts file-system syscalls
+// and mmap/munmap/brk. It hooks every syscall of the host (about 10% on
+// find(1), see probebench), so it is attached only once a window is opened
+// without an FSSource, and stays attached until Close. With the fs layer
+// (the daemon's case) it is never attached.
 //
 // The userspace backend (NewUserspace) needs no eBPF: it compares /proc
 // snapshots of the cgroup's processes taken at Begin and at End, and reads
@@ -33,29 +41,33 @@
 //
 // # Fields and who fills them
 //
-//	field                       eBPF                              userspace
-//	FS.*                        Target.FS if set; else syscall     Target.FS; if nil, LostEvents=1
-//	                            counts (see below), BytesWritten=0
-//	Proc.Forked                 every fork/clone (not threads)     new processes alive at End
-//	Proc.Execs, ExecSamples     every successful exec              new or re-exec'd processes alive at End
-//	                            (Argv0 = executed file name)       (Argv0 = argv[0])
-//	Proc.Exited                 snapshot: alive at Begin, gone at End (both)
-//	Proc.Alive                  snapshot: processes in the cgroup at End (both)
+//	field                        eBPF                                userspace
+//	FS.*                         Target.FS if set; else syscall      Target.FS; if nil, LostEvents=1
+//	                             counts (see below), BytesWritten=0
+//	Proc.Forked                  every fork/clone (not threads)      new processes alive at End
+//	Proc.Execs, ExecSamples      every successful exec               new or re-exec'd processes alive at End
+//	                             (Argv0 = executed file name)        (Argv0 = argv[0])
+//	Proc.Exited                  snapshot: alive at Begin, gone at End (both)
+//	Proc.Alive                   snapshot: processes in the cgroup at End (both)
 //	Proc.NewLongLived, LongLived snapshot: alive at End, born in the turn (both)
-//	Proc.CwdChanges             snapshot: alive at both ends, cwd differs (both)
-//	Proc.SignalsSent            kill/tkill/tgkill/sigqueue/pidfd   0 (invisible)
-//	Mem.PagesWritten, PerProc   snapshot estimate (both, Exact=false): see below
-//	Mem.Mmaps/Munmaps/Brks      syscall counts                     0 (invisible)
-//	Net.RemoteConnects, Remotes connect() to / sendto() a          sockets held at End, not at Begin, with a
-//	                            non-loopback address               non-loopback peer (tcp/udp, v4/v6)
-//	Net.Listens                 successful listen() calls          LISTEN sockets held at End, not at Begin
-//	Net.BytesSent               sendto/sendmsg bytes (not write)   0 (invisible)
-//	LostEvents                  ring-buffer samples dropped        1 when Target.FS is nil, else 0
+//	Proc.CwdChanges              snapshot: alive at both ends, cwd differs (both)
+//	Proc.SignalsSent             signals sent by a process (kill,    0 (invisible)
+//	                             tgkill, sigqueue...; not SIGCHLD
+//	                             or other kernel-generated ones)
+//	Mem.PagesWritten, PerProc    snapshot estimate (both, Exact=false): see below
+//	Mem.Mmaps/Munmaps/Brks       syscall counts, only while the      0 (invisible)
+//	                             sys_exit hook is attached
+//	Net.RemoteConnects, Remotes  TCP connects (SYN_SENT) to a        sockets held at End, not at Begin, with a
+//	                             non-loopback address                non-loopback peer (tcp/udp, v4/v6)
+//	Net.Listens                  TCP sockets entering LISTEN         LISTEN sockets held at End, not at Begin
+//	Net.BytesSent                bytes sent on inet sockets          0 (invisible)
+//	LostEvents                   ring-buffer samples dropped         1 when Target.FS is nil, else 0
 //
 // Legitimate differences: the userspace backend sees only processes and
 // sockets alive at the snapshots, so a short-lived process (a one-shot cat)
 // leaves Forked/Execs at 0 there, and a short-lived remote connection is
-// invisible; the eBPF backend counts every event. A policy that wants both
+// invisible; the eBPF backend counts every event (but sees only TCP
+// connections, not UDP datagrams). A policy that wants both
 // backends to agree must decide skip on FSChanged(), NetChanged(),
 // NewLongLived, Exited, CwdChanges and Mem.PagesWritten, which are computed
 // identically (FS from the same source) — not on Forked or Execs, which for

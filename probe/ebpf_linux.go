@@ -466,10 +466,42 @@ func (w *ebpfWindow) Abort() {
 }
 
 func (w *ebpfWindow) End() (*effect.Report, error) {
+	r, _, err := w.finish(false)
+	return r, err
+}
+
+func (w *ebpfWindow) Next() (*effect.Report, Window, error) {
+	r, nw, err := w.finish(true)
+	if err != nil {
+		return nil, nil, err
+	}
+	return r, nw, nil
+}
+
+// rearm reads and zeroes the window's counters and hands the cgroup over to
+// a new window for the next turn.
+func (w *ebpfWindow) rearm(began time.Time) (vals [nCounters]uint64, nw *ebpfWindow, err error) {
+	if err := w.p.cgstats.LookupAndDelete(w.cgid, &vals); err != nil {
+		w.detach()
+		return vals, nil, err
+	}
+	var zero [nCounters]uint64
+	if err := w.p.cgstats.Put(w.cgid, zero); err != nil {
+		w.detach()
+		return vals, nil, fmt.Errorf("re-arm cgroup %d: %w", w.cgid, err)
+	}
+	nw = &ebpfWindow{p: w.p, t: w.t, cgid: w.cgid, turn: w.p.turns.advance(w.t.Sandbox), began: began}
+	w.p.mu.Lock()
+	w.p.wins[w.cgid] = nw
+	w.p.mu.Unlock()
+	return vals, nw, nil
+}
+
+func (w *ebpfWindow) finish(next bool) (*effect.Report, *ebpfWindow, error) {
 	w.endMu.Lock()
 	defer w.endMu.Unlock()
 	if w.done {
-		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, ErrClosed)
+		return nil, nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, ErrClosed)
 	}
 	w.done = true
 	ended := time.Now()
@@ -477,21 +509,39 @@ func (w *ebpfWindow) End() (*effect.Report, error) {
 	if w.t.FS != nil {
 		r.FS = boundFS(w.t.FS.TakeFSEffects())
 	}
-	// Counters first (this stops counting), then the samples committed
-	// before, then the processes.
+	// The samples committed so far, then the counters (which stops or
+	// restarts counting), then the processes.
 	flushErr := w.p.flush()
-	c, err := w.detach()
+	var (
+		c   [nCounters]uint64
+		nw  *ebpfWindow
+		err error
+	)
+	if next {
+		c, nw, err = w.rearm(ended)
+	} else {
+		c, err = w.detach()
+	}
 	if err != nil {
-		return nil, fmt.Errorf("end %s turn %d: read counters: %w", w.t.Sandbox, w.turn, err)
+		return nil, nil, fmt.Errorf("end %s turn %d: read counters: %w", w.t.Sandbox, w.turn, err)
+	}
+	fail := func(err error) (*effect.Report, *ebpfWindow, error) {
+		if nw != nil {
+			nw.Abort()
+		}
+		return nil, nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
 	}
 	if flushErr != nil {
-		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, flushErr)
+		return fail(flushErr)
 	}
 	end, err := takeSnapshot(w.t.CgroupV2Dir, false, w.t.Exclude)
 	if err != nil {
-		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
+		return fail(err)
 	}
 	applySnapshots(r, w.begin, end, w.t.InitPID)
+	if nw != nil {
+		nw.begin = end
+	}
 
 	w.p.mu.Lock()
 	fsSamples, execSamples, remotes := w.fsSamples, w.execSamples, w.remotes
@@ -517,5 +567,5 @@ func (w *ebpfWindow) End() (*effect.Report, error) {
 		r.FS.MetaChanged = c[cMeta]
 		r.FS.Samples = fsSamples
 	}
-	return r, nil
+	return r, nw, nil
 }

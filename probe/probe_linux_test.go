@@ -189,3 +189,51 @@ func TestEBPFLostEventsAreReported(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+func TestNextSplitsTurns(t *testing.T) {
+	for _, p := range openBoth(t) {
+		t.Run(p.Backend(), func(t *testing.T) {
+			cg, dir := newCgroup(t), t.TempDir()
+			bash := startShell(t, cg, dir, false)
+			tg := Target{Sandbox: "next", CgroupV2Dir: cg, FS: NewDirSource(dir)}
+			w, err := p.Begin(tg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			turns := []struct {
+				cmd              string
+				created, cwd, nl uint64
+			}{
+				{"mkdir a", 1, 0, 0},
+				{"cd a", 0, 1, 0},
+				{"true", 0, 0, 0},
+				{"sleep 3600 &", 0, 0, 1},
+			}
+			var last uint64
+			for i, tc := range turns {
+				bash.run(tc.cmd)
+				r, nw, err := w.Next()
+				if err != nil {
+					t.Fatalf("turn %d: %v", i, err)
+				}
+				if _, _, err := w.Next(); !errors.Is(err, ErrClosed) {
+					t.Fatalf("Next on a finished window: %v", err)
+				}
+				w = nw
+				if r.Turn <= last {
+					t.Fatalf("turn %d after %d", r.Turn, last)
+				}
+				last = r.Turn
+				if r.FS.Created != tc.created || r.Proc.CwdChanges != tc.cwd || r.Proc.NewLongLived != tc.nl {
+					t.Errorf("%q: created %d cwd %d new %d, want %d %d %d", tc.cmd, r.FS.Created, r.Proc.CwdChanges, r.Proc.NewLongLived, tc.created, tc.cwd, tc.nl)
+				}
+			}
+			if _, err := w.End(); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := p.Begin(tg); err != nil {
+				t.Fatalf("Begin after End: %v", err)
+			}
+		})
+	}
+}

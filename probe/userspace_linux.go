@@ -82,13 +82,25 @@ func (w *userWindow) Abort() {
 }
 
 func (w *userWindow) End() (*effect.Report, error) {
+	r, _, err := w.finish(false)
+	return r, err
+}
+
+func (w *userWindow) Next() (*effect.Report, Window, error) {
+	r, nw, err := w.finish(true)
+	if err != nil {
+		return nil, nil, err
+	}
+	return r, nw, nil
+}
+
+func (w *userWindow) finish(next bool) (*effect.Report, *userWindow, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.done {
-		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, ErrClosed)
+		return nil, nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, ErrClosed)
 	}
 	w.done = true
-	defer w.p.turns.release(w.t.Sandbox)
 	ended := time.Now()
 	r := newReport(effect.BackendUserspace, w.t.Sandbox, w.turn, w.began, ended)
 	if w.t.FS != nil {
@@ -98,7 +110,8 @@ func (w *userWindow) End() (*effect.Report, error) {
 	}
 	end, err := takeSnapshot(w.t.CgroupV2Dir, true, w.t.Exclude)
 	if err != nil {
-		return nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
+		w.p.turns.release(w.t.Sandbox)
+		return nil, nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
 	}
 	d := applySnapshots(r, w.begin, end, w.t.InitPID)
 	applySockets(r, w.begin, end)
@@ -106,7 +119,12 @@ func (w *userWindow) End() (*effect.Report, error) {
 	r.Proc.Forked = d.New
 	r.Proc.Execs = d.New + d.Reexec
 	r.Proc.ExecSamples = d.NewExecs
-	return r, nil
+	if !next {
+		w.p.turns.release(w.t.Sandbox)
+		return r, nil, nil
+	}
+	nw := &userWindow{p: w.p, t: w.t, turn: w.p.turns.advance(w.t.Sandbox), began: ended, begin: end}
+	return r, nw, nil
 }
 
 // boundFS caps the samples of an FSSource's report.
