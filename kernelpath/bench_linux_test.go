@@ -190,7 +190,10 @@ func BenchmarkIO(b *testing.B) {
 		run  func(b *testing.B, dir string, i int)
 	}{
 		{"seqwrite-256M", nil, func(b *testing.B, dir string, i int) { writeBig(b, filepath.Join(dir, "big"+strconv.Itoa(i%2)), 256) }},
-		{"seqread-256M", func(b *testing.B, dir string) { writeBig(b, filepath.Join(dir, "big"), 256); readAll(b, filepath.Join(dir, "big")) },
+		{"seqread-256M", func(b *testing.B, dir string) {
+			writeBig(b, filepath.Join(dir, "big"), 256)
+			readAll(b, filepath.Join(dir, "big"))
+		},
 			func(b *testing.B, dir string, _ int) { readAll(b, filepath.Join(dir, "big")) }},
 		{"create-5k", nil, func(b *testing.B, dir string, i int) {
 			populate(b, filepath.Join(dir, "r"+strconv.Itoa(i)), "s", 5000)
