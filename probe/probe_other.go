@@ -2,6 +2,8 @@
 
 package probe
 
+import "github.com/rewind-sandbox/rewind/effect"
+
 // OpenEBPF is not supported outside Linux.
 func OpenEBPF(Options) (Probe, error) { return nil, ErrUnsupported }
 
@@ -13,3 +15,12 @@ func CheckEBPF() error { return ErrUnsupported }
 
 // CgroupID is not supported outside Linux.
 func CgroupID(string) (uint64, error) { return 0, ErrUnsupported }
+
+// DirSource is not supported outside Linux: it reports no effects.
+type DirSource struct{}
+
+// NewDirSource returns a DirSource that reports no effects.
+func NewDirSource(string) *DirSource { return &DirSource{} }
+
+// TakeFSEffects implements FSSource.
+func (*DirSource) TakeFSEffects() effect.FS { return effect.FS{} }
