@@ -25,6 +25,7 @@ func newRootCmd() *cobra.Command {
 	root.AddCommand(newInitStoreCmd())
 	root.AddCommand(newStateCmds()...)
 	root.AddCommand(newPolicyCmd())
+	root.AddCommand(newProbeCmd())
 	// Each area registers its command tree here, one line each.
 	return root
 }
