@@ -53,7 +53,7 @@ func applySnapshots(r *effect.Report, begin, end *snapshot, initPID int) snapDif
 			if e.MinFlt > b.MinFlt {
 				pages = e.MinFlt - b.MinFlt
 			}
-			if pages == 0 && e.RunNS > b.RunNS {
+			if pages == 0 && (e.RunNS != b.RunNS || e.Slices != b.Slices) {
 				// It ran: it may have rewritten pages it had already
 				// dirtied, which costs no fault. Count at least one.
 				pages = 1

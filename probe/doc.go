@@ -79,7 +79,8 @@
 // each target process (PAGEMAP_SCAN reports PAGE_IS_WRITTEN only for such
 // ranges), which needs code injected into the target. Without it both
 // backends estimate: a process alive at both ends counts its minor-fault
-// delta, and at least 1 page if it ran at all (schedstat CPU time grew),
+// delta, and at least 1 page if it ran at all (schedstat: its threads were
+// scheduled in or used CPU time),
 // because rewriting an already dirty page costs no fault; a process born in
 // the turn counts all its minor faults. The sandbox's init (Target.InitPID)
 // is excluded: its memory is rewind's. Mem.Exact is therefore false.

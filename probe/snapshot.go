@@ -9,9 +9,13 @@ type procInfo struct {
 	StartTime uint64 // clock ticks since boot: (PID, StartTime) identifies a process
 	MinFlt    uint64
 	RunNS     uint64 // CPU time of all threads, from schedstat
-	Cwd       string
-	Sockets   map[uint64]struct{} // socket inodes held by the process's fds
-	NetNS     string
+	// Slices counts how often the threads were scheduled in (schedstat's
+	// third field). It grows as soon as a thread starts running, unlike
+	// RunNS, which lags for a thread still on a CPU.
+	Slices  uint64
+	Cwd     string
+	Sockets map[uint64]struct{} // socket inodes held by the process's fds
+	NetNS   string
 }
 
 // sockInfo is one socket from /proc/PID/net/{tcp,tcp6,udp,udp6}.

@@ -88,7 +88,7 @@ func readProc(pid int, withNet bool) (*procInfo, error) {
 		}
 		p.Argv0 = string(cl)
 	}
-	p.RunNS = readRunNS(base)
+	p.RunNS, p.Slices = readSchedstat(base)
 	if withNet {
 		p.NetNS, _ = os.Readlink(base + "/ns/net")
 		p.Sockets = readSocketInodes(base)
@@ -122,25 +122,30 @@ func parseStat(b []byte, p *procInfo) error {
 	return nil
 }
 
-// readRunNS sums the on-CPU time of every thread of a process.
-func readRunNS(base string) uint64 {
+// readSchedstat sums the on-CPU time and the run counts of every thread of
+// a process.
+func readSchedstat(base string) (runNS, slices uint64) {
 	ents, err := os.ReadDir(base + "/task")
 	if err != nil {
-		return 0
+		return 0, 0
 	}
-	var sum uint64
 	for _, e := range ents {
 		b, err := os.ReadFile(base + "/task/" + e.Name() + "/schedstat")
 		if err != nil {
 			continue
 		}
-		if i := bytes.IndexByte(b, ' '); i > 0 {
-			if v, err := strconv.ParseUint(string(b[:i]), 10, 64); err == nil {
-				sum += v
-			}
+		f := strings.Fields(string(b))
+		if len(f) < 3 {
+			continue
+		}
+		if v, err := strconv.ParseUint(f[0], 10, 64); err == nil {
+			runNS += v
+		}
+		if v, err := strconv.ParseUint(f[2], 10, 64); err == nil {
+			slices += v
 		}
 	}
-	return sum
+	return runNS, slices
 }
 
 // readSocketInodes lists the socket inodes held by a process's fds.

@@ -76,6 +76,7 @@ func TestApplySnapshots(t *testing.T) {
 		21: p(21, 12, 10, 1, "/w", "sleep"),  // exits
 		22: p(22, 13, 10, 1, "/w", "python"), // idle
 		23: p(23, 14, 10, 1, "/w", "old"),    // pid reused below
+		24: p(24, 15, 10, 1, "/w", "worker"), // scheduled in, still on CPU
 	}}
 	end := &snapshot{Procs: map[int]*procInfo{
 		1:  p(1, 10, 900, 50, "/", "init"),     // init: excluded from memory
@@ -83,13 +84,15 @@ func TestApplySnapshots(t *testing.T) {
 		22: p(22, 13, 10, 1, "/w", "python"),   // idle: nothing
 		23: p(23, 99, 40, 3, "/w", "server"),   // new process, reused pid
 		30: p(30, 20, 0, 0, "/w", "new"),       // new, no faults yet
+		24: p(24, 15, 10, 1, "/w", "worker"),
 	}}
+	begin.Procs[24].Slices, end.Procs[24].Slices = 7, 8
 	var r effect.Report
 	d := applySnapshots(&r, begin, end, 1)
-	if r.Proc.Alive != 5 || r.Proc.Exited != 2 || r.Proc.NewLongLived != 2 || r.Proc.CwdChanges != 1 || d.New != 2 {
+	if r.Proc.Alive != 6 || r.Proc.Exited != 2 || r.Proc.NewLongLived != 2 || r.Proc.CwdChanges != 1 || d.New != 2 {
 		t.Fatalf("proc %+v new %d", r.Proc, d.New)
 	}
-	if r.Mem.PagesWritten != 1+40+1 || len(r.Mem.PerProc) != 3 || r.Mem.PerProc[0].PID != 23 {
+	if r.Mem.PagesWritten != 1+40+1+1 || len(r.Mem.PerProc) != 4 || r.Mem.PerProc[0].PID != 23 {
 		t.Fatalf("mem %+v", r.Mem)
 	}
 	if len(r.Proc.LongLived) != 2 || r.Proc.LongLived[0].Comm != "server" {
