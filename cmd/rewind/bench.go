@@ -26,6 +26,7 @@ func newBenchCmd() *cobra.Command {
 	}
 	cmd.AddCommand(newBenchTurnCmd())
 	cmd.AddCommand(newBenchPolicyCmd())
+	cmd.AddCommand(newBenchSandboxCmd())
 	return cmd
 }
 
