@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-func needCRIU(t *testing.T) *criu.Runner {
+func needCRIU(t testing.TB) *criu.Runner {
 	t.Helper()
 	r, err := criu.NewRunner("")
 	testenv.RequireNoErr(t, err, "criu")
@@ -34,7 +34,9 @@ func TestCRIURunnerInNamespace(t *testing.T) {
 	if err := unix.Kill(p.PID, unix.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(ctxT(t), 10*time.Second, func() bool { st, _ := procState(p.PID); return st == 'T' })
+	if !waitUntil(ctxT(t), 10*time.Second, func() bool { st, _ := procState(p.PID); return st == 'T' }) {
+		t.Fatal("target did not stop")
+	}
 	dir := filepath.Join(t.TempDir(), "img")
 	if err := r.Dump(ctxT(t), criu.DumpOptions{NSInit: sb.InitPID(), Pid: p.NSPID, Dir: dir}); err != nil {
 		t.Fatal(err)
@@ -58,7 +60,8 @@ func TestCRIURunnerInNamespace(t *testing.T) {
 	if len(got) != 1 || got[0].NSPID != p.NSPID || got[0].PPID != sb.InitPID() {
 		t.Fatalf("after restore: %+v", got)
 	}
-	if st, _ := procState(got[0].PID); st != 'T' {
+	var st byte
+	if !waitUntil(ctxT(t), 10*time.Second, func() bool { st, _ = procState(got[0].PID); return st == 'T' }) {
 		t.Fatalf("restored state %c, want T", st)
 	}
 }

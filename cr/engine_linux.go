@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 
@@ -507,17 +508,20 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 	return c.rec, nil
 }
 
-// killLive SIGKILLs every live process of t and waits until each is gone.
-func (e *Engine) killLive(ctx context.Context, t Target) error {
-	for round := 0; round < 10; round++ {
+// killLive SIGKILLs every live process of t and waits until each one is
+// exiting (PF_EXITING: it will never run user code or start a system call
+// again). It does not wait for the exit to finish: tearing down a large
+// address space takes milliseconds and the copies need not wait for it.
+func (e *Engine) killLive(ctx context.Context, t Target) ([]int, error) {
+	var killed []int
+	for round := 0; round < 20; round++ {
 		procs, err := e.processes(t)
 		if err != nil {
-			return err
+			return killed, err
 		}
 		if len(procs) == 0 {
-			return nil
+			return killed, nil
 		}
-		e.log.Debug("kill live", "procs", procs, "skip", e.templatePids(t.ID()))
 		var fds []int
 		for _, p := range procs {
 			fd, err := unix.PidfdOpen(p.PID, 0)
@@ -526,39 +530,39 @@ func (e *Engine) killLive(ctx context.Context, t Target) error {
 			}
 			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
 			fds = append(fds, fd)
+			killed = append(killed, p.PID)
 		}
-		for _, fd := range fds {
-			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-			deadline := time.Now().Add(10 * time.Second)
-			for time.Now().Before(deadline) && ctx.Err() == nil {
-				n, err := unix.Poll(pfd, 100)
-				if n > 0 || (err != nil && err != unix.EINTR) {
-					break
+		for i, fd := range fds {
+			pid := procs[i].PID
+			waitUntil(ctx, 10*time.Second, func() bool {
+				pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+				if n, _ := unix.Poll(pfd, 0); n > 0 {
+					return true
 				}
-			}
+				return exiting(pid)
+			})
 			unix.Close(fd)
 		}
-		// Zombies still listed until init reaps them: wait briefly.
-		waitUntil(ctx, 2*time.Second, func() bool {
-			ps, err := e.processes(t)
-			return err == nil && allZombie(ps)
-		})
 	}
 	procs, _ := e.processes(t)
-	if !allZombie(procs) {
-		return fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
+	if len(procs) > 0 {
+		return killed, fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
 	}
-	return nil
+	return killed, nil
 }
 
-func allZombie(ps []Proc) bool {
-	for _, p := range ps {
-		st, err := procState(p.PID)
-		if err == nil && st != 'Z' && st != 'X' {
-			return false
+// waitGone waits until the killed processes are reaped, so their pids are
+// free again (CRIU restores exact pids).
+func waitGone(ctx context.Context, pids []int) error {
+	for _, pid := range pids {
+		if !waitUntil(ctx, 10*time.Second, func() bool {
+			_, err := os.Stat("/proc/" + strconv.Itoa(pid))
+			return err != nil
+		}) {
+			return fmt.Errorf("process %d not reaped", pid)
 		}
 	}
-	return true
+	return nil
 }
 
 func waitUntil(ctx context.Context, d time.Duration, f func() bool) bool {
@@ -570,7 +574,7 @@ func waitUntil(ctx context.Context, d time.Duration, f func() bool) bool {
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			return false
 		}
-		time.Sleep(time.Millisecond)
+		time.Sleep(50 * time.Microsecond)
 	}
 }
 
@@ -586,7 +590,8 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	}
 	defer e.releaseCk(c)
 	start := time.Now()
-	if err := e.killLive(ctx, t); err != nil {
+	killed, err := e.killLive(ctx, t)
+	if err != nil {
 		return nil, fmt.Errorf("restore %s: %w", id, err)
 	}
 	if opts.SwitchFS != nil {
@@ -600,6 +605,9 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		return res, nil
 	}
 	if c.rec.Mode == ModeCRIU {
+		if err := waitGone(ctx, killed); err != nil {
+			return nil, fmt.Errorf("restore %s: %w", id, err)
+		}
 		procs, err := e.restoreTrees(ctx, c, t, opts)
 		if err != nil {
 			return nil, fmt.Errorf("restore %s: %w", id, err)

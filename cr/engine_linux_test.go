@@ -9,7 +9,7 @@ import (
 
 const bashMarker = "__END__"
 
-func bashChat(t *testing.T, s session, cmd string) string {
+func bashChat(t testing.TB, s session, cmd string) string {
 	t.Helper()
 	return chat(t, s.in, s.out, cmd+"; echo "+bashMarker, bashMarker)
 }
@@ -90,7 +90,7 @@ while True:
     print("__END__", flush=True)
 `
 
-func pyChat(t *testing.T, s session, cmd string) string {
+func pyChat(t testing.TB, s session, cmd string) string {
 	t.Helper()
 	return chat(t, s.in, s.out, cmd, bashMarker)
 }

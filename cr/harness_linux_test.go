@@ -79,7 +79,7 @@ type testSandbox struct {
 func (s *testSandbox) ID() string   { return s.id }
 func (s *testSandbox) InitPID() int { return s.init.Process.Pid }
 
-func startSandbox(t *testing.T, argv ...string) *testSandbox {
+func startSandbox(t testing.TB, argv ...string) *testSandbox {
 	t.Helper()
 	testenv.RequireRoot(t)
 	path, err := exec.LookPath(argv[0])
@@ -122,7 +122,7 @@ func startSandbox(t *testing.T, argv ...string) *testSandbox {
 }
 
 // chat writes cmd and returns the output lines up to the marker line.
-func chat(t *testing.T, w *os.File, r *bufio.Reader, cmd, marker string) string {
+func chat(t testing.TB, w *os.File, r *bufio.Reader, cmd, marker string) string {
 	t.Helper()
 	if _, err := fmt.Fprintln(w, cmd); err != nil {
 		t.Fatalf("write %q: %v", cmd, err)
@@ -167,7 +167,7 @@ type session struct {
 
 // freshStdio returns RestoreOptions.Stdio creating new pipes for every
 // copy; the test ends are sent on the returned channel.
-func freshStdio(t *testing.T, sb *testSandbox) (func(Proc) (*Stdio, error), chan session) {
+func freshStdio(t testing.TB, sb *testSandbox) (func(Proc) (*Stdio, error), chan session) {
 	ch := make(chan session, 64)
 	return func(Proc) (*Stdio, error) {
 		inR, inW, err := os.Pipe()
@@ -196,7 +196,7 @@ func freshStdio(t *testing.T, sb *testSandbox) (func(Proc) (*Stdio, error), chan
 	}, ch
 }
 
-func newEngine(t *testing.T, cfg Config) *Engine {
+func newEngine(t testing.TB, cfg Config) *Engine {
 	t.Helper()
 	e, err := New(cfg)
 	if err != nil {
@@ -206,7 +206,7 @@ func newEngine(t *testing.T, cfg Config) *Engine {
 	return e
 }
 
-func ctxT(t *testing.T) context.Context {
+func ctxT(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
@@ -215,3 +215,5 @@ func ctxT(t *testing.T) context.Context {
 func testLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 }
+
+func ctxBG() context.Context { return context.Background() }

@@ -94,15 +94,39 @@ func descendants(init int, skip map[int]bool) ([]Proc, error) {
 				continue
 			}
 			seen[c] = true
+			queue = append(queue, c)
+			if exiting(c) {
+				continue // dying: not a live process any more
+			}
 			p, err := readProc(c)
 			if err != nil {
 				continue // exited meanwhile
 			}
 			out = append(out, p)
-			queue = append(queue, c)
 		}
 	}
 	return out, nil
 }
 
 func itoa(i int) string { return strconv.Itoa(i) }
+
+// pfExiting is the kernel's PF_EXITING task flag.
+const pfExiting = 0x4
+
+// exiting reports whether pid is gone, a zombie, or has begun to exit.
+func exiting(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return true
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 7 || f[0] == "Z" || f[0] == "X" {
+		return true
+	}
+	flags, err := strconv.ParseUint(f[6], 10, 64)
+	return err == nil && flags&pfExiting != 0
+}

@@ -115,16 +115,13 @@ func lastErrorLine(log string) string {
 	if err != nil {
 		return ""
 	}
-	var last string
+	// The first error is the cause; the last one is "Dumping FAILED".
 	for _, l := range strings.Split(string(b), "\n") {
 		if strings.Contains(l, "Error") && !strings.Contains(l, "RLIMIT_NOFILE") {
-			last = l
+			return "; " + strings.TrimSpace(l)
 		}
 	}
-	if last == "" {
-		return ""
-	}
-	return "; " + strings.TrimSpace(last)
+	return ""
 }
 
 // DumpOptions describe one dump.
