@@ -75,15 +75,20 @@
 //
 // # Memory estimate
 //
-// Exact written-page sets need userfaultfd write-protection registered in
-// each target process (PAGEMAP_SCAN reports PAGE_IS_WRITTEN only for such
-// ranges), which needs code injected into the target. Without it both
-// backends estimate: a process alive at both ends counts its minor-fault
-// delta, and at least 1 page if it ran at all (schedstat: its threads were
-// scheduled in or used CPU time),
-// because rewriting an already dirty page costs no fault; a process born in
-// the turn counts all its minor faults. The sandbox's init (Target.InitPID)
-// is excluded: its memory is rewind's. Mem.Exact is therefore false.
+// Exact written-page sets need userfaultfd write-protection (async mode)
+// registered in each target process: PAGEMAP_SCAN reports PAGE_IS_WRITTEN
+// only for such ranges. Registering it in a non-cooperating process means
+// injecting userfaultfd(2) and UFFDIO_REGISTER (ptrace), and the uffd must
+// stay open in the target, which breaks checkpointing: CRIU 4.1.1 refuses to
+// dump it ("Can't dump file 3 of that type [600] (anon
+// anon_inode:[userfaultfd])", checked on this kernel), and a template fork
+// loses the registration in the child. The probes therefore estimate: a
+// process alive at both ends counts its minor-fault delta, and at least 1
+// page if it ran at all (schedstat: its threads were scheduled in or used
+// CPU time), because rewriting an already dirty page costs no fault; a
+// process born in the turn counts all its minor faults. The sandbox's init
+// (Target.InitPID) is excluded: its memory is rewind's. Mem.Exact is
+// therefore false.
 //
 // # eBPF file-system counts without an FSSource
 //
@@ -96,6 +101,8 @@
 // layer (Target.FS) is preferred whenever it is present.
 //
 // # Limits
+//
+// No tracefs is needed: every program is a raw tracepoint (BPF_RAW_TRACEPOINT_OPEN).
 //
 // Processes in cgroups nested below Target.CgroupV2Dir are listed by the
 // snapshots but not matched by the eBPF filter (it compares the task's own
