@@ -60,9 +60,7 @@ func (f *FS) copyUp(st *stack, n *node, noData bool) error {
 		n.setSrcs(append([]src{up}, srcs...), gen)
 	} else {
 		n.setSrcs([]src{up}, gen)
-		if ns.Mode&unix.S_IFMT == unix.S_IFREG && ns.Nlink == 1 {
-			f.copyUpLinks(st, srcs[0], dst)
-		}
+		f.copyUpLinks(st, srcs[0], dst)
 	}
 	f.dirty.Store(true)
 	return nil
@@ -79,6 +77,9 @@ func (f *FS) copyUpPath(st *stack, vp string, e *entry, noData bool) error {
 		return fmt.Errorf("copy-up %s: %w", vp, err)
 	}
 	f.aliasIno(st.upper, ns.Ino, f.inoFor(e.srcs[0].l, e.st.Ino))
+	if ns.Mode&unix.S_IFMT != unix.S_IFDIR {
+		f.copyUpLinks(st, e.srcs[0], vp)
+	}
 	f.dirty.Store(true)
 	return nil
 }
@@ -285,7 +286,7 @@ func copyXattrsFd(srcHost string, out int) error {
 // the same layer inode is linked to the copy.
 func (f *FS) copyUpLinks(st *stack, s src, dst string) {
 	var ss unix.Stat_t
-	if err := unix.Fstatat(s.l.fd, s.path, &ss, unix.AT_SYMLINK_NOFOLLOW); err != nil || ss.Nlink <= 1 {
+	if err := unix.Fstatat(s.l.fd, s.path, &ss, unix.AT_SYMLINK_NOFOLLOW); err != nil || ss.Nlink <= 1 || ss.Mode&unix.S_IFMT == unix.S_IFDIR {
 		return
 	}
 	others := f.linkNames(s.l, ss.Ino, ss.Nlink)
@@ -309,7 +310,7 @@ func (f *FS) copyUpLinks(st *stack, s src, dst string) {
 func (f *FS) linkNames(l *layerDir, ino uint64, nlink uint64) []string {
 	var out []string
 	_ = layer.Walk(l.path, func(rel string, d interfaceDirEntry) error {
-		if !d.Type().IsRegular() {
+		if d.IsDir() {
 			return nil
 		}
 		var s unix.Stat_t
@@ -344,6 +345,8 @@ func (f *FS) resolvePath(st *stack, vp string) (entry, bool) {
 func (f *FS) copyUpDirs(st *stack, dir string) error {
 	e := entry{srcs: rootSrcs(st)}
 	cur := "."
+	in := f.root.EmbeddedInode()
+	gen := f.gen.Load()
 	for _, c := range splitPath(dir) {
 		ne, found, err := lookupEntry(st, e.srcs, cur, c, false)
 		if err != nil {
@@ -353,12 +356,23 @@ func (f *FS) copyUpDirs(st *stack, dir string) error {
 			return syscall.ENOENT
 		}
 		next := join(cur, c)
+		if in != nil {
+			in = in.GetChild(c)
+		}
 		if ne.srcs[0].l != st.upper {
-			if _, err := f.copyEntry(st, ne.srcs[0], next, false); err != nil {
+			ns, err := f.copyEntry(st, ne.srcs[0], next, false)
+			if err != nil {
 				return err
 			}
+			f.aliasIno(st.upper, ns.Ino, f.inoFor(ne.srcs[0].l, ne.st.Ino))
 			ne.srcs = append([]src{{st.upper, next}}, ne.srcs...)
 			f.dirty.Store(true)
+			// Keep a known node's resolution in step with the upper.
+			if in != nil && in.IsDir() {
+				if cn, ok := in.Operations().(*node); ok {
+					cn.setSrcs(ne.srcs, gen)
+				}
+			}
 		}
 		e, cur = ne, next
 	}

@@ -184,10 +184,18 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 		ino = f.inoFor(e.srcs[0].l, e.st.Ino)
 	}
 	f.inoMu.Lock()
-	if cn := f.nodes[ino]; cn != nil && cn.StableAttr().Mode == mode && !fresh {
+	if cn := f.nodes[ino]; cn != nil && !fresh {
+		// Another name of a live node: a hard link of the same inode is
+		// shared; anything else is a stale key (a reused backing inode
+		// number) and gets a fresh number.
+		if mode != unix.S_IFDIR && cn.StableAttr().Mode == mode && e.st.Nlink > 1 {
+			f.inoMu.Unlock()
+			cn.setSrcs(e.srcs, gen)
+			return cn.EmbeddedInode()
+		}
 		f.inoMu.Unlock()
-		cn.setSrcs(e.srcs, gen)
-		return cn.EmbeddedInode()
+		ino = f.freshIno(e.srcs[0].l, e.st.Ino)
+		f.inoMu.Lock()
 	}
 	cn := &node{f: f, gen: gen, srcs: e.srcs}
 	f.nodes[ino] = cn

@@ -232,6 +232,14 @@ func (n *node) removeEntry(st *stack, name string, e *entry, dir bool) syscall.E
 	}
 	p := join(n.vpath(), name)
 	u := st.upper
+	if !dir && e.st.Nlink > 1 && e.srcs[0].l != u {
+		// Keep the other names of a multiply-linked lower inode linked
+		// (and their link count right): copy it up with its links first.
+		if err := f.copyUpChild(st, n, name, p, e); err != nil {
+			return errnoOf(err)
+		}
+		e.srcs = []src{{u, p}}
+	}
 	if e.srcs[0].l == u {
 		if dir {
 			// A merged-empty directory holds only whiteouts in the upper.
@@ -417,6 +425,13 @@ func (n *node) Rename(ctx context.Context, name string, newParent gofs.InodeEmbe
 	if err != nil {
 		return errnoOf(err)
 	}
+	if found2 && !e2.isDir() && e2.st.Nlink > 1 && e2.srcs[0].l != u {
+		// The target name of a multiply-linked lower inode disappears:
+		// copy it up with its links so the other names' count drops.
+		if err := f.copyUpChild(st, np, newName, p2, &e2); err != nil {
+			return errnoOf(err)
+		}
+	}
 	if found2 && e2.isDir() && e2.srcs[0].l == u {
 		if fd, err := openBeneath(u.fd, p2, unix.O_RDONLY|unix.O_DIRECTORY, 0); err == nil {
 			names, _ := readDirNames(fd)
@@ -483,6 +498,19 @@ func (n *node) Rename(ctx context.Context, name string, newParent gofs.InodeEmbe
 // copyUpChild copies up child name of directory n (entry e at view path
 // p), through its node when the kernel knows it.
 func (f *FS) copyUpChild(st *stack, n *node, name, p string, e *entry) error {
+	if !e.isDir() {
+		// Path based: a node with several names must be copied up under
+		// this very name.
+		if err := f.copyUpPath(st, p, e, false); err != nil {
+			return err
+		}
+		if ch := n.GetChild(name); ch != nil {
+			if cn, ok := ch.Operations().(*node); ok {
+				cn.setSrcs([]src{{st.upper, p}}, f.gen.Load())
+			}
+		}
+		return nil
+	}
 	if ch := n.GetChild(name); ch != nil {
 		if cn, ok := ch.Operations().(*node); ok && ch.StableAttr().Mode == e.st.Mode&unix.S_IFMT {
 			cn.setSrcs(e.srcs, f.gen.Load())
