@@ -20,6 +20,10 @@ import (
 // PID namespace, it starts os.Args[1:] in its own session and reaps every
 // child, like the sandbox package's init.
 func TestMain(m *testing.M) {
+	// Descriptors inherited from whoever started the test binary must not
+	// reach the test sandboxes (CRIU cannot dump a host /dev/null fd from a
+	// foreign mount namespace).
+	must(unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC))
 	if os.Getenv("CR_TEST_INIT") == "1" {
 		testInit()
 		return
