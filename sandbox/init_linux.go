@@ -16,8 +16,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// initEnv selects the init stage when the binary is re-executed as a
-// sandbox's PID 1.
+// initEnv marks a process started by Start (the same binary re-executed)
+// as a sandbox's PID 1.
 const initEnv = "REWIND_SANDBOX_INIT"
 
 // ctlFD is the control socket's fd number in the init.
@@ -34,8 +34,7 @@ var keptCaps = []uintptr{
 
 // init takes over a process started by Start as a sandbox init as early as
 // possible: package initialization order puts this package's init before
-// heavy ones (metrics, net/http...), and an init runs twice per sandbox
-// start (both stages), so this saves milliseconds on every Start.
+// heavy ones (metrics, net/http...), which saves milliseconds per Start.
 func init() { MaybeRunInit() }
 
 // MaybeRunInit runs the sandbox init and never returns when the current
@@ -43,36 +42,47 @@ func init() { MaybeRunInit() }
 // Importing the package already does this from its init function; calling
 // it first thing in main (or TestMain) as well is harmless.
 func MaybeRunInit() {
-	stage := os.Getenv(initEnv)
-	if stage == "" {
+	if os.Getenv(initEnv) == "" {
 		return
 	}
-	var err error
-	switch stage {
-	case "1":
-		err = initStage1()
-	case "2":
-		err = initStage2()
-	default:
-		err = fmt.Errorf("unknown init stage %q", stage)
-	}
+	// Package initialization runs on the main thread: keep this goroutine
+	// there for good. The main thread is the init's identity (its
+	// credentials are what /proc/1 shows and what access checks against
+	// PID 1 use), and every sandbox process is forked from it.
+	runtime.LockOSThread()
+	err := runInit()
 	fmt.Fprintln(os.Stderr, "rewind init:", err)
 	os.Exit(1)
 }
 
-// initStage1 receives the setup, builds the mount namespace, switches root,
-// drops capabilities and re-executes itself as stage 2.
-func initStage1() error {
+// runInit receives the setup, builds the mount namespace, switches root,
+// drops the main thread's capabilities to the sandbox's set, then serves
+// the control channel and reaps children until the daemon goes away.
+func runInit() error {
 	// Nothing the daemon inherited may leak into the sandbox.
 	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
+	// Ignore every signal a sandbox process could send us (PID 1 only gets
+	// signals it handles, and the Go runtime handles them all).
+	ign := []os.Signal{}
+	for s := syscall.Signal(1); s < 32; s++ {
+		switch s {
+		case unix.SIGCHLD, unix.SIGKILL, unix.SIGSTOP, unix.SIGURG:
+			continue
+		}
+		ign = append(ign, s)
+	}
+	signal.Ignore(ign...)
+	chld := make(chan os.Signal, 16)
+	signal.Notify(chld, unix.SIGCHLD)
+
 	ctlFile := os.NewFile(ctlFD, "control")
 	c, err := newConn(ctlFile)
 	if err != nil {
 		return err
 	}
-	ctlFile.Close() // newConn dup'ed it; fd ctlFD is free again, refilled below
+	ctlFile.Close()
 	buf := make([]byte, maxMsg)
-	oob := make([]byte, 4096)
+	oob := make([]byte, unix.CmsgSpace(16*4))
 	m, fds, err := c.recv(buf, oob)
 	if err != nil {
 		return fmt.Errorf("read setup: %w", err)
@@ -81,33 +91,53 @@ func initStage1() error {
 	if m.Op != opSetup || m.Setup == nil {
 		return fmt.Errorf("expected setup, got %q", m.Op)
 	}
-	if err := setupNamespace(m.Setup); err != nil {
+	fail := func(err error) error {
 		_ = c.send(&msg{Op: opReady, Err: err.Error()})
 		return err
 	}
-	// Hand the control socket to stage 2 as fd ctlFD, without close-on-exec.
-	raw, err := c.c.File()
+	if err := setupNamespace(m.Setup); err != nil {
+		return fail(err)
+	}
+	if !m.Setup.KeepCaps {
+		if err := dropCaps(); err != nil {
+			return fail(err)
+		}
+	}
+	devNull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
+		return fail(fmt.Errorf("open /dev/null: %w", err))
+	}
+	// stdin becomes the sandbox's own /dev/null (it was the host's).
+	_ = unix.Dup3(devNull, 0, 0)
+	st := &initState{c: c, devNull: devNull, held: map[int]bool{}, spawns: make(chan spawnReq)}
+	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
 		return err
 	}
-	if int(raw.Fd()) == ctlFD {
-		if _, err := unix.FcntlInt(ctlFD, unix.F_SETFD, 0); err != nil {
-			return fmt.Errorf("control fd: %w", err)
-		}
-	} else if err := unix.Dup3(int(raw.Fd()), ctlFD, 0); err != nil {
-		return fmt.Errorf("dup control fd: %w", err)
+	go st.reaper(chld)
+	go st.serve(buf, oob)
+	// Spawns run here, on the main thread, so that children inherit its
+	// reduced capabilities.
+	for r := range st.spawns {
+		st.spawn(r.m, r.fds)
 	}
-	runtime.LockOSThread() // the bounding set is per thread: drop and exec on this one
-	if !m.Setup.KeepCaps {
-		if err := dropBoundingSet(); err != nil {
-			_ = c.send(&msg{Op: opReady, Err: err.Error()})
-			return err
-		}
+	return errors.New("unreachable")
+}
+
+// dropCaps reduces the calling thread's capabilities (bounding, permitted,
+// effective) to keptCaps.
+func dropCaps() error {
+	if err := dropBoundingSet(); err != nil {
+		return err
 	}
-	env := []string{initEnv + "=2", "GOMAXPROCS=1"}
-	err = syscall.Exec("/proc/self/exe", []string{"rewind-init"}, env)
-	_ = c.send(&msg{Op: opReady, Err: "exec stage 2: " + err.Error()})
-	return fmt.Errorf("exec stage 2: %w", err)
+	var data [2]unix.CapUserData
+	for _, c := range keptCaps {
+		data[c/32].Permitted |= 1 << (c % 32)
+		data[c/32].Effective |= 1 << (c % 32)
+	}
+	if err := unix.Capset(&unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	return nil
 }
 
 func dropBoundingSet() error {
@@ -342,54 +372,24 @@ func loopbackUp() error {
 	return nil
 }
 
-// initState is the running stage-2 init.
+// initState is the running init.
 type initState struct {
 	c       *conn
 	devNull int
 	mu      sync.Mutex // serializes spawn replies with exit reports
 	held    map[int]bool
+	spawns  chan spawnReq
 }
 
-// initStage2 is the long-running PID 1: it serves the control channel and
-// reaps children until the daemon goes away.
-func initStage2() error {
-	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
-	// Ignore every signal a sandbox process could send us (PID 1 only gets
-	// signals it handles, and the Go runtime handles them all).
-	ign := []os.Signal{}
-	for s := syscall.Signal(1); s < 32; s++ {
-		switch s {
-		case unix.SIGCHLD, unix.SIGKILL, unix.SIGSTOP, unix.SIGURG:
-			continue
-		}
-		ign = append(ign, s)
-	}
-	signal.Ignore(ign...)
-	chld := make(chan os.Signal, 16)
-	signal.Notify(chld, unix.SIGCHLD)
+type spawnReq struct {
+	m   *msg
+	fds []int
+}
 
-	ctlFile := os.NewFile(ctlFD, "control")
-	c, err := newConn(ctlFile)
-	if err != nil {
-		return err
-	}
-	ctlFile.Close()
-	devNull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		_ = c.send(&msg{Op: opReady, Err: "open /dev/null: " + err.Error()})
-		return err
-	}
-	// stdin becomes the sandbox's own /dev/null (it was the host's).
-	_ = unix.Dup3(devNull, 0, 0)
-	st := &initState{c: c, devNull: devNull, held: map[int]bool{}}
-	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
-		return err
-	}
-	go st.reaper(chld)
-	buf := make([]byte, maxMsg)
-	oob := make([]byte, unix.CmsgSpace(16*4))
+// serve reads control messages; spawns go to the main thread.
+func (st *initState) serve(buf, oob []byte) {
 	for {
-		m, fds, err := c.recv(buf, oob)
+		m, fds, err := st.c.recv(buf, oob)
 		if err != nil {
 			var bad badMsgError
 			if errors.As(err, &bad) {
@@ -398,6 +398,10 @@ func initStage2() error {
 			// The daemon is gone: take the whole sandbox down with us.
 			_ = unix.Kill(-1, unix.SIGKILL)
 			os.Exit(0)
+		}
+		if m.Op == opSpawn {
+			st.spawns <- spawnReq{m, fds}
+			continue
 		}
 		st.handle(m, fds)
 	}
@@ -419,8 +423,6 @@ func (st *initState) handle(m *msg, fds []int) {
 	case opPing:
 		closeFDs(fds)
 		st.reply(m, &msg{})
-	case opSpawn:
-		st.spawn(m, fds)
 	case opKill:
 		closeFDs(fds)
 		pid := m.PID
@@ -462,6 +464,11 @@ func (st *initState) handle(m *msg, fds []int) {
 
 func (st *initState) spawn(m *msg, fds []int) {
 	defer closeFDs(fds)
+	defer func() {
+		if p := recover(); p != nil {
+			st.reply(m, &msg{Err: fmt.Sprint("init: ", p)})
+		}
+	}()
 	if len(m.Argv) == 0 {
 		st.reply(m, &msg{Err: "spawn: empty argv"})
 		return

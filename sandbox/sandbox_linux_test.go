@@ -151,7 +151,14 @@ func TestIsolation(t *testing.T) {
 	if out := sh(t, sb, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"); out != "lo\n" {
 		t.Fatalf("interfaces %q", out)
 	}
-	// Reduced capabilities: no mount, no mknod.
+	// Reduced capabilities, the same for the init (PID 1 as the sandbox
+	// sees it) and its children: no mount, no mknod.
+	if out := sh(t, sb, "grep CapEff /proc/1/status /proc/self/status | cut -f2 | uniq | wc -l"); out != "1\n" {
+		t.Fatalf("init and sandbox processes differ in capabilities: %q", out)
+	}
+	if out := sh(t, sb, "grep CapEff /proc/self/status | cut -f2"); out == "000001ffffffffff\n" || out == "000001fffeffffff\n" {
+		t.Fatalf("sandbox process has every capability: %q", out)
+	}
 	if _, _, code := run(t, sb, "mount", "-t", "tmpfs", "x", "/mnt"); code == 0 {
 		t.Fatal("mount succeeded inside the sandbox")
 	}
