@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -146,7 +145,7 @@ per-syscall hook (file-system effects from syscalls).`,
 			}
 			var results []*probebench.Result
 			for _, b := range backends {
-				r, err := probebench.Run(probebench.Options{Backend: b, Workload: strings.Fields(workload), Rounds: rounds, Turns: turns, NoFSSource: noFS})
+				r, err := probebench.Run(probebench.Options{Backend: b, Workload: []string{"sh", "-c", workload}, Rounds: rounds, Turns: turns, NoFSSource: noFS})
 				if err != nil {
 					return fmt.Errorf("probe bench %s: %w", b, err)
 				}
@@ -161,7 +160,7 @@ per-syscall hook (file-system effects from syscalls).`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&backend, "backend", "all", "ebpf, userspace or all")
-	f.StringVar(&workload, "workload", "find /usr -xdev", "command run in the cgroup")
+	f.StringVar(&workload, "workload", "find /usr -xdev", "shell command run in the cgroup (sh -c)")
 	f.IntVar(&rounds, "rounds", 7, "off/on pairs")
 	f.IntVar(&turns, "turns", 200, "timed End calls")
 	f.BoolVar(&noFS, "no-fs-source", false, "open windows without an FSSource (eBPF: per-syscall hook)")
