@@ -24,7 +24,9 @@ var benchSizes = []struct {
 	{"200MB", 191 << 20},
 }
 
-func benchTarget(b *testing.B, size int) (*testSandbox, session) {
+func benchTarget(b *testing.B, size int) (*testSandbox, session) { return benchTargetT(b, size) }
+
+func benchTargetT(b testing.TB, size int) (*testSandbox, session) {
 	b.Helper()
 	sb := startSandbox(b, "python3", "-u", "-c", pyLoop)
 	s := session{in: sb.in, out: sb.out}

@@ -439,11 +439,8 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 // prepareTemplate gives the template /dev/null as stdio (so it holds no
 // session pipe open) and, with Config.Warm, forks its warmed spare.
 func (e *Engine) prepareTemplate(tm *template) {
-	for fd := 0; fd < 3; fd++ {
-		if err := tm.proc.ReplaceFd(fd, "/dev/null", unix.O_RDWR); err != nil {
-			e.log.Debug("template stdio", "pid", tm.proc.Pid(), "fd", fd, "err", err)
-			break
-		}
+	if err := tm.proc.SetStdio([3]string{"/dev/null", "/dev/null", "/dev/null"}, [3]int{unix.O_RDWR, unix.O_RDWR, unix.O_RDWR}); err != nil {
+		e.log.Debug("template stdio", "pid", tm.proc.Pid(), "err", err)
 	}
 	if e.cfg.Warm {
 		e.makeSpare(tm, true)
@@ -514,8 +511,9 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 // address space takes milliseconds and the copies need not wait for it.
 func (e *Engine) killLive(ctx context.Context, t Target) ([]int, error) {
 	var killed []int
+	skip := e.templatePids(t.ID())
 	for round := 0; round < 20; round++ {
-		procs, err := e.processes(t)
+		procs, err := walk(t.InitPID(), skip, false)
 		if err != nil {
 			return killed, err
 		}
@@ -745,17 +743,8 @@ func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored,
 		if st == nil {
 			continue
 		}
-		for fd, path := range []string{st.Stdin, st.Stdout, st.Stderr} {
-			if path == "" {
-				continue
-			}
-			flags := unix.O_WRONLY
-			if fd == 0 {
-				flags = unix.O_RDONLY
-			}
-			if err := cp.ReplaceFd(fd, path, flags); err != nil {
-				return fail(err)
-			}
+		if err := cp.SetStdio([3]string{st.Stdin, st.Stdout, st.Stderr}, [3]int{unix.O_RDONLY, unix.O_WRONLY, unix.O_WRONLY}); err != nil {
+			return fail(err)
 		}
 	}
 	out := make([]Restored, 0, len(ms))

@@ -76,6 +76,11 @@ func children(pid int) ([]int, error) {
 // descendants lists every process below init (init excluded), parents
 // before children, skipping the pids in skip (and their subtrees).
 func descendants(init int, skip map[int]bool) ([]Proc, error) {
+	return walk(init, skip, true)
+}
+
+// walk lists the descendants of init; with full false only PIDs are filled.
+func walk(init int, skip map[int]bool, full bool) ([]Proc, error) {
 	var out []Proc
 	queue := []int{init}
 	seen := map[int]bool{init: true}
@@ -97,6 +102,10 @@ func descendants(init int, skip map[int]bool) ([]Proc, error) {
 			queue = append(queue, c)
 			if exiting(c) {
 				continue // dying: not a live process any more
+			}
+			if !full {
+				out = append(out, Proc{PID: c})
+				continue
 			}
 			p, err := readProc(c)
 			if err != nil {

@@ -309,6 +309,23 @@ func (p *Proc) step(onEvent func(cause int) error) (unix.PtraceRegs, error) {
 }
 
 func (p *Proc) syscall(nr uintptr, args ...uintptr) (uintptr, error) {
+	r, err := p.rawSyscall(nr, args...)
+	if err2 := p.restoreRegs(); err2 != nil {
+		return 0, err2
+	}
+	return r, err
+}
+
+func (p *Proc) restoreRegs() error {
+	if err := setRegs(p.pid, &p.saved); err != nil {
+		return fmt.Errorf("setregs %d: %w", p.pid, err)
+	}
+	return nil
+}
+
+// rawSyscall injects one call and leaves the registers as the call left
+// them; the caller restores them (restoreRegs) after its last call.
+func (p *Proc) rawSyscall(nr uintptr, args ...uintptr) (uintptr, error) {
 	if p.gone {
 		return 0, fmt.Errorf("process %d is gone", p.pid)
 	}
@@ -319,9 +336,6 @@ func (p *Proc) syscall(nr uintptr, args ...uintptr) (uintptr, error) {
 	out, err := p.step(nil)
 	if err != nil {
 		return 0, err
-	}
-	if err := setRegs(p.pid, &p.saved); err != nil {
-		return 0, fmt.Errorf("setregs %d: %w", p.pid, err)
 	}
 	if v := int64(out.Rax); v < 0 && v > -4096 {
 		return 0, fmt.Errorf("injected syscall %d in %d: %w", nr, p.pid, unix.Errno(-v))
@@ -637,4 +651,68 @@ func (p *Proc) ReplaceFd(fd int, path string, flags int) error {
 		_, _ = p.syscall(unix.SYS_CLOSE, nfd)
 		return nil
 	})
+}
+
+// SetStdio installs the files at paths (opened inside the process) as
+// descriptors 0, 1 and 2 in one batch; an empty path leaves that descriptor
+// alone, and a path equal to an earlier one shares its open file (stdout
+// and stderr on one pipe). flags[i] are the open flags for descriptor i.
+func (p *Proc) SetStdio(paths [3]string, flags [3]int) error {
+	return p.t.Do(func() error {
+		err := p.setStdio(paths, flags)
+		if err2 := p.restoreRegs(); err == nil {
+			err = err2
+		}
+		return err
+	})
+}
+
+func (p *Proc) setStdio(paths [3]string, flags [3]int) error {
+	// All paths go into the scratch area at once.
+	var buf []byte
+	var offs [3]int
+	for i, path := range paths {
+		offs[i] = len(buf)
+		buf = append(buf, path...)
+		buf = append(buf, 0)
+	}
+	if len(buf) > 4096 {
+		return fmt.Errorf("stdio of %d: paths too long", p.pid)
+	}
+	base := p.ScratchAddr()
+	if err := p.WriteMem(base, buf); err != nil {
+		return err
+	}
+	fdcwd := unix.AT_FDCWD
+	for fd, path := range paths {
+		if path == "" {
+			continue
+		}
+		shared := -1
+		for j := 0; j < fd; j++ {
+			if paths[j] == path {
+				shared = j
+			}
+		}
+		if shared >= 0 {
+			if _, err := p.rawSyscall(unix.SYS_DUP2, uintptr(shared), uintptr(fd)); err != nil {
+				return fmt.Errorf("stdio %d of %d: dup2: %w", fd, p.pid, err)
+			}
+			continue
+		}
+		// close(fd) then open: the lowest free descriptor is fd again
+		// (all lower ones are in use), so no dup2/close pair is needed.
+		_, _ = p.rawSyscall(unix.SYS_CLOSE, uintptr(fd))
+		nfd, err := p.rawSyscall(unix.SYS_OPENAT, uintptr(fdcwd), uintptr(base+uint64(offs[fd])), uintptr(flags[fd]&^unix.O_CLOEXEC), 0)
+		if err != nil {
+			return fmt.Errorf("stdio %d of %d: open %s: %w", fd, p.pid, path, err)
+		}
+		if int(nfd) != fd {
+			if _, err := p.rawSyscall(unix.SYS_DUP2, nfd, uintptr(fd)); err != nil {
+				return fmt.Errorf("stdio %d of %d: dup2: %w", fd, p.pid, err)
+			}
+			_, _ = p.rawSyscall(unix.SYS_CLOSE, nfd)
+		}
+	}
+	return nil
 }
