@@ -334,7 +334,8 @@ func listen(t *testing.T, addr string) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
-func runScenarios(t *testing.T, p Probe, fsFromSource bool) {
+func runScenarios(t *testing.T, p Probe, fsFromSource bool) map[string]*effect.Report {
+	reports := map[string]*effect.Report{}
 	remote := nonLoopbackAddr(t)
 	port := listen(t, "0.0.0.0:0")
 	for _, sc := range scenarios {
@@ -368,31 +369,52 @@ func runScenarios(t *testing.T, p Probe, fsFromSource bool) {
 			sc.check(e, r)
 			js, _ := json.Marshal(r)
 			t.Logf("report: %s", js)
+			reports[sc.name] = r
 		})
 	}
+	return reports
 }
 
-func TestScenariosUserspace(t *testing.T) {
-	testenv.RequireRoot(t)
-	p, err := Open(Options{Backend: BackendUserspace})
-	if err != nil {
-		t.Fatal(err)
+// policyView is what the built-in policies read from a report: both
+// backends must agree on it.
+type policyView struct {
+	FSChanged, NetChanged, MemWritten   bool
+	NewLongLived, Exited, CwdChanges    uint64
+	Listens, RemoteConnects, LostEvents uint64
+}
+
+func viewOf(r *effect.Report) policyView {
+	return policyView{
+		FSChanged: r.FSChanged(), NetChanged: r.NetChanged(), MemWritten: r.Mem.PagesWritten > 0,
+		NewLongLived: r.Proc.NewLongLived, Exited: r.Proc.Exited, CwdChanges: r.Proc.CwdChanges,
+		Listens: r.Net.Listens, RemoteConnects: r.Net.RemoteConnects, LostEvents: r.LostEvents,
 	}
-	defer p.Close()
-	runScenarios(t, p, true)
 }
 
-func TestScenariosEBPF(t *testing.T) {
+// TestScenarios runs every scenario with the userspace backend and the eBPF
+// backend (with an FSSource, as the daemon does, and without one, which
+// attaches the per-syscall hook), then checks that the backends agree on
+// what a policy reads.
+func TestScenarios(t *testing.T) {
 	testenv.RequireRoot(t)
+	results := map[string]map[string]*effect.Report{}
+	t.Run("userspace", func(t *testing.T) {
+		p, err := Open(Options{Backend: BackendUserspace})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		results["userspace"] = runScenarios(t, p, true)
+	})
 	for _, mode := range []struct {
 		name     string
 		fsSource bool
-	}{{"fs-source", true}, {"syscalls", false}} {
+	}{{"ebpf-fs-source", true}, {"ebpf-syscalls", false}} {
 		t.Run(mode.name, func(t *testing.T) {
 			p, err := Open(Options{Backend: BackendEBPF})
 			testenv.RequireNoErr(t, err, "eBPF probe")
 			defer p.Close()
-			runScenarios(t, p, mode.fsSource)
+			results[mode.name] = runScenarios(t, p, mode.fsSource)
 			ep := p.(*ebpfProbe)
 			ep.attachMu.Lock()
 			attached := ep.sysExitLink != nil
@@ -401,5 +423,14 @@ func TestScenariosEBPF(t *testing.T) {
 				t.Errorf("sys_exit hook attached = %v with fs source = %v", attached, mode.fsSource)
 			}
 		})
+	}
+	for _, sc := range scenarios {
+		u, e := results["userspace"][sc.name], results["ebpf-fs-source"][sc.name]
+		if u == nil || e == nil {
+			continue // already failed
+		}
+		if vu, ve := viewOf(u), viewOf(e); vu != ve {
+			t.Errorf("%s: backends disagree:\n userspace %+v\n ebpf      %+v", sc.name, vu, ve)
+		}
 	}
 }
