@@ -26,6 +26,7 @@ func newRootCmd() *cobra.Command {
 	root.AddCommand(newStateCmds()...)
 	root.AddCommand(newPolicyCmd())
 	root.AddCommand(newProbeCmd())
+	root.AddCommand(newFSCmd())
 	// Each area registers its command tree here, one line each.
 	return root
 }
