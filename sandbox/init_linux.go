@@ -113,6 +113,7 @@ func runInit() error {
 	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
 		return err
 	}
+	prewarmThreads()
 	go st.reaper(chld)
 	go st.serve(buf, oob)
 	// Spawns run here, on the main thread, so that children inherit its
@@ -122,6 +123,31 @@ func runInit() error {
 	}
 	return errors.New("unreachable")
 }
+
+// prewarmThreads makes the Go runtime start the OS threads the init will
+// ever need while it still can: the init shares the sandbox's pids limit,
+// and a runtime that fails to create a thread later (a fork bomb filled
+// the limit) aborts.
+func prewarmThreads() {
+	var wg sync.WaitGroup
+	for i := 0; i < initSpareThreads; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// A blocking syscall pins an OS thread until it returns.
+			_ = unix.Nanosleep(&unix.Timespec{Nsec: 2e6}, nil)
+		}()
+	}
+	wg.Wait()
+}
+
+// initSpareThreads is how many blocking syscalls prewarmThreads runs at
+// once; initThreadAllowance is added to the sandbox's pids limit for the
+// init's own threads.
+const (
+	initSpareThreads    = 4
+	initThreadAllowance = 32
+)
 
 // dropCaps reduces the calling thread's capabilities (bounding, permitted,
 // effective) to keptCaps.

@@ -21,11 +21,17 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Default cgroup parents (seam #1).
+// Default cgroup parents (seam #1, plus the v1 pids and memory limits).
 const (
 	DefaultFreezerParent  = "/sys/fs/cgroup/freezer/rewind"
 	DefaultCgroupV2Parent = "/sys/fs/cgroup/unified/rewind"
+	DefaultPidsParent     = "/sys/fs/cgroup/pids/rewind"
+	DefaultMemoryParent   = "/sys/fs/cgroup/memory/rewind"
 )
+
+// DefaultPidsMax bounds the tasks (processes and threads) of a sandbox when
+// Config.PidsMax is 0: a fork bomb inside stays inside.
+const DefaultPidsMax = 8192
 
 // DefaultEnv is the base environment of sandbox processes when Config.Env is nil.
 var DefaultEnv = []string{
@@ -73,6 +79,13 @@ type Config struct {
 	// InitPath is the binary re-executed as the init (default /proc/self/exe;
 	// it must call MaybeRunInit).
 	InitPath string
+	// PidsMax bounds the sandbox's tasks (v1 pids controller; the init's
+	// own threads get a small allowance on top): 0 means DefaultPidsMax,
+	// negative means no limit.
+	PidsMax int
+	// MemoryMax bounds the sandbox's memory in bytes (v1 memory
+	// controller; templates of package cr count too); 0 means no limit.
+	MemoryMax int64
 	// FreezerParent and CgroupV2Parent override the cgroup parents.
 	FreezerParent, CgroupV2Parent string
 	// Logger receives the init's log lines (default slog.Default()).
@@ -90,6 +103,7 @@ type Sandbox struct {
 	cli        *client
 	freezerDir string
 	v2Dir      string
+	limitDirs  []string // v1 pids and memory cgroups, when used
 	cgroupID   uint64
 	initDone   chan struct{} // closed when the init process has been waited for
 
@@ -160,6 +174,9 @@ func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
 			s.teardown()
 		}
 	}()
+	if err := s.makeLimits(); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	}
 	var st unix.Stat_t
 	if err := unix.Stat(s.v2Dir, &st); err != nil {
 		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
@@ -206,10 +223,8 @@ func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
 	s.cli = newClient(c, s.log)
 	// The init waits for its setup message, so nothing runs outside the
 	// cgroups: join them first.
-	for _, dir := range []string{s.freezerDir, s.v2Dir} {
-		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(s.initPID)), 0); err != nil {
-			return nil, fmt.Errorf("start sandbox %s: join cgroup %s: %w", cfg.ID, dir, err)
-		}
+	if err := s.JoinCgroups(s.initPID); err != nil {
+		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
 	}
 	setup := &setupConfig{
 		Root: cfg.Root, Hostname: cfg.Hostname, Net: !cfg.HostNet,
@@ -231,6 +246,39 @@ func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
 		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, ctx.Err())
 	}
 	return s, nil
+}
+
+// makeLimits creates the v1 pids and memory cgroups and sets their limits.
+func (s *Sandbox) makeLimits() error {
+	type limit struct{ parent, file, value string }
+	var limits []limit
+	switch {
+	case s.cfg.PidsMax == 0:
+		if _, err := os.Stat(filepath.Dir(DefaultPidsParent)); err == nil {
+			limits = append(limits, limit{DefaultPidsParent, "pids.max", strconv.Itoa(DefaultPidsMax + initThreadAllowance)})
+		}
+	case s.cfg.PidsMax > 0:
+		limits = append(limits, limit{DefaultPidsParent, "pids.max", strconv.Itoa(s.cfg.PidsMax + initThreadAllowance)})
+	}
+	if s.cfg.MemoryMax > 0 {
+		limits = append(limits, limit{DefaultMemoryParent, "memory.limit_in_bytes", strconv.FormatInt(s.cfg.MemoryMax, 10)})
+	}
+	for _, l := range limits {
+		dir := filepath.Join(l.parent, s.cfg.ID)
+		if err := makeCgroup(dir); err != nil {
+			return err
+		}
+		s.limitDirs = append(s.limitDirs, dir)
+		if err := os.WriteFile(filepath.Join(dir, l.file), []byte(l.value), 0); err != nil {
+			return fmt.Errorf("set %s: %w", filepath.Join(dir, l.file), err)
+		}
+	}
+	return nil
+}
+
+// cgroupDirs lists every cgroup of the sandbox.
+func (s *Sandbox) cgroupDirs() []string {
+	return append([]string{s.freezerDir, s.v2Dir}, s.limitDirs...)
 }
 
 func makeCgroup(dir string) error {
@@ -313,7 +361,11 @@ func (s *Sandbox) NSEnterArgs() []string {
 // processes it creates (a criu restore) belong to the sandbox. It joins the
 // cgroups with a tiny host shell before nsenter forks.
 func (s *Sandbox) CommandContext(ctx context.Context, argv ...string) *exec.Cmd {
-	script := fmt.Sprintf(`echo $$ > %s/cgroup.procs && echo $$ > %s/cgroup.procs && exec "$@"`, s.freezerDir, s.v2Dir)
+	script := ""
+	for _, dir := range s.cgroupDirs() {
+		script += fmt.Sprintf("echo $$ > %s/cgroup.procs && ", dir)
+	}
+	script += `exec "$@"`
 	args := append([]string{"-c", script, "rewind-nsenter"}, s.NSEnterArgs()...)
 	return exec.CommandContext(ctx, "/bin/sh", append(args, argv...)...)
 }
@@ -321,7 +373,7 @@ func (s *Sandbox) CommandContext(ctx context.Context, argv ...string) *exec.Cmd 
 // JoinCgroups moves host process pid into the sandbox's cgroups; children
 // it forks afterwards belong to the sandbox.
 func (s *Sandbox) JoinCgroups(pid int) error {
-	for _, dir := range []string{s.freezerDir, s.v2Dir} {
+	for _, dir := range s.cgroupDirs() {
 		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
 			return fmt.Errorf("join cgroup %s: %w", dir, err)
 		}
@@ -696,7 +748,7 @@ func (s *Sandbox) teardown() error {
 		s.cli.close()
 	}
 	deadline := time.Now().Add(20 * time.Second)
-	for _, dir := range []string{s.freezerDir, s.v2Dir} {
+	for _, dir := range s.cgroupDirs() {
 		for {
 			if pids, err := cgroupPIDs(dir); err == nil {
 				for _, pid := range pids {

@@ -548,3 +548,47 @@ func TestParallelStart(t *testing.T) {
 		}
 	}
 }
+
+func TestLimits(t *testing.T) {
+	sb := startTest(t, func(c *Config) { c.PidsMax = 16; c.MemoryMax = 64 << 20 })
+	// A fork bomb stays within pids.max.
+	run(t, sb, "sh", "-c", "for i in $(seq 100); do sleep 1000 2>/dev/null & done 2>/dev/null; true")
+	procs, err := sb.Processes()
+	threads := 0
+	for _, p := range procs {
+		threads += p.Threads
+	}
+	if err != nil || threads > 16+initThreadAllowance || len(procs) < 16 {
+		t.Fatalf("%d processes, %d tasks with pids.max 16 (%v)", len(procs), threads, err)
+	}
+	// The init survived the limit and still works.
+	for i := 0; i < 3; i++ {
+		if err := sb.Ping(testCtx(t)); err != nil {
+			t.Fatalf("init after fork bomb: %v", err)
+		}
+		if _, err := sb.Exec(testCtx(t), ExecRequest{Argv: []string{"true"}}); err == nil {
+			break // (may fail while the limit is full: that is fine)
+		}
+	}
+	if err := sb.KillProcesses(testCtx(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	// Allocating past memory.max gets the process killed, not the host.
+	_, _, code := run(t, sb, "python3", "-c", "b = bytearray(256 << 20); b[::4096] = b'x' * len(b[::4096]); print(len(b))")
+	if code == 0 {
+		t.Fatal("256 MiB allocation succeeded under a 64 MiB limit")
+	}
+	// The limits' cgroups go away with the sandbox.
+	dirs := sb.cgroupDirs()
+	if len(dirs) != 4 {
+		t.Fatalf("cgroups %v", dirs)
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range dirs {
+		if _, err := os.Stat(d); !os.IsNotExist(err) {
+			t.Fatalf("cgroup %s left (%v)", d, err)
+		}
+	}
+}
