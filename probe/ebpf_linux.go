@@ -20,9 +20,9 @@ import (
 	"github.com/rewind-sandbox/rewind/effect"
 )
 
-// ebpfProbe is the eBPF backend: two raw-tracepoint programs attached once
-// for the whole host (raw_syscalls:sys_exit and sched:sched_process_exec),
-// filtering in the kernel on the cgroup v2 ids of open windows.
+// ebpfProbe is the eBPF backend: raw-tracepoint programs attached once for
+// the whole host, filtering in the kernel on the cgroup v2 ids of open
+// windows (see doc.go).
 type ebpfProbe struct {
 	log   *slog.Logger
 	turns *turns

@@ -28,8 +28,6 @@ const (
 	cSampFS
 	cSampExec
 	cSampNet
-	cSyscalls
-	cChdirs
 	nCounters
 )
 
@@ -64,7 +62,6 @@ const (
 	clsMmap
 	clsMunmap
 	clsBrk
-	clsChdir
 )
 
 // struct pt_regs offsets on x86_64.
@@ -139,8 +136,6 @@ var sysClasses = map[int]uint32{
 	25: cls(clsMmap, 0, 0, 0), // mremap
 	11: cls(clsMunmap, 0, 0, 0),
 	12: cls(clsBrk, 0, regDI, 0),
-	80: cls(clsChdir, 0, 0, 0),
-	81: cls(clsChdir, 0, 0, 0),
 }
 
 // Stack layout of the programs (offsets from the frame pointer R10).
@@ -318,15 +313,10 @@ func sysExitProg(cgstats, sysclass, events int) asm.Instructions {
 		label string
 	}{
 		{clsFS, "fs"}, {clsOpen, "open"}, {clsOpenat2, "openat2"}, {clsCreat, "creat"},
-		{clsMmap, "mmap"}, {clsMunmap, "munmap"}, {clsBrk, "brk"}, {clsChdir, "chdir"},
+		{clsMmap, "mmap"}, {clsMunmap, "munmap"}, {clsBrk, "brk"},
 	} {
 		b.emit(asm.JEq.Imm(asm.R1, c.cls, c.label))
 	}
-	b.emit(asm.Ja.Label("exit"))
-
-	b.label("chdir")
-	b.emit(asm.JNE.Imm(asm.R6, 0, "exit"))
-	b.incr(cChdirs)
 	b.emit(asm.Ja.Label("exit"))
 
 	// Memory.
