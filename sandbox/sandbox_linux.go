@@ -770,3 +770,43 @@ func (s *Sandbox) teardown() error {
 }
 
 var _ io.Writer = (*lineLogger)(nil)
+
+// CleanupStale kills whatever a dead daemon left in the cgroups of sandbox
+// id (default cgroup parents) and removes them. Nothing is done for a
+// sandbox that is running in this process; call it only for ids whose
+// Sandbox is gone.
+func CleanupStale(id string) error {
+	if !idRE.MatchString(id) || strings.Contains(id, "..") {
+		return fmt.Errorf("cleanup sandbox: invalid id %q", id)
+	}
+	dirs := []string{
+		filepath.Join(DefaultFreezerParent, id), filepath.Join(DefaultCgroupV2Parent, id),
+		filepath.Join(DefaultPidsParent, id), filepath.Join(DefaultMemoryParent, id),
+	}
+	_ = os.WriteFile(filepath.Join(dirs[1], "cgroup.kill"), []byte("1"), 0)
+	_ = os.WriteFile(filepath.Join(dirs[0], "freezer.state"), []byte("THAWED"), 0)
+	var errs []error
+	deadline := time.Now().Add(10 * time.Second)
+	for _, dir := range dirs {
+		for {
+			if pids, err := cgroupPIDs(dir); err == nil {
+				for _, pid := range pids {
+					if fd, err := unix.PidfdOpen(pid, 0); err == nil {
+						_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+						unix.Close(fd)
+					}
+				}
+			}
+			err := unix.Rmdir(dir)
+			if err == nil || errors.Is(err, unix.ENOENT) {
+				break
+			}
+			if time.Now().After(deadline) {
+				errs = append(errs, fmt.Errorf("cleanup sandbox %s: remove %s: %w", id, dir, err))
+				break
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	return errors.Join(errs...)
+}

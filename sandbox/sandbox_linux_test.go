@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"runtime"
@@ -590,5 +591,50 @@ func TestLimits(t *testing.T) {
 		if _, err := os.Stat(d); !os.IsNotExist(err) {
 			t.Fatalf("cgroup %s left (%v)", d, err)
 		}
+	}
+}
+
+// TestCleanupStale: the cgroups of a sandbox whose daemon died (simulated:
+// processes left in them) are emptied and removed.
+func TestCleanupStale(t *testing.T) {
+	requireSandbox(t)
+	id := fmt.Sprintf("stale-%d", os.Getpid())
+	var procs []*exec.Cmd
+	for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent} {
+		dir := filepath.Join(parent, id)
+		if err := makeCgroup(dir); err != nil {
+			t.Fatal(err)
+		}
+		c := exec.Command("sleep", "1000")
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		procs = append(procs, c)
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(c.Process.Pid)), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	done := make(chan struct{})
+	go func() {
+		for _, c := range procs {
+			_ = c.Wait()
+		}
+		close(done)
+	}()
+	if err := CleanupStale(id); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("stale processes survived")
+	}
+	for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent, DefaultMemoryParent} {
+		if _, err := os.Stat(filepath.Join(parent, id)); !os.IsNotExist(err) {
+			t.Fatalf("%s left: %v", filepath.Join(parent, id), err)
+		}
+	}
+	if err := CleanupStale("../x"); err == nil {
+		t.Fatal("CleanupStale accepted a bad id")
 	}
 }
