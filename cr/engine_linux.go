@@ -509,9 +509,12 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 // exiting (PF_EXITING: it will never run user code or start a system call
 // again). It does not wait for the exit to finish: tearing down a large
 // address space takes milliseconds and the copies need not wait for it.
-func (e *Engine) killLive(ctx context.Context, t Target) ([]int, error) {
+func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, error) {
 	var killed []int
 	skip := e.templatePids(t.ID())
+	for _, p := range keep {
+		skip[p] = true
+	}
 	for round := 0; round < 20; round++ {
 		procs, err := walk(t.InitPID(), skip, false)
 		if err != nil {
@@ -542,7 +545,7 @@ func (e *Engine) killLive(ctx context.Context, t Target) ([]int, error) {
 			unix.Close(fd)
 		}
 	}
-	procs, _ := e.processes(t)
+	procs, _ := walk(t.InitPID(), skip, false)
 	if len(procs) > 0 {
 		return killed, fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
 	}
@@ -588,7 +591,39 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	}
 	defer e.releaseCk(c)
 	start := time.Now()
-	killed, err := e.killLive(ctx, t)
+	res := &RestoreResult{Path: "template"}
+	if c.rec.Mode == ModeTemplate && len(c.templates) > 0 {
+		// Fast path: the copies are made (stopped) while the old
+		// processes still run, so the fork does not compete with their
+		// teardown; then the old ones are killed, the fs switched, and the
+		// copies released.
+		ms, err := e.prepareCopies(c, opts, true)
+		if err == nil {
+			if _, err := e.killLive(ctx, t, copyPids(ms)); err != nil {
+				killCopies(ms)
+				return nil, fmt.Errorf("restore %s: %w", id, err)
+			}
+			if opts.SwitchFS != nil {
+				if err := opts.SwitchFS(); err != nil {
+					killCopies(ms)
+					return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
+				}
+			}
+			procs, err := e.startCopies(c, ms, true)
+			if err != nil {
+				return nil, fmt.Errorf("restore %s: %w", id, err)
+			}
+			res.Procs = procs
+			res.Duration = time.Since(start)
+			return res, nil
+		}
+		if !e.imageReady(c) {
+			return nil, fmt.Errorf("restore %s: %w", id, err)
+		}
+		e.log.Warn("template restore failed, using the image", "checkpoint", id, "err", err)
+		e.dropTemplates(c)
+	}
+	killed, err := e.killLive(ctx, t, nil)
 	if err != nil {
 		return nil, fmt.Errorf("restore %s: %w", id, err)
 	}
@@ -597,7 +632,6 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
 		}
 	}
-	res := &RestoreResult{Path: "template"}
 	if c.rec.Mode == ModeEmpty {
 		res.Duration = time.Since(start)
 		return res, nil
@@ -615,29 +649,17 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		res.Duration = time.Since(start)
 		return res, nil
 	}
-	var procs []Restored
-	if len(c.templates) > 0 {
-		procs, err = e.spawn(c, opts, true)
-		if err != nil {
-			if !e.imageReady(c) {
-				return nil, fmt.Errorf("restore %s: %w", id, err)
-			}
-			e.log.Warn("template restore failed, using the image", "checkpoint", id, "err", err)
-			e.dropTemplates(c)
-		}
+	// Template miss: recreate the templates from the image, then fork.
+	if !e.imageReady(c) {
+		return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
 	}
-	if procs == nil {
-		if !e.imageReady(c) {
-			return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
-		}
-		if err := e.restoreTemplatesFromImage(ctx, c, t); err != nil {
-			return nil, fmt.Errorf("restore %s from image: %w", id, err)
-		}
-		res.Path = "criu"
-		procs, err = e.spawn(c, opts, false)
-		if err != nil {
-			return nil, fmt.Errorf("restore %s: %w", id, err)
-		}
+	if err := e.restoreTemplatesFromImage(ctx, c, t); err != nil {
+		return nil, fmt.Errorf("restore %s from image: %w", id, err)
+	}
+	res.Path = "criu"
+	procs, err := e.spawn(c, opts, false)
+	if err != nil {
+		return nil, fmt.Errorf("restore %s: %w", id, err)
 	}
 	res.Procs = procs
 	res.Duration = time.Since(start)
@@ -702,19 +724,42 @@ func (e *Engine) releaseCk(c *ckpt) {
 	e.mu.Unlock()
 }
 
+// made is a copy of a template, stopped, with its stdio wired.
+type made struct {
+	tm *template
+	p  *inject.Proc
+	st *Stdio
+}
+
 // spawn forks every template of c (or takes its warmed spare), wires stdio
 // and lets the copies run. On error every copy made so far is killed.
 func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored, error) {
-	type made struct {
-		tm *template
-		p  *inject.Proc
-		st *Stdio
+	ms, err := e.prepareCopies(c, opts, useSpare)
+	if err != nil {
+		return nil, err
 	}
+	return e.startCopies(c, ms, useSpare)
+}
+
+func killCopies(ms []made) {
+	for _, m := range ms {
+		_ = m.p.Kill()
+	}
+}
+
+func copyPids(ms []made) []int {
+	var out []int
+	for _, m := range ms {
+		out = append(out, m.p.Pid())
+	}
+	return out
+}
+
+// prepareCopies makes the stopped copies.
+func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]made, error) {
 	var ms []made
-	fail := func(err error) ([]Restored, error) {
-		for _, m := range ms {
-			_ = m.p.Kill()
-		}
+	fail := func(err error) ([]made, error) {
+		killCopies(ms)
 		return nil, err
 	}
 	for _, tm := range c.templates {
@@ -747,10 +792,19 @@ func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored,
 			return fail(err)
 		}
 	}
+	return ms, nil
+}
+
+// startCopies lets prepared copies run and calls their Started hooks.
+func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, error) {
 	out := make([]Restored, 0, len(ms))
-	for _, m := range ms {
+	for i, m := range ms {
 		if err := m.p.Detach(); err != nil {
-			return fail(err)
+			killCopies(ms[i:])
+			for _, r := range out {
+				_ = unix.Kill(r.PID, unix.SIGKILL)
+			}
+			return nil, err
 		}
 		out = append(out, Restored{Orig: m.tm.orig, PID: m.p.Pid()})
 	}
