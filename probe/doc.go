@@ -27,10 +27,10 @@
 // ring buffer and reads /proc.
 //
 // A sixth program, on raw_syscalls sys_exit, counts file-system syscalls
-// and mmap/munmap/brk. It hooks every syscall of the host (about 10% on
-// find(1), see probebench), so it is attached only once a window is opened
-// without an FSSource, and stays attached until Close. With the fs layer
-// (the daemon's case) it is never attached.
+// and mmap/munmap/brk. It hooks every syscall of the host (5-9% of the CPU
+// time of find(1), see probebench), so it is attached only once a window is
+// opened without an FSSource, and stays attached until Close. With the fs
+// layer (the daemon's case) it is never attached.
 //
 // The userspace backend (NewUserspace) needs no eBPF: it compares /proc
 // snapshots of the cgroup's processes taken at Begin and at End, and reads
