@@ -21,6 +21,7 @@ type client struct {
 	nextID   uint64
 	pending  map[uint64]chan *msg
 	waiters  map[int]chan exitStatus // nspid -> exit
+	orphans  map[uint64]bool         // spawn requests whose caller gave up
 	unclaim  map[int]exitStatus      // exits nobody waited for (bounded)
 	unclaimQ []int
 	closed   bool
@@ -54,6 +55,7 @@ func newClient(c *conn, log *slog.Logger) *client {
 		pending: map[uint64]chan *msg{},
 		waiters: map[int]chan exitStatus{},
 		unclaim: map[int]exitStatus{},
+		orphans: map[uint64]bool{},
 	}
 	go cl.readLoop()
 	return cl
@@ -114,6 +116,19 @@ func (cl *client) readLoop() {
 			cl.mu.Unlock()
 		case opReply:
 			cl.mu.Lock()
+			if cl.orphans[m.ID] {
+				// The caller was cancelled while the init spawned: kill
+				// what it started.
+				delete(cl.orphans, m.ID)
+				cl.mu.Unlock()
+				if m.PID > 0 {
+					go func(pid int) {
+						_ = cl.conn.send(&msg{Op: opKill, PID: pid, Sig: int(unix.SIGKILL), Group: true})
+						_ = cl.conn.send(&msg{Op: opKill, PID: pid, Sig: int(unix.SIGKILL)})
+					}(m.PID)
+				}
+				continue
+			}
 			ch, ok := cl.pending[m.ID]
 			delete(cl.pending, m.ID)
 			if ok && m.Err == "" && m.PID > 0 {
@@ -164,11 +179,21 @@ func (cl *client) call(ctx context.Context, m *msg, fds ...int) (*msg, chan exit
 		return r, r.waiter, nil
 	case <-ctx.Done():
 		cl.mu.Lock()
-		delete(cl.pending, m.ID)
-		cl.mu.Unlock()
-		// A spawn that already happened is killed by its process group
-		// when the reply arrives late: keep it simple, the reply is
-		// dropped and the process stays a child of init (Close kills it).
+		if _, still := cl.pending[m.ID]; still {
+			delete(cl.pending, m.ID)
+			if m.Op == opSpawn {
+				cl.orphans[m.ID] = true
+			}
+			cl.mu.Unlock()
+		} else {
+			// The reply raced with ctx: it is in ch.
+			cl.mu.Unlock()
+			if r, ok := <-ch; ok && r.waiter != nil && r.Err == "" && m.Op == opSpawn {
+				cl.forget(r.PID)
+				_ = cl.conn.send(&msg{Op: opKill, PID: r.PID, Sig: int(unix.SIGKILL), Group: true})
+				_ = cl.conn.send(&msg{Op: opKill, PID: r.PID, Sig: int(unix.SIGKILL)})
+			}
+		}
 		return nil, nil, ctx.Err()
 	}
 }

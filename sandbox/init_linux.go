@@ -251,8 +251,8 @@ func setupNamespace(cfg *setupConfig) error {
 	}
 	for _, p := range cfg.Hide {
 		st, err := os.Lstat(p)
-		if err != nil {
-			continue // nothing to hide
+		if err != nil || st.Mode()&os.ModeSymlink != 0 {
+			continue // nothing to hide (a symlink shadows what was there)
 		}
 		if st.IsDir() {
 			if err := unix.Mount("tmpfs", p, "tmpfs", unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0000,size=4k"); err != nil {

@@ -638,3 +638,28 @@ func TestCleanupStale(t *testing.T) {
 		t.Fatal("CleanupStale accepted a bad id")
 	}
 }
+
+// TestCancelledSpawnLeavesNothing: a command whose caller gives up while
+// the init starts it is killed, whichever way the race goes.
+func TestCancelledSpawnLeavesNothing(t *testing.T) {
+	sb := startTest(t, nil)
+	for i := 0; i < 30; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(i*50)*time.Microsecond)
+		_, _ = sb.Exec(ctx, ExecRequest{Argv: []string{"sleep", "1000"}})
+		_, _ = sb.StartSession(ctx, SessionConfig{ID: fmt.Sprint("s", i), Argv: []string{"sleep", "1000"}})
+		cancel()
+	}
+	// Sessions that did start are legitimate; close them.
+	for _, ss := range sb.Sessions() {
+		_ = ss.Close()
+	}
+	waitFor(t, "cancelled commands to be killed", func() bool {
+		procs, _ := sb.Processes()
+		for _, p := range procs {
+			if p.Comm == "sleep" && p.State != "Z" {
+				return false
+			}
+		}
+		return true
+	})
+}
