@@ -61,17 +61,24 @@ func MaybeRunInit() {
 func runInit() error {
 	// Nothing the daemon inherited may leak into the sandbox.
 	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
-	// Ignore every signal a sandbox process could send us (PID 1 only gets
-	// signals it handles, and the Go runtime handles them all).
-	ign := []os.Signal{}
+	// Catch and drop every signal a sandbox process could send us (PID 1
+	// only gets signals it handles, and the Go runtime handles them all,
+	// dying on most by default). Catch, not ignore: ignored dispositions
+	// would be inherited by every sandbox process through exec.
+	var sigs []os.Signal
 	for s := syscall.Signal(1); s < 32; s++ {
 		switch s {
 		case unix.SIGCHLD, unix.SIGKILL, unix.SIGSTOP, unix.SIGURG:
 			continue
 		}
-		ign = append(ign, s)
+		sigs = append(sigs, s)
 	}
-	signal.Ignore(ign...)
+	drop := make(chan os.Signal, 64)
+	signal.Notify(drop, sigs...)
+	go func() {
+		for range drop {
+		}
+	}()
 	chld := make(chan os.Signal, 16)
 	signal.Notify(chld, unix.SIGCHLD)
 

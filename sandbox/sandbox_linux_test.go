@@ -177,6 +177,10 @@ func TestIsolation(t *testing.T) {
 	if out := sh(t, sb, "grep -l sleep /proc/[0-9]*/comm 2>/dev/null | wc -l"); strings.TrimSpace(out) != "0" {
 		t.Fatalf("other sandbox's sleep visible: %q", out)
 	}
+	// Sandbox processes start with default signal dispositions.
+	if out := sh(t, sb, "grep -E 'SigIgn|SigBlk' /proc/self/status | cut -f2 | sort -u"); out != "0000000000000000\n" {
+		t.Fatalf("sandbox process starts with ignored or blocked signals: %q", out)
+	}
 	// Signals from inside do not kill the init.
 	sh(t, sb, "for s in TERM INT HUP QUIT USR1 USR2 PIPE ALRM SEGV BUS FPE ILL TRAP SYS XCPU XFSZ PROF STOP TSTP; do kill -$s 1; done; true")
 	time.Sleep(50 * time.Millisecond)
@@ -234,6 +238,17 @@ func TestSession(t *testing.T) {
 	time.Sleep(600 * time.Millisecond)
 	if out, err := ss.Send(ctx, "echo now", SendOptions{}); err != nil || out != "late\nnow\n" {
 		t.Fatalf("buffered output: %q %v", out, err)
+	}
+	// A signal to the session's process: bash survives a SIGINT aimed at it
+	// alone and reports the trap.
+	if _, err := ss.Send(ctx, "trap 'echo got-int' INT", SendOptions{Idle: 50 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ss.Signal(ctx, unix.SIGINT, false); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := ss.Send(ctx, "echo after", SendOptions{Until: regexp.MustCompile(`after\n`)}); err != nil || out != "got-int\nafter\n" {
+		t.Fatalf("after SIGINT: %q %v", out, err)
 	}
 	if ss.PID() == 0 || ss.NSPID() < 2 {
 		t.Fatalf("pids %d %d", ss.PID(), ss.NSPID())

@@ -445,6 +445,19 @@ func (ss *Session) collect(ctx context.Context, opts SendOptions, t0 time.Time) 
 	}
 }
 
+// Signal sends sig to the session's process, or with group to its whole
+// process group (the session's process leads its own session and group
+// when started by StartSession), e.g. SIGINT to interrupt a command.
+func (ss *Session) Signal(ctx context.Context, sig unix.Signal, group bool) error {
+	if ss.isDone() {
+		return fmt.Errorf("signal session %s: %w", ss.id, ErrSessionExited)
+	}
+	if _, _, err := ss.sb.cli.call(ctx, &msg{Op: opKill, PID: ss.nspid, Sig: int(sig), Group: group}); err != nil {
+		return fmt.Errorf("signal session %s: %w", ss.id, err)
+	}
+	return nil
+}
+
 // Kill sends SIGKILL to the session's process and its process group.
 func (ss *Session) Kill(ctx context.Context) error {
 	if ss.isDone() {
