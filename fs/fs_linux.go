@@ -38,7 +38,13 @@ type Options struct {
 	// CacheTimeout is the kernel entry/attr/negative cache timeout; 0 means
 	// one hour (correctness comes from explicit invalidation).
 	CacheTimeout time.Duration
-	// NoDurable skips the fsync of checkpoint records (tests, benchmarks).
+	// SyncCheckpoint makes Checkpoint fsync its record before returning.
+	// By default the record is renamed into place (safe against a crash of
+	// the process) and fsynced in the background right after (safe against
+	// power loss a few milliseconds later), keeping the fsync out of the
+	// checkpoint's latency.
+	SyncCheckpoint bool
+	// NoDurable skips fsyncing checkpoint records altogether (tests).
 	NoDurable bool
 	// Debug logs every FUSE request.
 	Debug bool
@@ -338,10 +344,14 @@ func (f *FS) Checkpoint() (string, error) {
 		Lowers: next.lowerPaths(), Layers: next.frozenIDs(),
 	}
 	var err error
-	if f.opts.NoDurable {
-		err = layer.WriteFileAtomic(filepath.Join(f.store.Dir(), "meta/checkpoints", id+".json"), mustJSON(cp), false)
-	} else {
+	recPath := filepath.Join(f.store.Dir(), "meta/checkpoints", id+".json")
+	if f.opts.SyncCheckpoint {
 		err = f.store.SaveCheckpoint(cp)
+	} else {
+		err = layer.WriteFileAtomic(recPath, mustJSON(cp), false)
+		if err == nil && !f.opts.NoDurable {
+			go syncPath(recPath)
+		}
 	}
 	if err != nil {
 		if next.upper != old.upper {
@@ -662,3 +672,15 @@ func errnoOf(err error) syscall.Errno {
 }
 
 var _ = context.Background
+
+// syncPath fsyncs a file and its directory (background durability).
+func syncPath(p string) {
+	if fh, err := os.Open(p); err == nil {
+		_ = fh.Sync()
+		_ = fh.Close()
+	}
+	if d, err := os.Open(filepath.Dir(p)); err == nil {
+		_ = d.Sync()
+		_ = d.Close()
+	}
+}

@@ -46,7 +46,6 @@ func mountT(t testing.TB, prep func(lower string), opts Options) *fixture {
 		prep(fx.lower)
 		opts.Lowers = append(opts.Lowers, fx.lower)
 	}
-	opts.NoDurable = true
 	f, err := Mount(st, fx.mp, opts)
 	if err != nil {
 		t.Fatal(err)
