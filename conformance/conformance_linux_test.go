@@ -127,3 +127,26 @@ func TestExceptionsAreNecessary(t *testing.T) {
 		}
 	}
 }
+
+// TestRandom runs seeded random workloads on every path; a failure is
+// minimized and written out as a workload file (its path is in the error).
+func TestRandom(t *testing.T) {
+	requireFS(t)
+	kdir := loopXFS(t)
+	for _, seed := range []uint64{1, 2, 3, 4} {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			out := filepath.Join(os.TempDir(), "rewind-conformance-repro")
+			res, file, err := RunRandom(ctx, seed, 250, Options{Paths: FSPaths, WorkDir: t.TempDir(), KernelDir: kdir}, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range res.Paths {
+				if p.Status != "pass" {
+					t.Errorf("seed %d on %s: step %d: %s\nminimized reproducer: %s", seed, p.Path, p.Step, p.Detail, file)
+				}
+			}
+		})
+	}
+}

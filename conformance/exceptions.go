@@ -43,10 +43,10 @@ var Exceptions = map[string]Exception{
 			"survives a real restore; the difference only shows when the host keeps one open.",
 	},
 	ExUnlinkLowerNlink: {
-		Paths: []string{"fuse", "kernel"},
+		Paths: []string{"kernel"},
 		Summary: "removing one name of a hard-linked file that lives in a lower layer writes a " +
 			"whiteout; the lower inode keeps its link count, so the remaining names still report " +
-			"the removed name in st_nlink (overlayfs semantics; the FUSE backend does the same). " +
-			"A plain directory decrements it.",
+			"the removed name in st_nlink (overlayfs semantics). A plain directory and the FUSE " +
+			"backend decrement it.",
 	},
 }

@@ -117,7 +117,9 @@ const shTimeout = 2 * time.Minute
 func (o *opState) apply(ctx context.Context, s Step) (string, error) {
 	switch s.Op {
 	case "write", "append", "sparse":
-		flags := unix.O_WRONLY | unix.O_CREAT
+		// O_NONBLOCK: opening a FIFO for writing must fail (ENXIO), not
+		// wait for a reader; it changes nothing for regular files.
+		flags := unix.O_WRONLY | unix.O_CREAT | unix.O_NONBLOCK
 		switch s.Op {
 		case "write":
 			flags |= unix.O_TRUNC
@@ -152,7 +154,7 @@ func (o *opState) apply(ctx context.Context, s Step) (string, error) {
 		}
 		return "", nil
 	case "truncate":
-		fd, err := o.openBeneath(s.Path, unix.O_WRONLY, 0)
+		fd, err := o.openBeneath(s.Path, unix.O_WRONLY|unix.O_NONBLOCK, 0)
 		if err != nil {
 			return "", err
 		}
@@ -276,7 +278,7 @@ func (o *opState) apply(ctx context.Context, s Step) (string, error) {
 			return "", err
 		}
 		script := `import mmap,os,sys
-fd=os.open(sys.argv[1],os.O_RDWR|os.O_NOFOLLOW)
+fd=os.open(sys.argv[1],os.O_RDWR|os.O_NOFOLLOW|os.O_NONBLOCK)
 off=int(sys.argv[2]);data=sys.argv[3].encode()
 if os.fstat(fd).st_size<off+len(data): sys.exit(22)
 m=mmap.mmap(fd,0);m[off:off+len(data)]=data;m.flush();m.close();os.close(fd)`
@@ -297,7 +299,7 @@ m=mmap.mmap(fd,0);m[off:off+len(data)]=data;m.flush();m.close();os.close(fd)`
 			old.f.Close()
 			delete(o.fds, s.FD)
 		}
-		fd, err := o.openBeneath(s.Path, flags, parseMode(s.Mode, 0o644))
+		fd, err := o.openBeneath(s.Path, flags|unix.O_NONBLOCK, parseMode(s.Mode, 0o644))
 		if err != nil {
 			return "", err
 		}
@@ -404,7 +406,7 @@ func (o *opState) reopenFDs() {
 	for name, h := range o.fds {
 		off, _ := h.f.Seek(0, 1)
 		h.f.Close()
-		fd, err := o.openBeneath(h.path, h.flags, 0)
+		fd, err := o.openBeneath(h.path, h.flags|unix.O_NONBLOCK, 0)
 		if err != nil {
 			// The path is gone in the restored view: the descriptor is
 			// stale; later uses fail with EBADF.

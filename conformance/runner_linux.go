@@ -139,7 +139,7 @@ func Run(ctx context.Context, w *Workload, opts Options) (*Result, error) {
 			if err := os.Mkdir(dir, 0o755); err != nil {
 				return nil, err
 			}
-			t, err = newFSTarget("fuse", dir, fuseMount(log), map[string]bool{ExUnlinkLowerNlink: true})
+			t, err = newFSTarget("fuse", dir, fuseMount(log), map[string]bool{})
 		case "kernel":
 			dir, derr := os.MkdirTemp(kdir, "kernel-")
 			if derr != nil {

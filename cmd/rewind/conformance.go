@@ -1,0 +1,288 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rewind-sandbox/rewind/conformance"
+)
+
+// allConformancePaths are the path names `rewind conformance run` knows, in
+// matrix order.
+var allConformancePaths = []string{"fuse", "kernel", "template", "criu", "ebpf", "userspace"}
+
+func newConformanceCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "conformance",
+		Short: "Check that every rewind path reaches identical state on this host",
+		Long: `conformance runs workloads (file operations, shell commands, checkpoints,
+restores, forks) on every path rewind offers on this host and on a reference
+model, and checks that all reach the same state at every checkpoint and
+restore. See conformance/FORMAT.md for the workload format.`,
+	}
+	cmd.AddCommand(newConformanceRunCmd())
+	return cmd
+}
+
+func newConformanceRunCmd() *cobra.Command {
+	var (
+		paths     []string
+		workloads []string
+		seed      int64
+		steps     int
+		asJSON    bool
+		workDir   string
+		reproDir  string
+		noLoop    bool
+	)
+	cmd := &cobra.Command{
+		Use:   "run",
+		Short: "Run the conformance corpus (or given workloads) and print a workload x path matrix",
+		Long: `run executes the shipped corpus (embedded in the binary) or the --workload
+files on each requested path and prints a matrix: pass, fail (with the first
+differing path, step and entries) or skip (path unavailable here). A '*' marks
+a pass that used a documented exception (conformance/FORMAT.md). The exit
+status is 1 when any path fails.
+
+The kernel path runs on a loop-mounted XFS with reflink=1 made in the work
+directory (needs xfsprogs and a free loop device); with --no-loop it uses the
+work directory's own file system. Needs root. --seed runs one randomized
+workload instead; a failure is minimized and written to --repro-dir.
+
+Workload files may contain shell commands, run as root: only run files you trust.`,
+		Example: `  sudo rewind conformance run
+  sudo rewind conformance run --paths fuse,kernel --workload my-workload.json
+  sudo rewind conformance run --seed 42 --steps 800 --repro-dir /tmp/repro`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			explicit := cmd.Flags().Changed("paths")
+			for _, p := range paths {
+				if !slices.Contains(allConformancePaths, p) {
+					return fmt.Errorf("unknown path %q (known: %s)", p, strings.Join(allConformancePaths, ", "))
+				}
+			}
+			if os.Geteuid() != 0 {
+				return fmt.Errorf("conformance needs root (FUSE and overlay mounts, loop devices)")
+			}
+			var ws []*conformance.Workload
+			if cmd.Flags().Changed("seed") {
+				if len(workloads) > 0 {
+					return fmt.Errorf("--seed and --workload are exclusive")
+				}
+			} else if len(workloads) > 0 {
+				for _, f := range workloads {
+					w, err := conformance.Load(f)
+					if err != nil {
+						return err
+					}
+					ws = append(ws, w)
+				}
+			} else {
+				var err error
+				if ws, err = conformance.Corpus(); err != nil {
+					return err
+				}
+			}
+			return runConformance(cmd.Context(), cmd.OutOrStdout(), conformanceRun{
+				paths: paths, explicit: explicit, workloads: ws, seed: seed, random: cmd.Flags().Changed("seed"),
+				steps: steps, json: asJSON, workDir: workDir, reproDir: reproDir, noLoop: noLoop,
+			})
+		},
+	}
+	cmd.Flags().StringSliceVar(&paths, "paths", allConformancePaths, "paths to run: "+strings.Join(allConformancePaths, ","))
+	cmd.Flags().StringArrayVar(&workloads, "workload", nil, "workload file (repeatable; default: the shipped corpus)")
+	cmd.Flags().Int64Var(&seed, "seed", 0, "run one randomized workload generated from this seed")
+	cmd.Flags().IntVar(&steps, "steps", 500, "steps of the randomized workload (--seed)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the results as JSON")
+	cmd.Flags().StringVar(&workDir, "work-dir", "", "scratch directory (default: a new directory under $TMPDIR, removed at the end)")
+	cmd.Flags().StringVar(&reproDir, "repro-dir", ".", "where a minimized failing randomized workload is written")
+	cmd.Flags().BoolVar(&noLoop, "no-loop", false, "run the kernel path on the work directory's file system instead of a loop XFS")
+	return cmd
+}
+
+type conformanceRun struct {
+	paths     []string
+	explicit  bool
+	workloads []*conformance.Workload
+	seed      int64
+	random    bool
+	steps     int
+	json      bool
+	workDir   string
+	reproDir  string
+	noLoop    bool
+}
+
+// pathAvailability says why a path cannot run here ("" = it can).
+func pathAvailability(p string) string {
+	switch p {
+	case "fuse":
+		if _, err := os.Stat("/dev/fuse"); err != nil {
+			return "no /dev/fuse"
+		}
+	case "kernel":
+		b, _ := os.ReadFile("/proc/filesystems")
+		if !strings.Contains(string(b), "overlay") {
+			return "no overlayfs in /proc/filesystems"
+		}
+	default:
+		return "process and probe paths are not wired into the conformance runner yet"
+	}
+	return ""
+}
+
+func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	base := r.workDir
+	if base == "" {
+		d, err := os.MkdirTemp("", "rewind-conformance-")
+		if err != nil {
+			return fmt.Errorf("work dir: %w", err)
+		}
+		defer os.RemoveAll(d)
+		base = d
+	}
+	skipped := map[string]string{}
+	var run []string
+	for _, p := range r.paths {
+		if why := pathAvailability(p); why != "" {
+			skipped[p] = why
+			continue
+		}
+		run = append(run, p)
+	}
+	opts := conformance.Options{Paths: run, WorkDir: base, Logger: slog.New(slog.DiscardHandler)}
+	kernelNote := ""
+	if slices.Contains(run, "kernel") && !r.noLoop {
+		loopDir, err := os.MkdirTemp(base, "loop-")
+		if err != nil {
+			return fmt.Errorf("work dir: %w", err)
+		}
+		mp, err := conformance.MakeLoopXFS(loopDir, 1<<30)
+		if err != nil {
+			kernelNote = "kernel path on the work directory's file system (" + err.Error() + ")"
+		} else {
+			defer func() { _ = conformance.RemoveLoopXFS(loopDir, mp) }()
+			opts.KernelDir = mp
+		}
+	}
+
+	var results []*conformance.Result
+	var repro string
+	if r.random {
+		res, file, err := conformance.RunRandom(ctx, uint64(r.seed), r.steps, opts, r.reproDir)
+		if err != nil {
+			return err
+		}
+		if file != "" {
+			if abs, err := filepath.Abs(file); err == nil {
+				file = abs
+			}
+		}
+		results, repro = append(results, res), file
+	} else {
+		for _, w := range r.workloads {
+			res, err := conformance.Run(ctx, w, opts)
+			if err != nil {
+				return err
+			}
+			results = append(results, res)
+		}
+	}
+
+	failed := false
+	for _, res := range results {
+		failed = failed || res.Failed()
+	}
+	if r.explicit && len(skipped) > 0 {
+		failed = true // a path asked for by name must run
+	}
+	if r.json {
+		enc := json.NewEncoder(out)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(struct {
+			Results []*conformance.Result `json:"results"`
+			Skipped map[string]string     `json:"skipped,omitempty"`
+			Repro   string                `json:"repro,omitempty"`
+		}{results, skipped, repro}); err != nil {
+			return err
+		}
+	} else {
+		printMatrix(out, r.paths, results, skipped)
+		if kernelNote != "" {
+			fmt.Fprintln(out, "note:", kernelNote)
+		}
+		if repro != "" {
+			fmt.Fprintf(out, "minimized reproducer: %s\n  rerun: rewind conformance run --workload %s\n", repro, repro)
+		}
+	}
+	if failed {
+		return exitError{1}
+	}
+	return nil
+}
+
+func printMatrix(out io.Writer, paths []string, results []*conformance.Result, skipped map[string]string) {
+	tw := tabwriter.NewWriter(out, 2, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "WORKLOAD\tSTEPS\t%s\n", strings.ToUpper(strings.Join(paths, "\t")))
+	for _, res := range results {
+		fmt.Fprintf(tw, "%s\t%d", res.Workload, res.Steps)
+		for _, p := range paths {
+			cell := "skip"
+			for _, pr := range res.Paths {
+				if pr.Path != p {
+					continue
+				}
+				cell = pr.Status
+				if pr.Status == "fail" {
+					cell = fmt.Sprintf("FAIL@%d", pr.Step)
+				} else if len(pr.Exceptions) > 0 {
+					cell += "*"
+				}
+			}
+			fmt.Fprintf(tw, "\t%s", cell)
+		}
+		fmt.Fprintln(tw)
+	}
+	tw.Flush()
+	for _, p := range paths {
+		if why, ok := skipped[p]; ok {
+			fmt.Fprintf(out, "skip %s: %s\n", p, why)
+		}
+	}
+	for _, res := range results {
+		if ff := res.FirstFailure(); ff != nil {
+			fmt.Fprintf(out, "\nFAIL %s: first differing path %s at step %d (%s):\n  %s\n", res.Workload, ff.Path, ff.Step, ff.Op, ff.Detail)
+		}
+	}
+	exc := map[string]bool{}
+	for _, res := range results {
+		for _, pr := range res.Paths {
+			for _, e := range pr.Exceptions {
+				exc[pr.Path+": "+e] = true
+			}
+		}
+	}
+	if len(exc) > 0 {
+		keys := make([]string, 0, len(exc))
+		for k := range exc {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		fmt.Fprintf(out, "\n* documented exceptions applied (conformance/FORMAT.md): %s\n", strings.Join(keys, ", "))
+	}
+}

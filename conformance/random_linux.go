@@ -1,0 +1,36 @@
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+)
+
+// RunRandom generates a workload from seed (n steps) and runs it. When a
+// path fails, the workload is minimized against that path and written to
+// reproDir as <name>-min.json; the file's path is returned. Run that file
+// with `rewind conformance run --workload FILE` to reproduce.
+func RunRandom(ctx context.Context, seed uint64, n int, opts Options, reproDir string) (*Result, string, error) {
+	w := Generate(seed, n)
+	res, err := Run(ctx, w, opts)
+	if err != nil || !res.Failed() {
+		return res, "", err
+	}
+	ff := res.FirstFailure()
+	one := opts
+	one.Paths = []string{ff.Path}
+	min := Minimize(ctx, w, func(c *Workload) bool {
+		r, err := Run(ctx, c, one)
+		return err == nil && r.Failed()
+	}, 400)
+	min.Name = w.Name + "-min"
+	if err := os.MkdirAll(reproDir, 0o755); err != nil {
+		return res, "", fmt.Errorf("write reproducer: %w", err)
+	}
+	file := filepath.Join(reproDir, min.Name+".json")
+	if err := os.WriteFile(file, min.Marshal(), 0o644); err != nil {
+		return res, "", fmt.Errorf("write reproducer: %w", err)
+	}
+	return res, file, nil
+}
