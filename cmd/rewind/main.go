@@ -27,6 +27,7 @@ func newRootCmd() *cobra.Command {
 	root.AddCommand(newPolicyCmd())
 	root.AddCommand(newProbeCmd())
 	root.AddCommand(newFSCmd())
+	root.AddCommand(newConformanceCmd())
 	// Each area registers its command tree here, one line each.
 	return root
 }
