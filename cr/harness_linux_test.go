@@ -112,10 +112,16 @@ func startSandbox(t testing.TB, argv ...string) *testSandbox {
 		outR.Close()
 	})
 	deadline := time.Now().Add(30 * time.Second)
+	initComm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", sb.InitPID()))
 	for {
+		// Wait for the child to have exec'd (not the init's fork before
+		// exec, which still has the init's session).
 		kids, _ := children(sb.InitPID())
 		if len(kids) > 0 {
-			break
+			comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", kids[0]))
+			if err == nil && string(comm) != string(initComm) {
+				break
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("init started no child")

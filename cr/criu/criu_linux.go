@@ -89,7 +89,12 @@ func (r *Runner) wrapper(nsPID int) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	script := fmt.Sprintf("#!/bin/sh\nexec %s -t %d -p -m -- %s \"$@\"\n", nsenter, nsPID, r.Path)
+	// Inside the sandbox's mount namespace criu's path may not exist: it
+	// is exec'd through the inherited descriptor 3 (see run). Its shared
+	// libraries come from the sandbox root (a host-root based root has
+	// them). All namespaces but the user one are entered, so criu sees
+	// nothing foreign to dump.
+	script := fmt.Sprintf("#!/bin/sh\nexec %s -t %d -p -m -n -u -i -- /proc/self/fd/3 \"$@\"\n", nsenter, nsPID)
 	tmp := p + ".tmp"
 	if err := os.WriteFile(tmp, []byte(script), 0o700); err != nil {
 		return "", err
@@ -147,13 +152,13 @@ const (
 
 func ptr[T any](v T) *T { return &v }
 
-// baseOpts: the image dir is criu's inherited fd 3, named through criu's own
+// baseOpts: the image dir is criu's inherited fd 4, named through criu's own
 // /proc/self (images_dir_fd would be resolved in the *caller's* /proc, which
 // criu cannot see from inside the sandbox's PID namespace).
 func baseOpts(log string) *rpc.CriuOpts {
 	return &rpc.CriuOpts{
 		ImagesDirFd:     ptr(int32(-1)),
-		ImagesDir:       ptr("/proc/self/fd/3"),
+		ImagesDir:       ptr("/proc/self/fd/4"),
 		LogFile:         ptr(log),
 		LogLevel:        ptr(int32(4)),
 		ShellJob:        ptr(true),
@@ -178,10 +183,11 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 	if err != nil {
 		return fmt.Errorf("criu dump: %w", err)
 	}
-	c := gocriu.MakeCriu()
-	c.SetCriuPath(w)
-	// The image dir travels as an inherited fd (fd 3 in criu).
-	c.AddInheritFd("0-images-dir", dir)
+	c, bin, err := r.criu(w, dir)
+	if err != nil {
+		return fmt.Errorf("criu dump: %w", err)
+	}
+	defer bin.Close()
 	opts := baseOpts(DumpLog)
 	opts.Pid = ptr(int32(o.Pid))
 	opts.LeaveRunning = ptr(o.LeaveRunning)
@@ -222,9 +228,11 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
-	c := gocriu.MakeCriu()
-	c.SetCriuPath(w)
-	c.AddInheritFd("0-images-dir", dir)
+	c, bin, err := r.criu(w, dir)
+	if err != nil {
+		return 0, fmt.Errorf("criu restore: %w", err)
+	}
+	defer bin.Close()
 	for k, f := range o.Inherit {
 		c.AddInheritFd(k, f)
 	}
@@ -235,6 +243,21 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		return 0, &Error{Op: "restore", Log: filepath.Join(o.Dir, RestoreLog), Err: err}
 	}
 	return int(n.pid), nil
+}
+
+// criu prepares a go-criu handle: the criu binary becomes fd 3 and the
+// image dir fd 4 of the criu process (go-criu passes inherited files as
+// 3, 4, ... in key order).
+func (r *Runner) criu(wrapper string, dir *os.File) (*gocriu.Criu, *os.File, error) {
+	bin, err := os.Open(r.Path)
+	if err != nil {
+		return nil, nil, err
+	}
+	c := gocriu.MakeCriu()
+	c.SetCriuPath(wrapper)
+	c.AddInheritFd("00-criu-binary", bin)
+	c.AddInheritFd("01-images-dir", dir)
+	return c, bin, nil
 }
 
 // runCtx runs f, killing criu if ctx ends first.
