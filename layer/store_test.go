@@ -1,0 +1,96 @@
+package layer
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+func TestStoreRecords(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(filepath.Join(st.Dir(), "ctl")); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("ctl dir must be root-only: %v %v", fi.Mode(), err)
+	}
+	l1, err := st.NewLayer("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l2, _ := st.NewLayer("")
+	l3, _ := st.NewLayer("")
+	orphan, _ := st.NewLayer("")
+	c1 := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{l1}}
+	c2 := Checkpoint{ID: NewID(), Mount: "m", Parent: c1.ID, Created: time.Now().UTC().Add(time.Second), Layers: []string{l1, l2}}
+	for _, c := range []Checkpoint{c1, c2} {
+		if err := st.SaveCheckpoint(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.SaveMount(MountRecord{ID: "m", PID: os.Getpid(), Layers: []string{l1, l2}, Upper: l3}, true); err != nil {
+		t.Fatal(err)
+	}
+	got, err := st.Checkpoint(c2.ID)
+	if err != nil || got.Parent != c1.ID || len(got.Layers) != 2 {
+		t.Fatalf("read back %+v %v", got, err)
+	}
+	cps, _ := st.Checkpoints()
+	if len(cps) != 2 || cps[0].ID != c1.ID {
+		t.Fatalf("list %+v", cps)
+	}
+	for _, bad := range []string{"", "..", "../x", "a/b", "nope"} {
+		if _, err := st.Checkpoint(bad); err == nil {
+			t.Fatalf("checkpoint %q found", bad)
+		}
+	}
+	// GC keeps what records reference, frees the rest.
+	removed, err := st.GC(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(removed) != 1 || removed[0] != orphan {
+		t.Fatalf("gc removed %v, want [%s]", removed, orphan)
+	}
+	if err := st.DeleteCheckpoint(c2.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.DeleteCheckpoint(c2.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("double delete: %v", err)
+	}
+	if err := st.RemoveMount("m"); err != nil {
+		t.Fatal(err)
+	}
+	removed, _ = st.GC(0)
+	if len(removed) != 2 {
+		t.Fatalf("gc after deleting c2 and the mount removed %v", removed)
+	}
+	if _, err := os.Stat(st.LayerPath(l1)); err != nil {
+		t.Fatal("gc removed a layer c1 uses")
+	}
+	// A checkpoint whose layer vanished is reported corrupted.
+	os.RemoveAll(st.LayerPath(l1))
+	if _, err := st.Checkpoint(c1.ID); err == nil {
+		t.Fatal("corrupted checkpoint read back")
+	}
+	// Young unreferenced layers survive GC with a minimum age.
+	young, _ := st.NewLayer("")
+	if removed, _ := st.GC(time.Hour); len(removed) != 0 {
+		t.Fatalf("gc removed a young layer %v (%s)", removed, young)
+	}
+}
+
+func TestWriteFileAtomic(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "r.json")
+	for _, durable := range []bool{false, true} {
+		if err := WriteFileAtomic(p, []byte("x"), durable); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ents, _ := os.ReadDir(filepath.Dir(p))
+	if len(ents) != 1 {
+		t.Fatalf("temp files left: %v", ents)
+	}
+}
