@@ -63,7 +63,7 @@ func TestCrossBackend(t *testing.T) {
 				t.Fatal(err)
 			}
 			_ = os.Chmod(model, os.FileMode(rs.Mode&0o777))
-			runDifferential(t, a, model, *diffSeed+7, 600)
+			runDifferentialMode(t, a, model, *diffSeed+7, 600, true)
 			id, err := a.Checkpoint()
 			if err != nil {
 				t.Fatal(err)

@@ -22,6 +22,9 @@ type entryFP struct {
 	size  int64
 	mtime int64
 	ctime int64
+	// Directories only: the overlayfs flags.
+	opaque   bool
+	redirect string
 }
 
 func fpOf(st *unix.Stat_t) entryFP {
@@ -62,6 +65,9 @@ type treeCopier struct {
 	fp      map[string]entryFP
 	buf     []byte
 	data    []byte
+	// noOvl drops every trusted.overlay.* xattr (incremental freeze sets
+	// the flags itself).
+	noOvl bool
 }
 
 // smallFileXFS is the size up to which a frozen file's data is copied
@@ -146,6 +152,9 @@ func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
 		if err != nil {
 			return err
 		}
+		fp := c.fp[rel]
+		fp.opaque, fp.redirect = dirFlags(sfd)
+		c.fp[rel] = fp
 		dfd, err := unix.Openat(dst, name, unix.O_RDONLY|unix.O_DIRECTORY|oflags, 0)
 		if err != nil {
 			unix.Close(sfd)
@@ -345,7 +354,7 @@ func (c *treeCopier) copyXattrs(list func([]byte) (int, error), get func(string,
 	}
 	names := strings.Split(strings.TrimRight(string(c.buf[:n]), "\x00"), "\x00")
 	for _, name := range names {
-		if name == "" || !keepXattr(name) {
+		if name == "" || !keepXattr(name) || c.noOvl && strings.HasPrefix(name, layer.XattrPrefixOverlay) {
 			continue
 		}
 		val := make([]byte, 256)
@@ -367,6 +376,18 @@ func (c *treeCopier) copyXattrs(list func([]byte) (int, error), get func(string,
 		}
 	}
 	return nil
+}
+
+// dirFlags reads the overlayfs flags of directory fd.
+func dirFlags(fd int) (opaque bool, redirect string) {
+	buf := make([]byte, 4096)
+	if n, err := unix.Fgetxattr(fd, layer.XattrOpaque, buf); err == nil && n > 0 && buf[0] == 'y' {
+		opaque = true
+	}
+	if n, err := unix.Fgetxattr(fd, layer.XattrRedirect, buf); err == nil && n > 0 {
+		redirect = string(buf[:n])
+	}
+	return opaque, redirect
 }
 
 // parentSetgid reports whether directory fd dir has the setgid bit (new

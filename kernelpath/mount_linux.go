@@ -34,9 +34,14 @@ type FS struct {
 	upper   string   // id of the live upper layer
 	base    string   // last checkpoint taken or switched to
 	gen     uint64   // ioctl generation (ioctl mode only)
-	ckptFP  map[string]entryFP
+	ckptFP  map[string]entryFP // the upper as the last checkpoint froze it
+	chain   []string           // layers frozen from the live upper, bottom first
 	takenFP map[string]entryFP
 }
+
+// maxChain bounds the delta layers stacked by consecutive checkpoints
+// between two full freezes of the upper (stack depth vs. checkpoint cost).
+const maxChain = 16
 
 var _ layer.FS = (*FS)(nil)
 
@@ -244,26 +249,37 @@ func (f *FS) Checkpoint() (string, error) {
 	if f.freeze == FreezeIoctl {
 		return f.checkpointIoctl()
 	}
+	incremental := f.ckptFP != nil && len(f.chain) > 0 && len(f.chain) < maxChain
 	parent := ""
-	if len(f.layers) > 0 {
+	switch {
+	case incremental:
+		parent = f.chain[len(f.chain)-1]
+	case len(f.layers) > 0:
 		parent = f.layers[len(f.layers)-1]
 	}
 	lid, err := f.st.NewLayer(parent)
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
-	fp, err := freezeTree(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.freeze == FreezeReflink, f.fstype)
+	var fp map[string]entryFP
+	chain := []string{lid}
+	if incremental {
+		fp, _, err = freezeDelta(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.ckptFP, f.freeze == FreezeReflink, f.fstype)
+		chain = append(append([]string(nil), f.chain...), lid)
+	} else {
+		fp, err = freezeTree(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.freeze == FreezeReflink, f.fstype)
+	}
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
 	}
 	c := layer.Checkpoint{
 		ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(),
-		Lowers: f.lowers, Layers: append(append([]string(nil), f.layers...), lid),
+		Lowers: f.lowers, Layers: append(append([]string(nil), f.layers...), chain...),
 	}
 	if err := f.st.SaveCheckpoint(c); err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
-	f.base, f.ckptFP = c.ID, fp
+	f.base, f.ckptFP, f.chain = c.ID, fp, chain
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}
@@ -336,7 +352,7 @@ func (f *FS) Switch(id string) error {
 		f.layers = oldLayers
 		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
 	}
-	f.upper, f.base, f.ckptFP, f.takenFP = upper, id, nil, nil
+	f.upper, f.base, f.ckptFP, f.takenFP, f.chain = upper, id, nil, nil, nil
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}

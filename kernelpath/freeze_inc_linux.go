@@ -1,0 +1,242 @@
+package kernelpath
+
+import (
+	"fmt"
+	"os"
+	"path"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+// Incremental freeze. The live upper U accumulates every change since the
+// view was mounted (a stock kernel cannot swap it). The previous checkpoint
+// froze U as it was then into layer Lp (a full copy, or Lp itself a delta
+// over earlier ones) and kept U's fingerprint P (path -> inode, times,
+// size, mode, and for directories the overlay flags). A new checkpoint
+// writes a delta layer D to be stacked on Lp so that D over Lp shows what U
+// over the base shows now, copying only the entries that changed since P:
+//
+//   - a directory still at the path it had in P (same inode, same flags):
+//     D holds a plain directory there only if something below changed;
+//   - a directory moved since P (its inode was at q in P): D holds it with
+//     the absolute redirect "/q", so its lower content continues at the
+//     copy Lp holds at q (whatever Lp's own flags say below);
+//   - any other directory is new: copied whole, with U's flags, and made
+//     opaque if Lp had something at that path;
+//   - a non-directory is copied when new or changed (inode, ctime, mtime,
+//     size or mode differ);
+//   - an entry of P missing from U now becomes a whiteout in D.
+//
+// The walk stats every entry of U (cheap) but copies only the delta, so
+// the cost follows the number of entries changed since the last checkpoint.
+
+// incFreezer writes one delta layer.
+type incFreezer struct {
+	*treeCopier
+	prev     map[string]entryFP
+	prevDirs map[uint64]string   // inode -> path of the directories of P
+	children map[string][]string // path -> names of its children in P
+	changed  int
+}
+
+// lazyDir is a directory of D, created on first need.
+type lazyDir struct {
+	parent   *lazyDir
+	name     string
+	fd       int
+	created  bool
+	opaque   bool   // set trusted.overlay.opaque
+	redirect string // set trusted.overlay.redirect
+}
+
+func (z *incFreezer) ensure(d *lazyDir) (int, error) {
+	if d.created {
+		return d.fd, nil
+	}
+	pfd, err := z.ensure(d.parent)
+	if err != nil {
+		return -1, err
+	}
+	if err := unix.Mkdirat(pfd, d.name, 0o700); err != nil {
+		return -1, err
+	}
+	fd, err := unix.Openat(pfd, d.name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	d.fd, d.created = fd, true
+	return fd, nil
+}
+
+// freezeDelta writes into the empty directory dst the delta of the upper
+// src since the fingerprint prev, and returns src's new fingerprint and the
+// number of entries written.
+func freezeDelta(src, dst string, prev map[string]entryFP, reflink bool, fstype string) (map[string]entryFP, int, error) {
+	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, fmt.Errorf("open upper: %w", err)
+	}
+	defer unix.Close(sfd)
+	dfd, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, fmt.Errorf("open layer: %w", err)
+	}
+	defer unix.Close(dfd)
+	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096),
+		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask()}
+	if !reflink || fstype != "btrfs" {
+		c.small = smallFileXFS
+	}
+	z := &incFreezer{treeCopier: c, prev: prev, prevDirs: map[uint64]string{}, children: map[string][]string{}}
+	for p, e := range prev {
+		if e.mode&unix.S_IFMT == unix.S_IFDIR {
+			z.prevDirs[e.ino] = p
+		}
+		dir := path.Dir(p)
+		if dir == "." {
+			dir = ""
+		}
+		z.children[dir] = append(z.children[dir], path.Base(p))
+	}
+	root := &lazyDir{fd: dfd, created: true}
+	if err := z.walkDir(sfd, "", "", true, root); err != nil {
+		return nil, 0, err
+	}
+	return c.fp, z.changed, nil
+}
+
+func join(dir, name string) string {
+	if dir == "" {
+		return name
+	}
+	return dir + "/" + name
+}
+
+// walkDir handles the U directory ufd at path p. merge: D's directory
+// merges with Lp's directory q (only changes are written, removed entries
+// become whiteouts); otherwise everything below is written.
+func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error {
+	dupfd, err := unix.Dup(ufd)
+	if err != nil {
+		return err
+	}
+	dirf := os.NewFile(uintptr(dupfd), p)
+	names, err := dirf.Readdirnames(-1)
+	dirf.Close()
+	if err != nil {
+		return fmt.Errorf("read dir /%s: %w", p, err)
+	}
+	seen := make(map[string]bool, len(names))
+	for _, name := range names {
+		seen[name] = true
+		cp, qp := join(p, name), join(q, name)
+		var st unix.Stat_t
+		if err := unix.Fstatat(ufd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return fmt.Errorf("/%s: %w", cp, err)
+		}
+		cur := fpOf(&st)
+		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			z.fp[cp] = cur
+			if merge {
+				if o, ok := z.prev[qp]; ok && o == cur {
+					continue // unchanged: Lp has it
+				}
+			}
+			dfd, err := z.ensure(d)
+			if err != nil {
+				return fmt.Errorf("/%s: %w", cp, err)
+			}
+			if err := z.copyEntry(ufd, dfd, name, cp); err != nil {
+				return fmt.Errorf("/%s: %w", cp, err)
+			}
+			z.changed++
+			continue
+		}
+		cfd, err := unix.Openat(ufd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("/%s: %w", cp, err)
+		}
+		cur.opaque, cur.redirect = dirFlags(cfd)
+		z.fp[cp] = cur
+		cd := &lazyDir{parent: d, name: name}
+		pq, known := z.prevDirs[cur.ino]
+		if known {
+			o := z.prev[pq]
+			known = o.opaque == cur.opaque && o.redirect == cur.redirect
+		}
+		switch {
+		case known && merge && pq == qp:
+			if z.prev[pq] != cur {
+				_, err = z.ensure(cd) // its own metadata changed
+			}
+			if err == nil {
+				err = z.walkDir(cfd, cp, pq, true, cd)
+			}
+		case known:
+			cd.redirect = "/" + pq
+			if _, err = z.ensure(cd); err == nil {
+				err = z.walkDir(cfd, cp, pq, true, cd)
+			}
+			z.changed++
+		default:
+			cd.opaque, cd.redirect = cur.opaque, cur.redirect
+			if cd.redirect == "" && merge {
+				if _, had := z.prev[qp]; had {
+					cd.opaque = true
+				}
+			}
+			if _, err = z.ensure(cd); err == nil {
+				err = z.walkDir(cfd, cp, "", false, cd)
+			}
+			z.changed++
+		}
+		unix.Close(cfd)
+		if err != nil {
+			return err
+		}
+	}
+	if merge {
+		for _, name := range z.children[q] {
+			if seen[name] || z.prev[join(q, name)].isWhiteout() {
+				continue
+			}
+			dfd, err := z.ensure(d)
+			if err != nil {
+				return err
+			}
+			if err := unix.Mknodat(dfd, name, unix.S_IFCHR, 0); err != nil {
+				return fmt.Errorf("whiteout /%s: %w", join(p, name), err)
+			}
+			z.changed++
+		}
+	}
+	if !d.created {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(ufd, &st); err != nil {
+		return err
+	}
+	z.noOvl = true
+	err = z.copyMeta(ufd, d.fd, &st)
+	z.noOvl = false
+	if err != nil {
+		return fmt.Errorf("/%s: %w", p, err)
+	}
+	if d.opaque {
+		if err := unix.Fsetxattr(d.fd, layer.XattrOpaque, []byte("y"), 0); err != nil {
+			return fmt.Errorf("/%s: set opaque: %w", p, err)
+		}
+	}
+	if d.redirect != "" {
+		if err := unix.Fsetxattr(d.fd, layer.XattrRedirect, []byte(d.redirect), 0); err != nil {
+			return fmt.Errorf("/%s: set redirect: %w", p, err)
+		}
+	}
+	if d.parent != nil {
+		unix.Close(d.fd)
+	}
+	return nil
+}
