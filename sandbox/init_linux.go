@@ -88,6 +88,9 @@ func runInit() error {
 		return err
 	}
 	ctlFile.Close()
+	if err := c.send(&msg{Op: opHello}); err != nil {
+		return err
+	}
 	buf := make([]byte, maxMsg)
 	oob := make([]byte, unix.CmsgSpace(16*4))
 	m, fds, err := c.recv(buf, oob)

@@ -15,7 +15,8 @@ import (
 // per SOCK_SEQPACKET message, file descriptors attached with SCM_RIGHTS.
 
 const (
-	opSetup   = "setup"   // daemon->init (stage 1): mount table and hostname
+	opHello   = "hello"   // init->daemon: runtime up, waiting for the setup
+	opSetup   = "setup"   // daemon->init: mount table and hostname
 	opReady   = "ready"   // init->daemon: setup done (or Err)
 	opSpawn   = "spawn"   // daemon->init: start a process; fds attached
 	opKill    = "kill"    // daemon->init: signal a pid or process group

@@ -121,7 +121,18 @@ type Sandbox struct {
 var ErrClosed = errors.New("sandbox closed")
 
 // Start starts a sandbox: cgroups, namespaces, root switch and the init.
-func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
+func Start(ctx context.Context, cfg Config) (*Sandbox, error) {
+	return start(ctx, cfg, nil)
+}
+
+// start starts a sandbox with a spare init, or a new one when spare is nil.
+// It owns spare from the call on.
+func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err error) {
+	defer func() {
+		if err != nil && spare != nil && spare.cmd != nil {
+			spare.kill() // (a no-op when teardown already killed it)
+		}
+	}()
 	if !idRE.MatchString(cfg.ID) || strings.Contains(cfg.ID, "..") {
 		return nil, fmt.Errorf("start sandbox: invalid id %q", cfg.ID)
 	}
@@ -160,7 +171,6 @@ func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
 		freezerDir: filepath.Join(cfg.FreezerParent, cfg.ID),
 		v2Dir:      filepath.Join(cfg.CgroupV2Parent, cfg.ID),
 		sessions:   map[string]*Session{},
-		initDone:   make(chan struct{}),
 	}
 	if err := makeCgroup(s.freezerDir); err != nil {
 		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
@@ -183,43 +193,18 @@ func Start(ctx context.Context, cfg Config) (_ *Sandbox, err error) {
 	}
 	s.cgroupID = st.Ino
 
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("start sandbox %s: socketpair: %w", cfg.ID, err)
+	ip := spare
+	if ip == nil {
+		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, s.log); err != nil {
+			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+		}
+	} else {
+		ip.logw.setLogger(s.log)
 	}
-	parentEnd := os.NewFile(uintptr(pair[0]), "ctl")
-	childEnd := os.NewFile(uintptr(pair[1]), "ctl-init")
-	c, err := newConn(parentEnd)
-	parentEnd.Close()
-	if err != nil {
-		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
-	}
-
-	flags := uintptr(unix.CLONE_NEWPID | unix.CLONE_NEWNS | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC)
-	if !cfg.HostNet {
-		flags |= unix.CLONE_NEWNET
-	}
-	cmd := exec.Command(cfg.InitPath)
-	cmd.Args = []string{"rewind-init"}
-	cmd.Env = []string{initEnv + "=1", "GOMAXPROCS=1"}
-	cmd.Dir = "/"
-	cmd.ExtraFiles = []*os.File{childEnd}
-	logw := &lineLogger{log: s.log}
-	cmd.Stdout = logw
-	cmd.Stderr = logw
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags}
-	err = cmd.Start()
-	childEnd.Close()
-	if err != nil {
-		c.close()
-		return nil, fmt.Errorf("start sandbox %s: start init: %w", cfg.ID, err)
-	}
-	s.cmd = cmd
-	s.initPID = cmd.Process.Pid
-	go func() {
-		_ = cmd.Wait()
-		close(s.initDone)
-	}()
+	s.cmd = ip.cmd
+	s.initPID = ip.cmd.Process.Pid
+	s.initDone = ip.done
+	c := ip.conn
 	s.cli = newClient(c, s.log)
 	// The init waits for its setup message, so nothing runs outside the
 	// cgroups: join them first.
@@ -299,11 +284,77 @@ func makeCgroup(dir string) error {
 	return nil
 }
 
+// initProc is a started init still waiting for its setup message.
+type initProc struct {
+	cmd     *exec.Cmd
+	conn    *conn // the daemon's end of the control channel
+	logw    *lineLogger
+	done    chan struct{} // closed when cmd has been waited for
+	hostNet bool
+}
+
+// spawnInit starts an init process in new namespaces.
+func spawnInit(initPath string, hostNet bool, log *slog.Logger) (*initProc, error) {
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("socketpair: %w", err)
+	}
+	parentEnd := os.NewFile(uintptr(pair[0]), "ctl")
+	childEnd := os.NewFile(uintptr(pair[1]), "ctl-init")
+	c, err := newConn(parentEnd)
+	parentEnd.Close()
+	if err != nil {
+		childEnd.Close()
+		return nil, err
+	}
+	flags := uintptr(unix.CLONE_NEWPID | unix.CLONE_NEWNS | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC)
+	if !hostNet {
+		flags |= unix.CLONE_NEWNET
+	}
+	cmd := exec.Command(initPath)
+	cmd.Args = []string{"rewind-init"}
+	cmd.Env = []string{initEnv + "=1", "GOMAXPROCS=1"}
+	cmd.Dir = "/"
+	cmd.ExtraFiles = []*os.File{childEnd}
+	logw := &lineLogger{log: log}
+	cmd.Stdout = logw
+	cmd.Stderr = logw
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags}
+	err = cmd.Start()
+	childEnd.Close()
+	if err != nil {
+		c.close()
+		return nil, fmt.Errorf("start init: %w", err)
+	}
+	ip := &initProc{cmd: cmd, conn: c, logw: logw, done: make(chan struct{}), hostNet: hostNet}
+	go func() {
+		_ = cmd.Wait()
+		close(ip.done)
+	}()
+	return ip, nil
+}
+
+// kill ends an init that never became a sandbox.
+func (ip *initProc) kill() {
+	_ = ip.cmd.Process.Kill()
+	ip.conn.close()
+	select {
+	case <-ip.done:
+	case <-time.After(10 * time.Second):
+	}
+}
+
 // lineLogger logs each line written by the init.
 type lineLogger struct {
 	log *slog.Logger
 	mu  sync.Mutex
 	buf []byte
+}
+
+func (l *lineLogger) setLogger(log *slog.Logger) {
+	l.mu.Lock()
+	l.log = log
+	l.mu.Unlock()
 }
 
 func (l *lineLogger) Write(p []byte) (int, error) {
