@@ -22,7 +22,7 @@ PREFIX=${REWIND_CRIU_PREFIX:-/opt/rewind/criu}
 WORK=${REWIND_DEPS_WORK:-/var/cache/rewind-deps}
 
 # Debian packages the project needs at run time and in its tests.
-APT_PACKAGES="fuse3 fuse-overlayfs xfsprogs btrfs-progs iproute2 python3 python3-venv util-linux procps psmisc attr kmod wabt iptables"
+APT_PACKAGES="fuse3 fuse-overlayfs xfsprogs btrfs-progs iproute2 python3 python3-venv util-linux procps psmisc attr kmod wabt"
 # Build dependencies of CRIU, from bookworm.
 CRIU_BUILD_DEPS="build-essential libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev pkgconf protobuf-c-compiler protobuf-compiler uuid-dev python3-protobuf xz-utils dpkg-dev"
 
