@@ -181,3 +181,12 @@ func TestProcessTreeViaCRIU(t *testing.T) {
 		t.Fatalf("server after restore: %q %v", got, err)
 	}
 }
+
+// DefaultCRIUPathForTests is where the criu binary is looked for first.
+func DefaultCRIUPathForTests() string {
+	p, err := criu.Find("")
+	if err != nil {
+		return criu.DefaultPath
+	}
+	return p
+}

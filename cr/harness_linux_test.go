@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/sandbox"
 	"golang.org/x/sys/unix"
 )
 
@@ -20,6 +21,7 @@ import (
 // PID namespace, it starts os.Args[1:] in its own session and reaps every
 // child, like the sandbox package's init.
 func TestMain(m *testing.M) {
+	sandbox.MaybeRunInit()
 	// Descriptors inherited from whoever started the test binary must not
 	// reach the test sandboxes (CRIU cannot dump a host /dev/null fd from a
 	// foreign mount namespace).

@@ -94,7 +94,21 @@ func (r *Runner) wrapper(nsPID int) (string, error) {
 	// libraries come from the sandbox root (a host-root based root has
 	// them). All namespaces but the user one are entered, so criu sees
 	// nothing foreign to dump.
-	script := fmt.Sprintf("#!/bin/sh\nexec %s -t %d -p -m -n -u -i -- /proc/self/fd/3 \"$@\"\n", nsenter, nsPID)
+	// criu first joins the cgroups of the sandbox's init, so restored
+	// processes are born inside the sandbox's cgroups (freezer, pids,
+	// memory, the v2 directory of its eBPF id); criu's own cgroup
+	// management stays off.
+	files, err := cgroupProcsFiles(nsPID)
+	if err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	b.WriteString("#!/bin/sh\n")
+	for _, f := range files {
+		fmt.Fprintf(&b, "echo $$ > '%s' || exit 97\n", f)
+	}
+	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- /proc/self/fd/3 \"$@\"\n", nsenter, nsPID)
+	script := b.String()
 	tmp := p + ".tmp"
 	if err := os.WriteFile(tmp, []byte(script), 0o700); err != nil {
 		return "", err
@@ -166,6 +180,8 @@ func baseOpts(log string) *rpc.CriuOpts {
 		ExtUnixSk:       ptr(true),
 		FileLocks:       ptr(true),
 		OrphanPtsMaster: ptr(false),
+		// criu already runs in the sandbox's cgroups (see wrapper).
+		ManageCgroupsMode: ptr(rpc.CriuCgMode_IGNORE),
 	}
 }
 
@@ -272,4 +288,63 @@ func runCtx(ctx context.Context, c *gocriu.Criu, f func() error) error {
 		<-done
 		return ctx.Err()
 	}
+}
+
+// cgroupProcsFiles returns the cgroup.procs files of every cgroup pid is in
+// (v1 hierarchies and cgroup2), as paths in this mount namespace.
+func cgroupProcsFiles(pid int) ([]string, error) {
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	mounts := map[string]string{} // controllers ("" for cgroup2) -> mount point
+	for _, l := range strings.Split(string(mi), "\n") {
+		pre, post, ok := strings.Cut(l, " - ")
+		if !ok {
+			continue
+		}
+		pf, qf := strings.Fields(pre), strings.Fields(post)
+		if len(pf) < 5 || len(qf) < 3 || pf[3] != "/" {
+			continue
+		}
+		switch qf[0] {
+		case "cgroup2":
+			if _, dup := mounts[""]; !dup {
+				mounts[""] = pf[4]
+			}
+		case "cgroup":
+			var ctrls []string
+			for _, o := range strings.Split(qf[2], ",") {
+				switch o {
+				case "rw", "ro", "noprefix", "xattr", "clone_children", "cpuset_v2_mode":
+					continue
+				}
+				if strings.HasPrefix(o, "release_agent=") {
+					continue
+				}
+				ctrls = append(ctrls, o)
+			}
+			key := strings.Join(ctrls, ",")
+			if _, dup := mounts[key]; !dup {
+				mounts[key] = pf[4]
+			}
+		}
+	}
+	cg, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, l := range strings.Split(strings.TrimSpace(string(cg)), "\n") {
+		parts := strings.SplitN(l, ":", 3)
+		if len(parts) != 3 {
+			continue
+		}
+		mnt, ok := mounts[parts[1]]
+		if !ok || strings.ContainsAny(parts[2], "'\n") {
+			continue
+		}
+		out = append(out, filepath.Join(mnt, parts[2], "cgroup.procs"))
+	}
+	return out, nil
 }

@@ -1,0 +1,153 @@
+package cr
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/sandbox"
+)
+
+var realSeq atomic.Int64
+
+// startReal starts a real sandbox (package sandbox) on a minimal root.
+func startReal(t *testing.T) *sandbox.Sandbox {
+	t.Helper()
+	testenv.RequireRoot(t)
+	_, err := os.Stat(filepath.Dir(sandbox.DefaultFreezerParent))
+	testenv.Require(t, err == nil, "cgroup v1 freezer")
+	root := t.TempDir()
+	binds, err := sandbox.MinimalRoot(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	sb, err := sandbox.Start(ctx, sandbox.Config{
+		ID:    fmt.Sprintf("crtest-%d-%d", os.Getpid(), realSeq.Add(1)),
+		Root:  root,
+		Binds: binds,
+	})
+	if err != nil {
+		t.Fatalf("sandbox.Start: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := sb.Close(); err != nil {
+			t.Errorf("sandbox Close: %v", err)
+		}
+	})
+	return sb
+}
+
+// sessionStdio is the daemon side of seam #3: fresh channels held by the
+// init, adopted as session id once the copy runs.
+func sessionStdio(ctx context.Context, sb *sandbox.Sandbox, id string) func(Proc) (*Stdio, error) {
+	return func(Proc) (*Stdio, error) {
+		ch, err := sb.NewChannels()
+		if err != nil {
+			return nil, err
+		}
+		nIn, nOut, err := ch.InitFDs(ctx)
+		if err != nil {
+			ch.Close()
+			return nil, err
+		}
+		in, out := ch.ChildFiles()
+		outPath := fmt.Sprintf("/proc/1/fd/%d", nOut)
+		return &Stdio{
+			Stdin:  fmt.Sprintf("/proc/1/fd/%d", nIn),
+			Stdout: outPath,
+			Stderr: outPath,
+			Files:  [3]*os.File{in, out, out},
+			Started: func(pid int) error {
+				_, err := sb.AdoptSession(id, pid, ch)
+				return err
+			},
+		}, nil
+	}
+}
+
+func TestRealSandboxBash(t *testing.T) {
+	sb := startReal(t)
+	ctx := ctxT(t)
+	cfg := Config{Warm: true}
+	if _, err := os.Stat(DefaultCRIUPathForTests()); err == nil {
+		cfg.ImagesDir = t.TempDir()
+	}
+	e := newEngine(t, cfg)
+	sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+	ss, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "main", Argv: []string{"bash", "--norc", "--noprofile"}, Dir: "/"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	send := func(s *sandbox.Session, cmd string) string {
+		t.Helper()
+		out, err := s.Send(ctx, cmd, sandbox.SendOptions{})
+		if err != nil {
+			t.Fatalf("send %q: %v", cmd, err)
+		}
+		return out
+	}
+	send(ss, "mkdir -p /tmp/x && cd /tmp/x && export V=1 && f() { echo fn-$1; }")
+	barrier := false
+	ck, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "c1", Barrier: func() error { barrier = true; return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Mode != ModeTemplate || !barrier || len(ck.Procs) != 1 {
+		t.Fatalf("checkpoint %+v barrier %v", ck, barrier)
+	}
+	send(ss, "cd / && export V=2 && f() { echo other; }")
+	want := "/tmp/x 1 fn-x\n"
+	res, err := e.Restore(ctx, sb, "c1", RestoreOptions{Stdio: sessionStdio(ctx, sb, "main")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "template" {
+		t.Fatalf("path %q", res.Path)
+	}
+	if got := send(sb.Session("main"), `echo "$PWD $V $(f x)"`); got != want {
+		t.Fatalf("restored session: %q, want %q", got, want)
+	}
+	if cfg.ImagesDir == "" {
+		return
+	}
+	if err := e.WaitImage(ctx, "c1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Evict("c1"); err != nil {
+		t.Fatal(err)
+	}
+	res, err = e.Restore(ctx, sb, "c1", RestoreOptions{Stdio: sessionStdio(ctx, sb, "main")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "criu" {
+		t.Fatalf("path %q", res.Path)
+	}
+	if got := send(sb.Session("main"), `echo "$PWD $V $(f x)"`); got != want {
+		t.Fatalf("session restored from image: %q, want %q", got, want)
+	}
+	// The CRIU-restored process lives in the sandbox's cgroups.
+	cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", sb.Session("main").PID()))
+	if err != nil || !strings.Contains(string(cg), "freezer:/rewind/"+sb.ID()) || !strings.Contains(string(cg), "0::/rewind/"+sb.ID()) {
+		t.Fatalf("restored process cgroups: %s %v", cg, err)
+	}
+	// The restored session's exit code is reported (it is a child of init).
+	send(sb.Session("main"), "exit 3")
+	s := sb.Session("main")
+	select {
+	case <-s.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("session did not end")
+	}
+	if s.ExitCode() != 3 {
+		t.Fatalf("exit code %d", s.ExitCode())
+	}
+}
