@@ -63,7 +63,7 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("cr: %w", err))
 	}
 	closers = append(closers, func() { eng.Close() })
-	pb := &procBackend{eng: eng, log: log, hide: []string{dir, filepath.Dir(cfg.Socket)}}
+	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg)}
 
 	be := &backendSet{fs: fsb, proc: pb, names: map[string]string{"fs": "fuse", "proc": "sandbox+cr"}}
 	if p, err := probe.Open(probe.Options{Logger: log}); err != nil {

@@ -119,7 +119,7 @@ func Run(ctx context.Context, cfg Config) error {
 	met := newMetrics(reg)
 	mgr, err := state.Open(ctx, state.Config{
 		Dir: filepath.Join(cfg.StateDir, "meta"), FS: be.fs, Proc: be.proc, Probe: be.probe, Policies: be.policies,
-		DefaultPolicy: cfg.DefaultPolicy, Hide: []string{cfg.StateDir, filepath.Dir(cfg.Socket)},
+		DefaultPolicy: cfg.DefaultPolicy, Hide: hidden(cfg),
 		BootID: bootID(), Budget: cfg.Budget, Observer: met, Logger: log,
 	})
 	if err != nil {
@@ -186,6 +186,16 @@ func listen(path string) (net.Listener, error) {
 		return nil, fmt.Errorf("socket %s: %w", path, err)
 	}
 	return ln, nil
+}
+
+// hidden lists the host paths a sandbox must not see: the state dir and
+// the socket's dir (/run/rewind is every sandbox's own tmpfs already).
+func hidden(cfg Config) []string {
+	h := []string{cfg.StateDir}
+	if d := filepath.Dir(cfg.Socket); d != "/run/rewind" && d != "/run" {
+		h = append(h, d)
+	}
+	return h
 }
 
 // lockStateDir makes sure one daemon at a time uses a state dir.

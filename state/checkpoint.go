@@ -418,11 +418,24 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			m.obs.Restored("", time.Since(start), err)
 			return nil, fmt.Errorf("restore %s: save the current state: %w", c.rec.ID, err)
 		}
+		undoTook := time.Since(start)
 		defer func() {
-			m.cfg.FS.Delete(bg, undoFS)
-			m.cfg.Proc.Release(bg, undo)
+			// Off the caller's path: releasing may wait for the back
+			// end's asynchronous work on the undo point (an image dump).
+			m.wg.Add(1)
+			go func() {
+				defer m.wg.Done()
+				m.cfg.FS.Delete(bg, undoFS)
+				m.cfg.Proc.Release(bg, undo)
+			}()
 		}()
-		path, err = proc.Restore(bg, part, func() error { return mount.Switch(bg, fsID) })
+		var switchTook time.Duration
+		path, err = proc.Restore(bg, part, func() error {
+			t := time.Now()
+			defer func() { switchTook = time.Since(t) }()
+			return mount.Switch(bg, fsID)
+		})
+		m.log.Debug("restore phases", "sandbox", s.rec.Name, "undo_checkpoint", undoTook, "fs_switch", switchTook, "restore", time.Since(start)-undoTook)
 		if err != nil {
 			if _, uerr := proc.Restore(bg, undo, func() error { return mount.Switch(bg, undoFS) }); uerr != nil {
 				m.log.Error("restore failed and so did going back", "sandbox", s.rec.Name, "err", uerr)

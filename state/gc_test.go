@@ -108,7 +108,7 @@ func simulate(t *testing.T, seed uint64, steps int) {
 				t.Fatalf("reachable checkpoint %s lost its process part %s: %v", id, c.ProcFrom, err)
 			}
 			for _, tpl := range pf.Proc.Templates {
-				if e.b.Disk.Released[tpl] {
+				if e.b.Disk.WasReleased(tpl) {
 					t.Fatalf("reachable checkpoint %s: template %s released", id, tpl)
 				}
 			}

@@ -233,7 +233,8 @@ func (d *demo) run(forks int) error {
 			return d.sh("cd /tmp && /work/venv/bin/python -m unittest -q /work/proj/test_calc.py 2>&1 || (cd /work/proj && /work/venv/bin/python -m unittest -q 2>&1)")
 		}},
 		{"start a background HTTP server", func() (string, error) {
-			return d.sh("cd /work/proj && setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/server.log 2>&1 < /dev/null & sleep 0.5")
+			return d.sh(`cd /work/proj && (setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/server.log 2>&1 < /dev/null &)
+for i in $(seq 100); do python3 -c "import socket; socket.create_connection(('127.0.0.1', 8000), 1)" 2>/dev/null && exit 0; sleep 0.1; done; exit 1`)
 		}},
 		{"query the server", func() (string, error) {
 			return d.sh(`python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/README.md', timeout=5).read().decode())"`)

@@ -63,6 +63,13 @@ func (d *Disk) HasLayer(id string) bool {
 	return ok
 }
 
+// WasReleased reports whether GC released template t.
+func (d *Disk) WasReleased(t string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.Released[t]
+}
+
 // WasDeleted reports whether GC deleted fs checkpoint id.
 func (d *Disk) WasDeleted(id string) bool {
 	d.mu.Lock()
