@@ -57,6 +57,11 @@ type Options struct {
 	// Freeze forces the stock-kernel freeze mode: "" (auto), FreezeReflink
 	// or FreezeCopy. Tests and benchmarks use it.
 	Freeze string
+	// SyncCheckpoint makes Checkpoint sync the state dir's file system and
+	// the record before returning (power-loss durability). By default the
+	// record is rename-atomic (a process crash never loses it) and synced
+	// in the background.
+	SyncCheckpoint bool
 	// NoIoctl disables the patched-kernel layer-switch ioctl even when the
 	// probe finds it.
 	NoIoctl bool

@@ -1,6 +1,7 @@
 package kernelpath
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -20,20 +21,21 @@ import (
 // FS is a sandbox view mounted as a native overlayfs. It implements
 // layer.FS. Methods are safe for concurrent use.
 type FS struct {
-	st     *layer.Store
-	id     string
-	mp     string
-	log    *slog.Logger
-	freeze string // FreezeIoctl, FreezeReflink or FreezeCopy
-	fstype string // of the state dir
+	st       *layer.Store
+	id       string
+	mp       string
+	log      *slog.Logger
+	freeze   string // FreezeIoctl, FreezeReflink or FreezeCopy
+	fstype   string // of the state dir
+	syncCkpt bool
 
 	mu      sync.Mutex
 	closed  bool
-	lowers  []string // external base dirs, topmost first
-	layers  []string // frozen layers under the upper, bottom first
-	upper   string   // id of the live upper layer
-	base    string   // last checkpoint taken or switched to
-	gen     uint64   // ioctl generation (ioctl mode only)
+	lowers  []string           // external base dirs, topmost first
+	layers  []string           // frozen layers under the upper, bottom first
+	upper   string             // id of the live upper layer
+	base    string             // last checkpoint taken or switched to
+	gen     uint64             // ioctl generation (ioctl mode only)
 	ckptFP  map[string]entryFP // the upper as the last checkpoint froze it
 	chain   []string           // layers frozen from the live upper, bottom first
 	takenFP map[string]entryFP
@@ -71,7 +73,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	if err := detachStale(st, mp, log); err != nil {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
-	f := &FS{st: st, id: id, mp: mp, log: log, lowers: append([]string(nil), opts.Lowers...), fstype: fsType(st.Dir())}
+	f := &FS{st: st, id: id, mp: mp, log: log, lowers: append([]string(nil), opts.Lowers...), fstype: fsType(st.Dir()), syncCkpt: opts.SyncCheckpoint}
 	if opts.From != "" {
 		c, err := st.Checkpoint(opts.From)
 		if err != nil {
@@ -276,7 +278,7 @@ func (f *FS) Checkpoint() (string, error) {
 		ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(),
 		Lowers: f.lowers, Layers: append(append([]string(nil), f.layers...), chain...),
 	}
-	if err := f.st.SaveCheckpoint(c); err != nil {
+	if err := f.saveCheckpoint(c); err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
 	f.base, f.ckptFP, f.chain = c.ID, fp, chain
@@ -284,6 +286,44 @@ func (f *FS) Checkpoint() (string, error) {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}
 	return c.ID, nil
+}
+
+// saveCheckpoint writes the record rename-atomically (a crash of this
+// process never leaves a partial record) and fsyncs it in the background,
+// as the FUSE backend does; Options.SyncCheckpoint fsyncs the layer's file
+// system and the record before returning (power-loss durability, ~2 ms
+// more on a loop XFS here).
+func (f *FS) saveCheckpoint(c layer.Checkpoint) error {
+	if f.syncCkpt {
+		if err := syncFS(f.st.Dir()); err != nil {
+			return err
+		}
+		return f.st.SaveCheckpoint(c)
+	}
+	b, err := json.Marshal(c)
+	if err != nil {
+		return err
+	}
+	p := filepath.Join(f.st.Dir(), "meta", "checkpoints", c.ID+".json")
+	if err := layer.WriteFileAtomic(p, b, false); err != nil {
+		return err
+	}
+	go func() {
+		if err := syncFS(p); err != nil {
+			f.log.Debug("kernelpath: background sync of checkpoint record", "err", err)
+		}
+	}()
+	return nil
+}
+
+// syncFS syncs the file system holding path.
+func syncFS(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return unix.Syncfs(fd)
 }
 
 // checkpointIoctl: the patched kernel freezes the upper in place.
@@ -306,7 +346,7 @@ func (f *FS) checkpointIoctl() (string, error) {
 	layers := append(append([]string(nil), f.layers...), frozen)
 	c := layer.Checkpoint{ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(), Lowers: f.lowers, Layers: layers}
 	f.layers, f.upper, f.gen, f.base, f.ckptFP = layers, upper, gen, c.ID, nil
-	if err := f.st.SaveCheckpoint(c); err != nil {
+	if err := f.saveCheckpoint(c); err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
 	if err := f.saveRecord(false); err != nil {
