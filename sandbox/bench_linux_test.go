@@ -62,7 +62,7 @@ func BenchmarkStart(b *testing.B) {
 func BenchmarkStartSpare(b *testing.B) {
 	requireSandbox(b)
 	root, binds := testRoot(b)
-	sp := NewSpares(1, "", nil)
+	sp := NewSpares(1, "", "bench-", nil)
 	defer sp.Close()
 	var rw, base time.Duration
 	for i := 0; i < b.N; i++ {
@@ -70,7 +70,7 @@ func BenchmarkStartSpare(b *testing.B) {
 			time.Sleep(100 * time.Microsecond)
 		}
 		t0 := time.Now()
-		sb, err := sp.Start(context.Background(), Config{ID: fmt.Sprintf("bench-spare-%d-%d", os.Getpid(), i), Root: root, Binds: binds})
+		sb, err := sp.Start(context.Background(), Config{Root: root, Binds: binds})
 		if err != nil {
 			b.Fatal(err)
 		}

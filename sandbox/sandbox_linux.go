@@ -104,6 +104,7 @@ type Sandbox struct {
 	freezerDir string
 	v2Dir      string
 	limitDirs  []string // v1 pids and memory cgroups, when used
+	spareV2    string   // a spare's v2 cgroup, removed once the init left it
 	cgroupID   uint64
 	initDone   chan struct{} // closed when the init process has been waited for
 
@@ -131,8 +132,12 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 	defer func() {
 		if err != nil && spare != nil && spare.cmd != nil {
 			spare.kill() // (a no-op when teardown already killed it)
+			spare.removeCgroups()
 		}
 	}()
+	if spare != nil && spare.id != "" && cfg.ID == "" {
+		cfg.ID = spare.id
+	}
 	if !idRE.MatchString(cfg.ID) || strings.Contains(cfg.ID, "..") {
 		return nil, fmt.Errorf("start sandbox: invalid id %q", cfg.ID)
 	}
@@ -172,19 +177,26 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 		v2Dir:      filepath.Join(cfg.CgroupV2Parent, cfg.ID),
 		sessions:   map[string]*Session{},
 	}
-	if err := makeCgroup(s.freezerDir); err != nil {
-		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
-	}
-	if err := makeCgroup(s.v2Dir); err != nil {
-		_ = unix.Rmdir(s.freezerDir)
-		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	joined := map[string]bool{} // cgroups the init is in already
+	if spare != nil && spare.id != "" {
+		if err := s.takeSpareCgroups(spare, joined); err != nil {
+			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+		}
+	} else {
+		if err := makeCgroup(s.freezerDir); err != nil {
+			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+		}
+		if err := makeCgroup(s.v2Dir); err != nil {
+			_ = unix.Rmdir(s.freezerDir)
+			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+		}
 	}
 	defer func() {
 		if err != nil {
 			s.teardown()
 		}
 	}()
-	if err := s.makeLimits(); err != nil {
+	if err := s.makeLimits(joined); err != nil {
 		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
 	}
 	var st unix.Stat_t
@@ -195,7 +207,7 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 
 	ip := spare
 	if ip == nil {
-		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, s.log); err != nil {
+		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, -1, s.log); err != nil {
 			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
 		}
 	} else {
@@ -208,8 +220,17 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 	s.cli = newClient(c, s.log)
 	// The init waits for its setup message, so nothing runs outside the
 	// cgroups: join them first.
-	if err := s.JoinCgroups(s.initPID); err != nil {
-		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
+	for _, dir := range s.cgroupDirs() {
+		if joined[dir] {
+			continue
+		}
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(s.initPID)), 0); err != nil {
+			return nil, fmt.Errorf("start sandbox %s: join cgroup %s: %w", cfg.ID, dir, err)
+		}
+	}
+	if s.spareV2 != "" {
+		_ = unix.Rmdir(s.spareV2)
+		s.spareV2 = ""
 	}
 	setup := &setupConfig{
 		Root: cfg.Root, Hostname: cfg.Hostname, Net: !cfg.HostNet,
@@ -234,10 +255,15 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 }
 
 // makeLimits creates the v1 pids and memory cgroups and sets their limits.
-func (s *Sandbox) makeLimits() error {
+// The cgroups already there (joined, from a spare) only get their limit
+// written.
+func (s *Sandbox) makeLimits(joined map[string]bool) error {
 	type limit struct{ parent, file, value string }
 	var limits []limit
+	pidsDir := filepath.Join(DefaultPidsParent, s.cfg.ID)
 	switch {
+	case joined[pidsDir] && s.cfg.PidsMax < 0:
+		limits = append(limits, limit{DefaultPidsParent, "pids.max", "max"})
 	case s.cfg.PidsMax == 0:
 		if _, err := os.Stat(filepath.Dir(DefaultPidsParent)); err == nil {
 			limits = append(limits, limit{DefaultPidsParent, "pids.max", strconv.Itoa(DefaultPidsMax + initThreadAllowance)})
@@ -250,8 +276,10 @@ func (s *Sandbox) makeLimits() error {
 	}
 	for _, l := range limits {
 		dir := filepath.Join(l.parent, s.cfg.ID)
-		if err := makeCgroup(dir); err != nil {
-			return err
+		if !joined[dir] {
+			if err := makeCgroup(dir); err != nil {
+				return err
+			}
 		}
 		s.limitDirs = append(s.limitDirs, dir)
 		if err := os.WriteFile(filepath.Join(dir, l.file), []byte(l.value), 0); err != nil {
@@ -291,10 +319,15 @@ type initProc struct {
 	logw    *lineLogger
 	done    chan struct{} // closed when cmd has been waited for
 	hostNet bool
+	// id and dirs: a spare's own sandbox id and the cgroups (named by id)
+	// it already is in.
+	id   string
+	dirs []string
 }
 
 // spawnInit starts an init process in new namespaces.
-func spawnInit(initPath string, hostNet bool, log *slog.Logger) (*initProc, error) {
+// With cgroupFD >= 0 (a cgroup v2 directory) it starts in that cgroup.
+func spawnInit(initPath string, hostNet bool, cgroupFD int, log *slog.Logger) (*initProc, error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("socketpair: %w", err)
@@ -320,6 +353,10 @@ func spawnInit(initPath string, hostNet bool, log *slog.Logger) (*initProc, erro
 	cmd.Stdout = logw
 	cmd.Stderr = logw
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: flags}
+	if cgroupFD >= 0 {
+		cmd.SysProcAttr.UseCgroupFD = true
+		cmd.SysProcAttr.CgroupFD = cgroupFD
+	}
 	err = cmd.Start()
 	childEnd.Close()
 	if err != nil {
@@ -799,7 +836,11 @@ func (s *Sandbox) teardown() error {
 		s.cli.close()
 	}
 	deadline := time.Now().Add(20 * time.Second)
-	for _, dir := range s.cgroupDirs() {
+	dirs := s.cgroupDirs()
+	if s.spareV2 != "" {
+		dirs = append(dirs, s.spareV2)
+	}
+	for _, dir := range dirs {
 		for {
 			if pids, err := cgroupPIDs(dir); err == nil {
 				for _, pid := range pids {

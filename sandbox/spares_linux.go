@@ -2,8 +2,14 @@ package sandbox
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
 
@@ -11,13 +17,15 @@ import (
 )
 
 // Spares keeps sandbox inits started ahead of time: processes already in
-// their new namespaces, with their runtime initialized, waiting for a
-// setup. Spares.Start uses one and so skips process creation, the larger
-// part of a sandbox's start: the path for fork fan-out. Idle spares are in
-// no sandbox cgroup and run nothing; they cost a few MiB each.
+// their new namespaces and in their own cgroups (named by a sandbox id the
+// spare reserves), with their runtime initialized, waiting for a setup.
+// Spares.Start uses one and so skips process creation and, when the caller
+// takes the spare's id (Config.ID empty), every cgroup migration: the path
+// for fork fan-out. Idle spares run nothing; they cost a few MiB each.
 type Spares struct {
 	n        int
 	initPath string
+	prefix   string
 	log      *slog.Logger
 
 	mu     sync.Mutex
@@ -29,14 +37,18 @@ type Spares struct {
 
 // NewSpares keeps n spare inits of the binary initPath ("" means
 // /proc/self/exe, as Config.InitPath) with their own network namespace.
-func NewSpares(n int, initPath string, log *slog.Logger) *Spares {
+// Spare ids are idPrefix followed by 12 random hex digits.
+func NewSpares(n int, initPath, idPrefix string, log *slog.Logger) *Spares {
 	if initPath == "" {
 		initPath = "/proc/self/exe"
 	}
 	if log == nil {
 		log = slog.Default()
 	}
-	p := &Spares{n: n, initPath: initPath, log: log, wake: make(chan struct{}, 1), done: make(chan struct{})}
+	if idPrefix == "" {
+		idPrefix = "sb-"
+	}
+	p := &Spares{n: n, initPath: initPath, prefix: idPrefix, log: log, wake: make(chan struct{}, 1), done: make(chan struct{})}
 	go p.refill()
 	p.kick()
 	return p
@@ -68,12 +80,7 @@ func (p *Spares) refill() {
 				break
 			}
 			p.mu.Unlock()
-			ip, err := spawnInit(p.initPath, false, p.log)
-			if err == nil {
-				if err = ip.waitHello(30 * time.Second); err != nil {
-					ip.kill()
-				}
-			}
+			ip, err := p.spawn()
 			if err != nil {
 				p.log.Warn("spare sandbox init", "err", err)
 				time.Sleep(100 * time.Millisecond)
@@ -116,18 +123,135 @@ func (p *Spares) Ready() int {
 }
 
 // Start starts a sandbox like Start, on a spare init when one is ready and
-// cfg fits (own network namespace, same init binary), and starts a
-// replacement spare in the background.
+// cfg fits (own network namespace, same init binary, default cgroup
+// parents), and starts a replacement spare in the background. With an
+// empty cfg.ID the sandbox takes the spare's id (see Sandbox.ID): the
+// fastest path. Without a spare, an empty cfg.ID gets a fresh id.
 func (p *Spares) Start(ctx context.Context, cfg Config) (*Sandbox, error) {
-	if cfg.HostNet || (cfg.InitPath != "" && cfg.InitPath != p.initPath) {
+	fits := !cfg.HostNet && (cfg.InitPath == "" || cfg.InitPath == p.initPath) &&
+		(cfg.FreezerParent == "" || cfg.FreezerParent == DefaultFreezerParent) &&
+		(cfg.CgroupV2Parent == "" || cfg.CgroupV2Parent == DefaultCgroupV2Parent)
+	if !fits {
+		if cfg.ID == "" {
+			cfg.ID = p.prefix + randomHex(6)
+		}
 		return Start(ctx, cfg)
 	}
 	ip := p.take()
 	p.kick()
 	if ip == nil {
+		if cfg.ID == "" {
+			cfg.ID = p.prefix + randomHex(6)
+		}
 		return Start(ctx, cfg)
 	}
 	return start(ctx, cfg, ip)
+}
+
+// spawn starts one spare: cgroups named by a new id, the init cloned
+// straight into the v2 one and moved into the v1 ones while nobody waits.
+func (p *Spares) spawn() (_ *initProc, err error) {
+	id := p.prefix + randomHex(6)
+	dirs := []string{filepath.Join(DefaultFreezerParent, id), filepath.Join(DefaultCgroupV2Parent, id)}
+	if _, err := os.Stat(filepath.Dir(DefaultPidsParent)); err == nil {
+		dirs = append(dirs, filepath.Join(DefaultPidsParent, id))
+	}
+	ip := &initProc{id: id}
+	defer func() {
+		if err != nil {
+			if ip.cmd != nil {
+				ip.kill()
+			}
+			ip.removeCgroups()
+		}
+	}()
+	for _, dir := range dirs {
+		if err := makeCgroup(dir); err != nil {
+			return nil, err
+		}
+		ip.dirs = append(ip.dirs, dir)
+	}
+	if len(dirs) > 2 {
+		if err := os.WriteFile(filepath.Join(dirs[2], "pids.max"), []byte(strconv.Itoa(DefaultPidsMax+initThreadAllowance)), 0); err != nil {
+			return nil, err
+		}
+	}
+	v2, err := unix.Open(dirs[1], unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	spawned, err := spawnInit(p.initPath, false, v2, p.log)
+	unix.Close(v2)
+	if err != nil {
+		return nil, err
+	}
+	spawned.id, spawned.dirs = ip.id, ip.dirs
+	ip = spawned
+	for _, dir := range []string{dirs[0], dirs[len(dirs)-1]} {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(ip.cmd.Process.Pid)), 0); err != nil {
+			return nil, fmt.Errorf("join %s: %w", dir, err)
+		}
+	}
+	if err := ip.waitHello(30 * time.Second); err != nil {
+		return nil, err
+	}
+	return ip, nil
+}
+
+// removeCgroups removes a spare's cgroups that were not handed over.
+func (ip *initProc) removeCgroups() {
+	for _, dir := range ip.dirs {
+		for i := 0; i < 1000; i++ {
+			if err := unix.Rmdir(dir); err == nil || errors.Is(err, unix.ENOENT) {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	ip.dirs = nil
+}
+
+// takeSpareCgroups gives the spare's cgroups to s: v1 ones are renamed to
+// s's id (no task moves); the v2 one is kept when the ids match, else a new
+// one is made and joined later. joined gets the dirs the init is in.
+func (s *Sandbox) takeSpareCgroups(ip *initProc, joined map[string]bool) error {
+	for _, src := range ip.dirs {
+		var dst string
+		switch filepath.Dir(src) {
+		case DefaultFreezerParent:
+			dst = s.freezerDir
+		case DefaultCgroupV2Parent:
+			dst = s.v2Dir
+		case DefaultPidsParent:
+			dst = filepath.Join(DefaultPidsParent, s.cfg.ID)
+		default:
+			continue
+		}
+		switch {
+		case src == dst:
+		case filepath.Dir(src) == DefaultCgroupV2Parent:
+			// cgroup v2 directories cannot be renamed.
+			if err := makeCgroup(dst); err != nil {
+				return err
+			}
+			s.spareV2 = src
+			continue
+		default:
+			_ = unix.Rmdir(dst) // an empty leftover of a crash
+			if err := unix.Rename(src, dst); err != nil {
+				return fmt.Errorf("rename cgroup %s: %w", src, err)
+			}
+		}
+		joined[dst] = true
+	}
+	ip.dirs = nil // s owns them now
+	return nil
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
 }
 
 // Close kills the waiting spares.
@@ -145,6 +269,7 @@ func (p *Spares) Close() {
 	<-p.done
 	for _, ip := range ready {
 		ip.kill()
+		ip.removeCgroups()
 	}
 }
 

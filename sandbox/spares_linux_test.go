@@ -5,13 +5,14 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
 
 func TestSpares(t *testing.T) {
 	requireSandbox(t)
-	sp := NewSpares(2, "", nil)
+	sp := NewSpares(2, "", "test-spare-", nil)
 	defer sp.Close()
 	waitFor(t, "spares", func() bool { return sp.Ready() == 2 })
 	sp.mu.Lock()
@@ -22,22 +23,41 @@ func TestSpares(t *testing.T) {
 	sp.mu.Unlock()
 	for i := 0; i < 4; i++ {
 		root, binds := testRoot(t)
-		sb, err := sp.Start(testCtx(t), Config{ID: fmt.Sprintf("spare-%d-%d", os.Getpid(), i), Root: root, Binds: binds})
+		cfg := Config{Root: root, Binds: binds}
+		if i%2 == 1 {
+			cfg.ID = fmt.Sprintf("spare-%d-%d", os.Getpid(), i) // the spare's cgroups get renamed
+		}
+		sb, err := sp.Start(testCtx(t), cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if i == 0 && sb.InitPID() != sparePIDs[0] {
-			t.Errorf("first start did not use a spare")
+		if i < 2 && sb.InitPID() != sparePIDs[i] {
+			t.Errorf("start %d did not use a spare", i)
+		}
+		if (cfg.ID == "" && !strings.HasPrefix(sb.ID(), "test-spare-")) || (cfg.ID != "" && sb.ID() != cfg.ID) {
+			t.Errorf("sandbox id %q for Config.ID %q", sb.ID(), cfg.ID)
 		}
 		if out := sh(t, sb, "hostname; cat /proc/1/cmdline; echo; ls /run/rewind | wc -l"); out != sb.ID()+"\nrewind-init\x00\n0\n" {
 			t.Errorf("sandbox on a spare: %q", out)
 		}
 		cg, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", sb.InitPID()))
-		if !strings.Contains(string(cg), ":freezer:/rewind/"+sb.ID()+"\n") {
-			t.Errorf("spare init not in the sandbox's cgroup:\n%s", cg)
+		for _, want := range []string{":freezer:/rewind/" + sb.ID() + "\n", "0::/rewind/" + sb.ID() + "\n", ":pids:/rewind/" + sb.ID() + "\n"} {
+			if !strings.Contains(string(cg), want) {
+				t.Errorf("spare init not in the sandbox's cgroup %q:\n%s", want, cg)
+			}
 		}
+		var st syscall.Stat_t
+		if err := syscall.Stat(sb.CgroupV2Dir(), &st); err != nil || st.Ino != sb.CgroupID() {
+			t.Errorf("cgroup id %d, v2 dir inode %d (%v)", sb.CgroupID(), st.Ino, err)
+		}
+		dirs := sb.cgroupDirs()
 		if err := sb.Close(); err != nil {
 			t.Fatal(err)
+		}
+		for _, d := range dirs {
+			if _, err := os.Stat(d); !os.IsNotExist(err) {
+				t.Errorf("cgroup %s left", d)
+			}
 		}
 	}
 	waitFor(t, "refill", func() bool { return sp.Ready() == 2 })
@@ -59,9 +79,18 @@ func TestSpares(t *testing.T) {
 	}
 	// Start after Close still works (no spares).
 	root, binds := testRoot(t)
-	sb, err := sp.Start(context.Background(), Config{ID: fmt.Sprintf("spare-%d-late", os.Getpid()), Root: root, Binds: binds})
+	sb, err := sp.Start(context.Background(), Config{Root: root, Binds: binds})
 	if err != nil {
 		t.Fatal(err)
 	}
 	sb.Close()
+	// No spare cgroup is left behind.
+	for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent} {
+		ents, _ := os.ReadDir(parent)
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), "test-spare-") {
+				t.Errorf("spare cgroup %s/%s left", parent, e.Name())
+			}
+		}
+	}
 }

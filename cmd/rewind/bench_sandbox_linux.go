@@ -39,6 +39,7 @@ func newBenchSandboxCmd() *cobra.Command {
 		Long: `Starts sandboxes directly (no daemon) on a small root made of the host's /usr and /etc
 (read-only) and measures, N times each, interleaved with its baseline:
   start         sandbox.Start until the init is ready   vs  os/exec of /bin/true
+  start (spare) Spares.Start on a warm spare init        vs  os/exec of /bin/true
   exec          one-shot Exec of /bin/true              vs  os/exec of /bin/true
   session send  Send("echo x") to bash until "x"        vs  the same over pipes to a host bash
   freeze+thaw   cgroup freezer on 4 processes           vs  SIGSTOP (until stopped) + SIGCONT of 4
@@ -96,6 +97,7 @@ func runSandboxBench(ctx context.Context, n int) ([]sandboxBenchRow, error) {
 	runTrue := func() error { return exec.Command("/bin/true").Run() }
 	rows := []sandboxBenchRow{
 		{Op: "start", Baseline: "os/exec /bin/true"},
+		{Op: "start (spare)", Baseline: "os/exec /bin/true"},
 		{Op: "exec", Baseline: "os/exec /bin/true"},
 		{Op: "session send", Baseline: "host bash over pipes"},
 		{Op: "freeze+thaw", Baseline: "SIGSTOP+SIGCONT"},
@@ -116,6 +118,32 @@ func runSandboxBench(ctx context.Context, n int) ([]sandboxBenchRow, error) {
 		}
 		rows[0].rewind, rows[0].bl = append(rows[0].rewind, d), append(rows[0].bl, b)
 	}
+	// start from a warm spare (the pool refills between iterations, untimed)
+	spares := sandbox.NewSpares(1, "", fmt.Sprintf("bench-%d-", os.Getpid()), nil)
+	for i := 0; i < n; i++ {
+		for spares.Ready() == 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+		c := cfg(i)
+		c.ID = ""
+		var sb *sandbox.Sandbox
+		d, err := timeIt(func() (err error) { sb, err = spares.Start(ctx, c); return err })
+		if err != nil {
+			spares.Close()
+			return nil, err
+		}
+		if err := sb.Close(); err != nil {
+			spares.Close()
+			return nil, err
+		}
+		b, err := timeIt(runTrue)
+		if err != nil {
+			spares.Close()
+			return nil, err
+		}
+		rows[1].rewind, rows[1].bl = append(rows[1].rewind, d), append(rows[1].bl, b)
+	}
+	spares.Close()
 	sb, err := sandbox.Start(ctx, cfg(n))
 	if err != nil {
 		return nil, err
@@ -137,7 +165,7 @@ func runSandboxBench(ctx context.Context, n int) ([]sandboxBenchRow, error) {
 		if err != nil {
 			return nil, err
 		}
-		rows[1].rewind, rows[1].bl = append(rows[1].rewind, d), append(rows[1].bl, b)
+		rows[2].rewind, rows[2].bl = append(rows[2].rewind, d), append(rows[2].bl, b)
 	}
 	// session send
 	ss, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "bench", Argv: []string{"bash"}})
@@ -174,7 +202,7 @@ func runSandboxBench(ctx context.Context, n int) ([]sandboxBenchRow, error) {
 		if err != nil {
 			return nil, err
 		}
-		rows[2].rewind, rows[2].bl = append(rows[2].rewind, d), append(rows[2].bl, b)
+		rows[3].rewind, rows[3].bl = append(rows[3].rewind, d), append(rows[3].bl, b)
 	}
 	// freeze+thaw: bash session, init, a sleeper and a shell loop inside; 4
 	// sleepers on the host.
@@ -218,7 +246,7 @@ func runSandboxBench(ctx context.Context, n int) ([]sandboxBenchRow, error) {
 			}
 			return nil
 		})
-		rows[3].rewind, rows[3].bl = append(rows[3].rewind, d), append(rows[3].bl, b)
+		rows[4].rewind, rows[4].bl = append(rows[4].rewind, d), append(rows[4].bl, b)
 	}
 	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1000 }
 	for i := range rows {
