@@ -13,9 +13,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -71,7 +69,7 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		be.names["probe"] = "none"
 	} else {
 		closers = append(closers, func() { p.Close() })
-		be.probe = &probeAdapter{p: p}
+		be.probe = &probeAdapter{p: p, eng: eng}
 		be.names["probe"] = p.Backend()
 	}
 	h, err := policy.NewHost(ctx, policy.Options{CacheDir: filepath.Join(dir, "wasm-cache"), Logger: log})
@@ -274,31 +272,7 @@ func (b *procBackend) Recover(_ context.Context, part *state.ProcPart) *state.Pr
 
 // Cleanup kills what a dead daemon left in sandbox id's cgroups.
 func (b *procBackend) Cleanup(_ context.Context, id string) error {
-	fz := filepath.Join(sandbox.DefaultFreezerParent, id)
-	v2 := filepath.Join(sandbox.DefaultCgroupV2Parent, id)
-	if _, err := os.Stat(fz); err == nil {
-		os.WriteFile(filepath.Join(fz, "freezer.state"), []byte("THAWED"), 0)
-	}
-	for _, dir := range []string{fz, v2} {
-		for i := 0; i < 50; i++ {
-			b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
-			if err != nil {
-				break
-			}
-			pids := strings.Fields(string(b))
-			if len(pids) == 0 {
-				break
-			}
-			for _, p := range pids {
-				if pid, err := strconv.Atoi(p); err == nil {
-					syscall.Kill(pid, syscall.SIGKILL)
-				}
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		os.Remove(dir)
-	}
-	return nil
+	return sandbox.CleanupStale(id)
 }
 
 type procSandbox struct {
@@ -496,29 +470,66 @@ func (p *procSandbox) Close() error {
 
 // probeAdapter implements state.Probe with package probe: one window per
 // sandbox, closed and reopened at every turn.
-type probeAdapter struct{ p probe.Probe }
+type probeAdapter struct {
+	p   probe.Probe
+	eng *cr.Engine
+}
 
 func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, proc state.ProcSandbox) (state.ProbeWindow, error) {
 	ps, ok := proc.(*procSandbox)
 	if !ok {
 		return nil, errors.New("probe: not a real sandbox")
 	}
-	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID()}
+	pw := &probeWindow{p: a.p, eng: a.eng, sb: ps.sb}
+	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID(),
+		Exclude: pw.exclude}
 	if fm, ok := mount.(*fsMount); ok {
 		t.FS = fm.f
 	}
+	pw.t = t
+	pw.refreshLive()
 	w, err := a.p.Begin(t)
 	if err != nil {
 		return nil, err
 	}
-	return &probeWindow{p: a.p, t: t, w: w}, nil
+	pw.w = w
+	return pw, nil
 }
 
 type probeWindow struct {
-	mu sync.Mutex
-	p  probe.Probe
-	t  probe.Target
-	w  probe.Window
+	mu  sync.Mutex
+	p   probe.Probe
+	eng *cr.Engine
+	sb  *sandbox.Sandbox
+	t   probe.Target
+	w   probe.Window
+
+	liveMu sync.Mutex
+	live   map[int]bool // the sandbox's processes, cr templates and spares excluded
+}
+
+// refreshLive asks cr which processes are the agent's (not templates).
+func (w *probeWindow) refreshLive() {
+	procs, err := w.eng.Processes(w.sb)
+	live := map[int]bool{}
+	for _, p := range procs {
+		live[p.PID] = true
+	}
+	w.liveMu.Lock()
+	if err == nil {
+		w.live = live
+	} else {
+		w.live = nil
+	}
+	w.liveMu.Unlock()
+}
+
+// exclude hides cr's templates and warm spares from the probe: they are
+// rewind's processes, not effects of the agent's turn.
+func (w *probeWindow) exclude(pid int) bool {
+	w.liveMu.Lock()
+	defer w.liveMu.Unlock()
+	return w.live != nil && !w.live[pid]
 }
 
 func (w *probeWindow) Take(context.Context) (*effect.Report, error) {
@@ -527,16 +538,9 @@ func (w *probeWindow) Take(context.Context) (*effect.Report, error) {
 	if w.w == nil {
 		return nil, errors.New("probe window closed")
 	}
-	rep, err := w.w.End()
-	nw, berr := w.p.Begin(w.t)
-	if berr != nil {
-		w.w = nil
-		if err == nil {
-			err = berr
-		}
-	} else {
-		w.w = nw
-	}
+	w.refreshLive()
+	rep, nw, err := w.w.Next()
+	w.w = nw
 	return rep, err
 }
 
