@@ -2,7 +2,9 @@ package kernelpath
 
 import (
 	"errors"
+	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -277,5 +279,54 @@ func TestTakeFSEffects(t *testing.T) {
 	}
 	if e = f.TakeFSEffects(); e.UpperNonEmpty || e.Created+e.Modified+e.Deleted+e.MetaChanged != 0 {
 		t.Fatalf("after checkpoint: %+v", e)
+	}
+}
+
+// TestStaleMount: an overlay left at the mount point by a crashed daemon is
+// detached when the same mount id is mounted again from its checkpoint; a
+// mount point busy with anything else is refused with a clear error.
+func TestStaleMount(t *testing.T) {
+	st := newStore(t, "xfs")
+	f := mountKP(t, st, Options{MountID: "crash"})
+	mp := f.Mountpoint()
+	writeFile(t, mp+"/x", "1")
+	id, err := f.Checkpoint()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Simulate the crash: the record names a dead process.
+	cmd := exec.Command("true")
+	if err := cmd.Run(); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := st.Mount("crash")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec.PID = cmd.Process.Pid
+	if err := st.SaveMount(rec, false); err != nil {
+		t.Fatal(err)
+	}
+	g, err := Mount(st, mp, Options{MountID: "crash", From: id, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatalf("remount after crash: %v", err)
+	}
+	if got := readFile(t, mp+"/x"); got != "1" {
+		t.Fatalf("x = %q", got)
+	}
+	if err := g.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+	// A foreign mount at the mount point is refused.
+	if err := unix.Mount("tmpfs", mp, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Unmount(mp, unix.MNT_DETACH)
+	if _, err := Mount(st, mp, Options{MountID: "other", Logger: slog.New(slog.DiscardHandler)}); err == nil || !strings.Contains(err.Error(), "already a mount point") {
+		t.Fatalf("mount over a foreign mount: %v", err)
+	}
+	// Unknown checkpoint: clear error.
+	if _, err := Mount(st, t.TempDir(), Options{From: "nope", Logger: slog.New(slog.DiscardHandler)}); err == nil {
+		t.Fatal("mount from an unknown checkpoint succeeded")
 	}
 }

@@ -28,6 +28,7 @@ type FS struct {
 	freeze   string // FreezeIoctl, FreezeReflink or FreezeCopy
 	fstype   string // of the state dir
 	syncCkpt bool
+	mntID    uint64 // our overlay's mount id at mp (0 = unknown)
 
 	mu      sync.Mutex
 	closed  bool
@@ -114,6 +115,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
 	f.upper = upper
+	f.mntID = mountID(mp)
 	if !opts.NoIoctl {
 		if gen, err := f.query(); err == nil {
 			f.freeze, f.gen = FreezeIoctl, gen
@@ -393,6 +395,7 @@ func (f *FS) Switch(id string) error {
 		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
 	}
 	f.upper, f.base, f.ckptFP, f.takenFP, f.chain = upper, id, nil, nil, nil
+	f.mntID = mountID(f.mp)
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}
@@ -612,6 +615,19 @@ func (f *FS) Unmount() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed {
+		return nil
+	}
+	if cur := mountID(f.mp); f.mntID != 0 && cur != f.mntID {
+		// Our overlay is no longer there (detached as stale, or replaced by
+		// a newer mount of the same id): never unmount someone else's.
+		f.log.Warn("kernelpath: view already gone from the mount point; not unmounting", "mountpoint", f.mp)
+		f.closed = true
+		if rec, err := f.st.Mount(f.id); err == nil && rec.Upper != f.upper {
+			cleanupWork(f.st, f.id, f.workFor(rec.Upper)) // the newer mount's stays
+		} else {
+			cleanupWork(f.st, f.id, "")
+			_ = f.st.RemoveMount(f.id)
+		}
 		return nil
 	}
 	if err := unix.Unmount(f.mp, 0); err != nil {

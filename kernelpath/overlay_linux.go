@@ -143,6 +143,16 @@ func isMountRoot(path string) (bool, error) {
 	return st.Dev != pst.Dev, nil
 }
 
+// mountID returns the id of the mount whose root is at path (0 if
+// unknown).
+func mountID(path string) uint64 {
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_MNT_ID, &stx); err != nil || stx.Mask&unix.STATX_MNT_ID == 0 {
+		return 0
+	}
+	return stx.Mnt_id
+}
+
 // fsType names the file system holding path ("xfs", "btrfs", "ext4", ...).
 func fsType(path string) string {
 	var sfs unix.Statfs_t
