@@ -51,8 +51,8 @@
 //	Proc.Alive                   snapshot: processes in the cgroup at End (both)
 //	Proc.NewLongLived, LongLived snapshot: alive at End, born in the turn (both)
 //	Proc.CwdChanges              snapshot: alive at both ends, cwd differs (both)
-//	Proc.SignalsSent             signals sent by a process (kill,    0 (invisible)
-//	                             tgkill, sigqueue...; not SIGCHLD
+//	Proc.SignalsSent             signals sent to another process     0 (invisible)
+//	                             (kill, tgkill, sigqueue...; not SIGCHLD
 //	                             or other kernel-generated ones)
 //	Mem.PagesWritten, PerProc    snapshot estimate (both, Exact=false): see below
 //	Mem.Mmaps/Munmaps/Brks       syscall counts, only while the      0 (invisible)

@@ -111,7 +111,7 @@ func (p *ebpfProbe) load(opts Options) error {
 	}{
 		{"sched_process_exec", raw("rw_exec", execProg(p.cgstats.FD(), p.events.FD(), o.binprmFilename)), false},
 		{"sched_process_fork", raw("rw_fork", forkProg(p.cgstats.FD(), o)), false},
-		{"signal_generate", raw("rw_signal", signalProg(p.cgstats.FD())), false},
+		{"signal_generate", raw("rw_signal", signalProg(p.cgstats.FD(), o)), false},
 		{"inet_sock_set_state", raw("rw_sockstate", sockStateProg(p.cgstats.FD(), p.events.FD(), o)), false},
 		{"sock_send_length", raw("rw_sendlen", sendLenProg(p.cgstats.FD(), o)), true}, // Linux >= 6.3
 	}

@@ -553,13 +553,26 @@ func (b *builder) readKernel(base asm.Register, off int, dst int16, size int32) 
 }
 
 // signalProg builds the signal_generate program (args: sig, info, task,
-// group, result; it runs in the sender). Only signals sent by a process
-// count (kill, tgkill, sigqueue, ...): SEND_SIG_PRIV and kernel si_codes
-// (> 0: SIGCHLD, SIGSEGV, SIGPIPE, ...) do not.
-func signalProg(cgstats int) asm.Instructions {
+// group, result; it runs in the sender). Only signals sent by a process to
+// another process count (kill, tgkill, sigqueue, ...): SEND_SIG_PRIV,
+// kernel si_codes (> 0: SIGCHLD, SIGSEGV, SIGPIPE, ...) and signals to
+// oneself do not.
+func signalProg(cgstats int, o kernelOffsets) asm.Instructions {
 	b := &builder{}
 	b.emit(asm.Mov.Reg(asm.R6, asm.R1))
 	b.prologue(cgstats)
+	if o.taskTGID >= 0 {
+		// A process signalling itself (raise, abort, the Go runtime's
+		// preemption signals) affects no other process: not counted.
+		b.emit(asm.LoadMem(asm.R8, asm.R6, 16, asm.DWord)) // target task
+		b.readKernel(asm.R8, o.taskTGID, stTmp, 4)
+		b.emit(
+			asm.FnGetCurrentPidTgid.Call(),
+			asm.RSh.Imm(asm.R0, 32),
+			asm.LoadMem(asm.R1, asm.RFP, stTmp, asm.Word),
+			asm.JEq.Reg(asm.R0, asm.R1, "exit"),
+		)
+	}
 	b.emit(
 		asm.LoadMem(asm.R8, asm.R6, 8, asm.DWord), // info
 		asm.JEq.Imm(asm.R8, 0, "count"),           // SEND_SIG_NOINFO: from a process
