@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -901,4 +902,29 @@ func CleanupStale(id string) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// CgroupIDs lists the ids of every sandbox (or spare) that has a cgroup
+// under the default parents: after a daemon crash, those not running
+// anymore can be passed to CleanupStale.
+func CgroupIDs() ([]string, error) {
+	seen := map[string]bool{}
+	var ids []string
+	for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent, DefaultMemoryParent} {
+		ents, err := os.ReadDir(parent)
+		if err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				continue
+			}
+			return nil, fmt.Errorf("list sandbox cgroups: %w", err)
+		}
+		for _, e := range ents {
+			if e.IsDir() && idRE.MatchString(e.Name()) && !seen[e.Name()] {
+				seen[e.Name()] = true
+				ids = append(ids, e.Name())
+			}
+		}
+	}
+	sort.Strings(ids)
+	return ids, nil
 }

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -628,6 +629,9 @@ func TestCleanupStale(t *testing.T) {
 		if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(c.Process.Pid)), 0); err != nil {
 			t.Fatal(err)
 		}
+	}
+	if ids, err := CgroupIDs(); err != nil || !slices.Contains(ids, id) {
+		t.Fatalf("CgroupIDs() = %v, %v; want %s in it", ids, err, id)
 	}
 	done := make(chan struct{})
 	go func() {
