@@ -66,6 +66,8 @@ type Config struct {
 	// Hostname inside the sandbox (default: ID).
 	Hostname string
 	// Tmpfs lists directories inside the sandbox that get a fresh tmpfs.
+	// /tmp is not one by default: it stays in the root file system, so
+	// that checkpoints of the file system include it.
 	Tmpfs []string
 	// Hide lists paths inside the sandbox masked by an empty read-only tmpfs
 	// (directories) or /dev/null (files): the daemon's state dir when the
