@@ -190,3 +190,49 @@ func DefaultCRIUPathForTests() string {
 	}
 	return p
 }
+
+func TestRestoreIntoOtherSandboxes(t *testing.T) {
+	needCRIU(t)
+	a := startSandbox(t, "bash", "--norc", "--noprofile")
+	x := t.TempDir()
+	bashChat(t, session{in: a.in, out: a.out}, "cd "+x+"; export V=orig; f() { echo fun-$1; }")
+	e := newEngine(t, Config{ImagesDir: t.TempDir()})
+	if _, err := e.Checkpoint(ctxT(t), a, CheckpointOptions{ID: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitImage(ctxT(t), "c"); err != nil {
+		t.Fatal(err)
+	}
+	// Two fresh sandboxes receive independent copies.
+	var ss []session
+	var bs []*testSandbox
+	for i := 0; i < 2; i++ {
+		b := startSandbox(t, "sleep", "1000")
+		stdio, sessions := freshStdio(t, b)
+		res, err := e.Restore(ctxT(t), b, "c", RestoreOptions{Stdio: stdio})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Path != "criu" || len(res.Procs) != 1 {
+			t.Fatalf("restore into %s: %+v", b.ID(), res)
+		}
+		ss = append(ss, <-sessions)
+		bs = append(bs, b)
+	}
+	for i, s := range ss {
+		bashChat(t, s, fmt.Sprintf("export V=copy%d", i))
+	}
+	for i, s := range ss {
+		if got := bashChat(t, s, `echo "$PWD $V $(f x)"`); got != fmt.Sprintf("%s copy%d fun-x", x, i) {
+			t.Fatalf("copy %d: %q", i, got)
+		}
+		procs, err := e.Processes(bs[i])
+		if err != nil || len(procs) != 1 || procs[0].Comm != "bash" {
+			t.Fatalf("sandbox %d processes %+v %v", i, procs, err)
+		}
+	}
+	// Fork refuses a foreign sandbox (Restore is the way in).
+	if _, err := e.Fork(ctxT(t), bs[0], "c", 1, RestoreOptions{}); err == nil {
+		t.Fatal("foreign fork succeeded")
+	}
+}

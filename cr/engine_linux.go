@@ -259,6 +259,39 @@ func (e *Engine) templatePids(sb string) map[int]bool {
 	return m
 }
 
+// TemplatePIDs returns the host pids of every helper process the engine
+// keeps in sandbox sb (templates, warmed spares, copies being dumped):
+// stopped processes that are not the agent's (probes should ignore them).
+func (e *Engine) TemplatePIDs(sb string) []int {
+	m := e.templatePids(sb)
+	out := make([]int, 0, len(m))
+	for p := range m {
+		out = append(out, p)
+	}
+	sort.Ints(out)
+	return out
+}
+
+// IsTemplate reports whether pid is one of the engine's helper processes
+// (see TemplatePIDs) in any sandbox.
+func (e *Engine) IsTemplate(pid int) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, c := range e.ckpts {
+		for _, t := range c.templates {
+			if t.proc.Pid() == pid || (t.spare != nil && t.spare.Pid() == pid) {
+				return true
+			}
+			for _, p := range t.aux {
+				if p == pid {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
 // Processes lists the live processes of t (templates and init excluded).
 func (e *Engine) Processes(t Target) ([]Proc, error) {
 	l := e.sandboxLock(t.ID())
@@ -592,6 +625,30 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	defer e.releaseCk(c)
 	start := time.Now()
 	res := &RestoreResult{Path: "template"}
+	if c.rec.Sandbox != t.ID() {
+		killed, err := e.killLive(ctx, t, nil)
+		if err != nil {
+			return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
+		}
+		if opts.SwitchFS != nil {
+			if err := opts.SwitchFS(); err != nil {
+				return nil, fmt.Errorf("restore %s into %s: switch fs: %w", id, t.ID(), err)
+			}
+		}
+		if c.rec.Mode != ModeEmpty {
+			if err := waitGone(ctx, killed); err != nil {
+				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
+			}
+			procs, err := e.restoreForeign(ctx, c, t, opts)
+			if err != nil {
+				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
+			}
+			res.Path = "criu"
+			res.Procs = procs
+		}
+		res.Duration = time.Since(start)
+		return res, nil
+	}
 	if c.rec.Mode == ModeTemplate && len(c.templates) > 0 {
 		// Fast path: the copies are made (stopped) while the old
 		// processes still run, so the fork does not compete with their
@@ -680,6 +737,9 @@ func (e *Engine) Fork(ctx context.Context, t Target, id string, n int, opts Rest
 	if c.rec.Mode == ModeCRIU {
 		return nil, fmt.Errorf("fork %s: a CRIU-mode checkpoint cannot be forked in place (pids are restored exactly)", id)
 	}
+	if c.rec.Sandbox != t.ID() {
+		return nil, fmt.Errorf("fork %s: checkpoint of sandbox %s; use Restore to put it into sandbox %s", id, c.rec.Sandbox, t.ID())
+	}
 	if c.rec.Mode != ModeEmpty && len(c.templates) == 0 {
 		if !e.imageReady(c) {
 			return nil, fmt.Errorf("fork %s: no templates and no image", id)
@@ -709,8 +769,8 @@ func (e *Engine) acquire(id string, t Target) (*ckpt, error) {
 	if !ok {
 		return nil, fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
 	}
-	if c.rec.Sandbox != t.ID() {
-		return nil, fmt.Errorf("checkpoint %s belongs to sandbox %s, not %s", id, c.rec.Sandbox, t.ID())
+	if c.rec.Sandbox != t.ID() && !c.image.Image && c.rec.Mode != ModeEmpty {
+		return nil, fmt.Errorf("checkpoint %s of sandbox %s has no image yet: it cannot be restored into %s", id, c.rec.Sandbox, t.ID())
 	}
 	e.clock++
 	c.lastUse = e.clock

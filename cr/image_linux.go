@@ -177,19 +177,31 @@ func (e *Engine) WaitImage(ctx context.Context, id string) error {
 // restoreTemplatesFromImage recreates c's templates from its images (inside
 // the sandbox's namespaces) and attaches them. Caller holds the sandbox lock.
 func (e *Engine) restoreTemplatesFromImage(ctx context.Context, c *ckpt, t Target) error {
-	r, err := e.criuRunner()
+	tmpls, err := e.templatesFromImage(ctx, c, t)
 	if err != nil {
 		return err
+	}
+	e.mu.Lock()
+	c.templates = tmpls
+	e.mu.Unlock()
+	return nil
+}
+
+// templatesFromImage restores c's template images into t and attaches them.
+func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*template, error) {
+	r, err := e.criuRunner()
+	if err != nil {
+		return nil, err
 	}
 	e.mu.Lock()
 	imgs := c.images
 	e.mu.Unlock()
 	var tmpls []*template
-	fail := func(err error) error {
+	fail := func(err error) ([]*template, error) {
 		for _, tm := range tmpls {
 			_ = tm.proc.Kill()
 		}
-		return err
+		return nil, err
 	}
 	for _, im := range imgs {
 		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir})
@@ -211,10 +223,28 @@ func (e *Engine) restoreTemplatesFromImage(ctx context.Context, c *ckpt, t Targe
 		}
 		tmpls = append(tmpls, &template{sandbox: t.ID(), orig: im.orig, proc: ip})
 	}
-	e.mu.Lock()
-	c.templates = tmpls
-	e.mu.Unlock()
-	return nil
+	return tmpls, nil
+}
+
+// restoreForeign restores checkpoint c, taken in another sandbox, into t
+// from its image: the templates are restored into t's namespaces, forked
+// once each, and dropped (t keeps no templates of a foreign checkpoint).
+// This is how a checkpoint fans out into fresh sandboxes.
+func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts RestoreOptions) ([]Restored, error) {
+	if c.rec.Mode == ModeCRIU {
+		return e.restoreTrees(ctx, c, t, opts)
+	}
+	tmpls, err := e.templatesFromImage(ctx, c, t)
+	if err != nil {
+		return nil, err
+	}
+	tmp := &ckpt{rec: c.rec, templates: tmpls}
+	defer func() {
+		for _, tm := range tmpls {
+			_ = tm.proc.Kill()
+		}
+	}()
+	return e.spawn(tmp, opts, false)
 }
 
 // hostPID finds the host pid of the child of init whose pid in the

@@ -182,6 +182,10 @@ func baseOpts(log string) *rpc.CriuOpts {
 		OrphanPtsMaster: ptr(false),
 		// criu already runs in the sandbox's cgroups (see wrapper).
 		ManageCgroupsMode: ptr(rpc.CriuCgMode_IGNORE),
+		// The sandbox's network namespace is private: nothing to lock,
+		// and an iptables lock left behind by a failed dump would cut
+		// the sandbox's loopback.
+		NetworkLock: ptr(rpc.CriuNetworkLockMethod_SKIP),
 	}
 }
 
