@@ -292,6 +292,24 @@ func (e *Engine) IsTemplate(pid int) bool {
 	return false
 }
 
+// SparesReady reports whether every template of sandbox sb has its warmed
+// spare (Config.Warm); a restore then needs no fork.
+func (e *Engine) SparesReady(sb string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, c := range e.ckpts {
+		if c.rec.Sandbox != sb {
+			continue
+		}
+		for _, t := range c.templates {
+			if t.spare == nil {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // Processes lists the live processes of t (templates and init excluded).
 func (e *Engine) Processes(t Target) ([]Proc, error) {
 	l := e.sandboxLock(t.ID())
