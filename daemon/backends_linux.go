@@ -532,16 +532,31 @@ func (w *probeWindow) exclude(pid int) bool {
 	return w.live != nil && !w.live[pid]
 }
 
-func (w *probeWindow) Take(context.Context) (*effect.Report, error) {
+func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.w == nil {
-		return nil, errors.New("probe window closed")
+		return nil, errors.New("no probe window open")
 	}
 	w.refreshLive()
-	rep, nw, err := w.w.Next()
-	w.w = nw
+	rep, err := w.w.End()
+	w.w = nil
 	return rep, err
+}
+
+func (w *probeWindow) Begin(context.Context) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.w != nil {
+		return nil
+	}
+	w.refreshLive()
+	nw, err := w.p.Begin(w.t)
+	if err != nil {
+		return err
+	}
+	w.w = nw
+	return nil
 }
 
 func (w *probeWindow) Close() error {

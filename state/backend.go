@@ -127,9 +127,14 @@ type Probe interface {
 	Watch(ctx context.Context, name string, fs FSMount, proc ProcSandbox) (ProbeWindow, error)
 }
 
-// ProbeWindow yields the effects since the previous Take.
+// ProbeWindow observes one sandbox turn by turn. Watch returns it with a
+// window open; End closes it and reports what happened in it; Begin opens
+// the next one. The state manager keeps its own work (a checkpoint's
+// template forks, a restore) between End and Begin, so it is never
+// reported as the agent's effect.
 type ProbeWindow interface {
-	Take(ctx context.Context) (*effect.Report, error)
+	End(ctx context.Context) (*effect.Report, error)
+	Begin(ctx context.Context) error
 	Close() error
 }
 

@@ -48,17 +48,24 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	}
 	win, pol, polName := s.win, s.policy, s.rec.Policy
 	s.rec.Turns++
+	open := s.winOpen
 	m.mu.Unlock()
+	s.turnMu.Lock()
+	defer s.turnMu.Unlock()
 
 	mode, reason := req.Mode, "requested"
 	var rep *effect.Report
 	if win != nil {
-		r, err := win.Take(ctx)
-		if err != nil {
-			m.log.Warn("probe", "sandbox", name, "err", err)
-		} else {
-			rep = r
+		if !open {
+			// The previous turn's checkpoint is still running; its
+			// window opens when it ends.
+			select {
+			case <-s.q.idle():
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
 		}
+		rep = m.endWindow(ctx, s)
 	}
 	if mode == ModeAuto || mode == "" {
 		switch {
@@ -97,6 +104,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 		mode, reason = ModeFull, reason+"; the parent's processes are not restorable, so full"
 	}
 	if mode == ModeSkip {
+		defer m.beginWindow(ctx, s)
 		res := &TurnResult{ID: head.rec.ID, Decision: ModeSkip, Reason: reason, Epoch: s.rec.Epoch, Status: head.rec.Status, Durable: head.rec.Durable, Report: rep}
 		m.mu.Unlock()
 		if req.Wait {
@@ -136,6 +144,8 @@ func (m *Manager) Checkpoint(ctx context.Context, name string, wait bool, epoch 
 
 // doCheckpoint runs in the sandbox's order.
 func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
+	// The next turn's window opens once the checkpoint's own work is done.
+	defer m.beginWindow(context.Background(), s)
 	m.gcMu.RLock()
 	defer m.gcMu.RUnlock()
 	start := time.Now()
@@ -396,12 +406,15 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	}
 	part, err := m.procPartFor(c)
 	fsID := c.rec.FS
-	mount, proc, win := s.mount, s.proc, s.win
+	mount, proc := s.mount, s.proc
 	m.mu.Unlock()
 	if err != nil {
 		return nil, err
 	}
 	bg := context.Background() // a restore, once started, is not abandoned half way
+	// The restore's own process work is not an effect of any turn.
+	m.endWindow(bg, s)
+	defer m.beginWindow(bg, s)
 	var path string
 	if mount != nil && proc != nil {
 		// The undo point: the current state, taken like any checkpoint.
@@ -481,12 +494,8 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			}
 		}
 		m.mu.Lock()
-		s.mount, s.proc, s.win = mnt, p, w
+		s.mount, s.proc, s.win, s.winOpen = mnt, p, w, w != nil
 		m.mu.Unlock()
-		win = nil
-	}
-	if win != nil {
-		win.Take(bg) // the next turn's window starts now
 	}
 	m.mu.Lock()
 	s.rec.Epoch++

@@ -2,6 +2,8 @@ package state
 
 import (
 	"context"
+
+	"github.com/rewind-sandbox/rewind/effect"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -84,6 +86,8 @@ type sbox struct {
 	mount   FSMount
 	proc    ProcSandbox
 	win     ProbeWindow
+	winOpen bool       // a probe window is open (guarded by m.mu)
+	turnMu  sync.Mutex // serializes the synchronous part of turns
 	policy  Policy
 	removed bool
 }
@@ -249,7 +253,7 @@ func (m *Manager) Close(ctx context.Context) error {
 func (m *Manager) stopSandbox(s *sbox) {
 	m.mu.Lock()
 	win, proc, mount := s.win, s.proc, s.mount
-	s.win, s.proc, s.mount = nil, nil, nil
+	s.win, s.proc, s.mount, s.winOpen = nil, nil, nil, false
 	m.mu.Unlock()
 	if win != nil {
 		win.Close()
@@ -320,6 +324,43 @@ func (m *Manager) lookup(name string, epoch uint64) (*sbox, error) {
 		return nil, errf(CodeStaleEpoch, fmt.Sprintf("sandbox %s: stale epoch %d (current %d): it was restored since", s.rec.Name, epoch, s.rec.Epoch), nil)
 	}
 	return s, nil
+}
+
+// endWindow closes s's probe window if one is open and returns its report
+// (nil when there was none or the probe failed).
+func (m *Manager) endWindow(ctx context.Context, s *sbox) *effect.Report {
+	m.mu.Lock()
+	win, open := s.win, s.winOpen
+	s.winOpen = false
+	m.mu.Unlock()
+	if win == nil || !open {
+		return nil
+	}
+	r, err := win.End(ctx)
+	if err != nil {
+		m.log.Warn("probe", "sandbox", s.rec.Name, "err", err)
+		return nil
+	}
+	return r
+}
+
+// beginWindow opens s's next probe window (if it has a probe).
+func (m *Manager) beginWindow(ctx context.Context, s *sbox) {
+	m.mu.Lock()
+	win, open := s.win, s.winOpen
+	m.mu.Unlock()
+	if win == nil || open {
+		return
+	}
+	if err := win.Begin(ctx); err != nil {
+		m.log.Warn("probe", "sandbox", s.rec.Name, "err", err)
+		return
+	}
+	m.mu.Lock()
+	if s.win == win {
+		s.winOpen = true
+	}
+	m.mu.Unlock()
 }
 
 func (m *Manager) running(s *sbox) error {
@@ -434,7 +475,7 @@ func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *P
 		}
 	}
 	m.mu.Lock()
-	s.mount, s.proc, s.win = mount, proc, win
+	s.mount, s.proc, s.win, s.winOpen = mount, proc, win, win != nil
 	m.mu.Unlock()
 	return nil
 }

@@ -531,7 +531,7 @@ type window struct {
 	turn uint64
 }
 
-func (w *window) Take(context.Context) (*effect.Report, error) {
+func (w *window) End(context.Context) (*effect.Report, error) {
 	w.s.mu.Lock()
 	fsOps, procOps := w.s.fsOps, w.s.procOps
 	w.s.fsOps, w.s.procOps = 0, 0
@@ -541,6 +541,14 @@ func (w *window) Take(context.Context) (*effect.Report, error) {
 	r.FS.Modified = uint64(fsOps)
 	r.Mem.PagesWritten = uint64(procOps)
 	return r, nil
+}
+
+// Begin forgets what happened between windows (the manager's own work).
+func (w *window) Begin(context.Context) error {
+	w.s.mu.Lock()
+	w.s.fsOps, w.s.procOps = 0, 0
+	w.s.mu.Unlock()
+	return nil
 }
 
 func (w *window) Close() error { return nil }
