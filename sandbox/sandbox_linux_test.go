@@ -441,6 +441,11 @@ func TestAdoptSession(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	heldIn, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", sb.InitPID(), in))
+	heldOut, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", sb.InitPID(), out))
+	if !strings.HasPrefix(heldIn, "pipe:") || !strings.HasPrefix(heldOut, "pipe:") {
+		t.Fatalf("init holds %q %q, want pipes", heldIn, heldOut)
+	}
 	// The "restored" process: a bash whose stdio comes from the init's fds,
 	// reparented to init when its launcher exits.
 	script := fmt.Sprintf("(exec </proc/1/fd/%d >/proc/1/fd/%d 2>&1; exec bash) & echo $!", in, out)
@@ -468,8 +473,10 @@ func TestAdoptSession(t *testing.T) {
 		t.Fatalf("adopted send: %q %v", got, err)
 	}
 	// The init released its copies: only the daemon and the process hold the pipes.
-	if n := sh(t, sb, fmt.Sprintf("ls /proc/1/fd/%d /proc/1/fd/%d 2>/dev/null | wc -l", in, out)); strings.TrimSpace(n) != "0" {
-		t.Fatalf("init still holds channel fds: %s", n)
+	for _, link := range initLinks(t, sb) {
+		if link == heldIn || link == heldOut {
+			t.Fatalf("init still holds channel %s", link)
+		}
 	}
 	if _, err := ss.Send(ctx, "exit 9", SendOptions{}); err != nil {
 		t.Fatal(err)
@@ -493,6 +500,23 @@ func TestAdoptSession(t *testing.T) {
 	if err := ch2.Close(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// initLinks returns what the init's fds point to.
+func initLinks(t *testing.T, sb *Sandbox) []string {
+	t.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", sb.InitPID())
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var links []string
+	for _, e := range ents {
+		if l, err := os.Readlink(dir + "/" + e.Name()); err == nil {
+			links = append(links, l)
+		}
+	}
+	return links
 }
 
 func (s *Sandbox) mustInitFDs(ctx context.Context, ch *Channels) (int, int, error) {
