@@ -3,11 +3,11 @@ package state
 import (
 	"context"
 
-	"github.com/rewind-sandbox/rewind/effect"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/rewind-sandbox/rewind/effect"
 	"log/slog"
 	"os"
 	"path/filepath"
