@@ -68,6 +68,9 @@ func (f *FS) Compact() error {
 		frozen := append([]*layerDir{m}, cur.frozen[len(run):]...)
 		f.st = newStack(cur.upper, frozen, cur.lowers, cur.base)
 		f.gen.Add(1)
+		if err := f.journal.Append(f.entry("compact", layer.Checkpoint{ID: cur.base})); err != nil {
+			f.log.Warn("journal compaction", "err", err)
+		}
 		if err := f.saveMount(true); err != nil {
 			f.log.Warn("save mount record", "err", err)
 		}

@@ -85,7 +85,13 @@ type FS struct {
 	nodes   map[uint64]*node
 
 	spareMu sync.Mutex
-	spare   string // a pre-created empty layer id for the next upper
+	spare   string // a pre-created empty store layer for the next upper
+
+	journal *layer.Journal
+	// bg runs record materialization, journal syncs, spare creation and
+	// mount-record updates in order, off the critical paths.
+	bg     chan func()
+	bgDone chan struct{}
 
 	effMu sync.Mutex
 	eff   effect.FS
@@ -135,10 +141,28 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	}
 	f.st = st
 	f.gen.Store(1)
-	if err := f.saveMount(true); err != nil {
+	if f.journal, err = store.OpenJournal(f.id); err != nil {
 		f.reg.closeAll()
 		return nil, fmt.Errorf("mount %s: %w", mp, err)
 	}
+	if err := f.journal.Append(f.entry("mount", layer.Checkpoint{ID: st.base})); err != nil {
+		f.journal.Close()
+		f.reg.closeAll()
+		return nil, fmt.Errorf("mount %s: %w", mp, err)
+	}
+	if err := f.saveMount(true); err != nil {
+		f.journal.Close()
+		f.reg.closeAll()
+		return nil, fmt.Errorf("mount %s: %w", mp, err)
+	}
+	f.bg = make(chan func(), 1024)
+	f.bgDone = make(chan struct{})
+	go func() {
+		defer close(f.bgDone)
+		for fn := range f.bg {
+			fn()
+		}
+	}()
 	f.root = &node{f: f}
 	f.root.srcs = rootSrcs(st)
 	f.root.gen = 1
@@ -164,12 +188,15 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	}
 	srv, err := gofs.Mount(mp, f.root, fo)
 	if err != nil {
+		close(f.bg)
+		<-f.bgDone
+		f.journal.Close()
 		_ = store.RemoveMount(f.id)
 		f.reg.closeAll()
 		return nil, fmt.Errorf("mount %s: %w", mp, err)
 	}
 	f.server = srv
-	go f.refillSpare()
+	f.bg <- f.refillSpare
 	return f, nil
 }
 
@@ -189,6 +216,11 @@ func (f *FS) initialStack() (*stack, error) {
 			return nil, fmt.Errorf("mount id %s is in use by pid %d", f.id, rec.PID)
 		}
 		if f.opts.From == "" {
+			// The journal is ahead of the (lazily written) record.
+			if js, err := f.store.JournalEntries(f.id); err == nil && len(js) > 0 {
+				last := js[len(js)-1]
+				return f.buildStack(last.Checkpoint.Lowers, last.Checkpoint.Layers, last.Upper, last.Checkpoint.ID)
+			}
 			return f.buildStack(rec.Lowers, rec.Layers, rec.Upper, rec.Base)
 		}
 		// Starting anew from a checkpoint replaces the crashed record.
@@ -251,39 +283,67 @@ func (f *FS) buildStack(lowers, frozen []string, upper, base string) (*stack, er
 	return newStack(ul, fl, ll, base), nil
 }
 
+// entry describes the current stack (caller holds f.mu) as a journal entry.
+func (f *FS) entry(op string, cp layer.Checkpoint) layer.JournalEntry {
+	st := f.st
+	cp.Layers = st.frozenIDs()
+	cp.Lowers = st.lowerPaths()
+	if cp.Mount == "" {
+		cp.Mount = f.id
+	}
+	return layer.JournalEntry{Op: op, Checkpoint: cp, Upper: st.upper.id}
+}
+
+// saveMount writes the mount record; the caller holds f.mu (any mode).
 func (f *FS) saveMount(durable bool) error {
 	st := f.st
+	f.spareMu.Lock()
+	spare := f.spare
+	f.spareMu.Unlock()
 	return f.store.SaveMount(layer.MountRecord{
 		ID: f.id, PID: os.Getpid(), Mountpoint: f.mountpoint,
-		Lowers: st.lowerPaths(), Layers: st.frozenIDs(), Upper: st.upper.id, Base: st.base,
+		Lowers: st.lowerPaths(), Layers: st.frozenIDs(), Upper: st.upper.id, Base: st.base, Spare: spare,
 	}, durable)
 }
 
-func (f *FS) refillSpare() {
-	f.spareMu.Lock()
-	defer f.spareMu.Unlock()
-	if f.spare != "" {
-		return
-	}
-	id, err := f.store.NewSpareLayer()
+// saveMountBG records the mount in the background.
+func (f *FS) saveMountBG() {
+	f.mu.RLock()
+	err := f.saveMount(false)
+	f.mu.RUnlock()
 	if err != nil {
-		f.log.Warn("pre-create upper layer", "err", err)
-		return
+		f.log.Warn("save mount record", "err", err)
 	}
-	f.spare = id
 }
 
-func (f *FS) takeSpare(parent string) (string, error) {
+// refillSpare pre-creates the next upper (runs on the bg worker) and
+// records it in the mount record so GC never frees it.
+func (f *FS) refillSpare() {
+	f.spareMu.Lock()
+	have := f.spare != ""
+	f.spareMu.Unlock()
+	if !have {
+		id, err := f.store.NewLayer("")
+		if err != nil {
+			f.log.Warn("pre-create upper layer", "err", err)
+			return
+		}
+		f.spareMu.Lock()
+		f.spare = id
+		f.spareMu.Unlock()
+	}
+	f.saveMountBG()
+}
+
+func (f *FS) takeSpare() (string, error) {
 	f.spareMu.Lock()
 	id := f.spare
 	f.spare = ""
 	f.spareMu.Unlock()
 	if id != "" {
-		if err := f.store.TakeSpareLayer(id, parent); err == nil {
-			return id, nil
-		}
+		return id, nil
 	}
-	return f.store.NewLayer(parent)
+	return f.store.NewLayer("")
 }
 
 // MountID implements layer.FS.
@@ -322,7 +382,7 @@ func (f *FS) Checkpoint() (string, error) {
 	frozen := old.frozen
 	var next *stack
 	if f.dirty.Load() {
-		upID, err := f.takeSpare(id)
+		upID, err := f.takeSpare()
 		if err != nil {
 			f.mu.Unlock()
 			return "", fmt.Errorf("checkpoint: %w", err)
@@ -343,35 +403,45 @@ func (f *FS) Checkpoint() (string, error) {
 		ID: id, Mount: f.id, Parent: old.base, Created: time.Now().UTC(),
 		Lowers: next.lowerPaths(), Layers: next.frozenIDs(),
 	}
-	var err error
-	recPath := filepath.Join(f.store.Dir(), "meta/checkpoints", id+".json")
-	if f.opts.SyncCheckpoint {
-		err = f.store.SaveCheckpoint(cp)
-	} else {
-		err = layer.WriteFileAtomic(recPath, mustJSON(cp), false)
-		if err == nil && !f.opts.NoDurable {
-			go syncPath(recPath)
-		}
+	// The journal append (one write to an O_APPEND file) is the commit
+	// point; the per-checkpoint record file is written in the background.
+	err := f.journal.Append(layer.JournalEntry{Op: "checkpoint", Checkpoint: cp, Upper: next.upper.id})
+	if err == nil && f.opts.SyncCheckpoint {
+		err = f.journal.Sync()
 	}
 	if err != nil {
 		if next.upper != old.upper {
-			f.reg.drop(next.upper)
-			_ = os.Remove(f.store.LayerPath(next.upper.id))
+			// Keep the unused layer as the spare.
+			f.spareMu.Lock()
+			if f.spare == "" {
+				f.spare = next.upper.id
+			}
+			f.spareMu.Unlock()
 		}
 		f.mu.Unlock()
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	f.st = next
-	if next.upper != old.upper {
+	pushed := next.upper != old.upper
+	if pushed {
 		f.dirty.Store(false)
 		f.gen.Add(1)
 	}
-	if err := f.saveMount(false); err != nil {
-		f.log.Warn("save mount record", "err", err)
-	}
 	f.mu.Unlock()
-	if next.upper != old.upper {
-		go f.refillSpare()
+	f.bg <- func() {
+		if f.opts.NoDurable {
+			_ = layer.WriteFileAtomic(filepath.Join(f.store.Dir(), "meta/checkpoints", id+".json"), mustJSON(cp), false)
+		} else {
+			_ = f.journal.Sync()
+			if err := f.store.SaveCheckpoint(cp); err != nil {
+				f.log.Warn("materialize checkpoint record", "id", id, "err", err)
+			}
+		}
+		if pushed {
+			f.refillSpare()
+		} else {
+			f.saveMountBG()
+		}
 	}
 	return id, nil
 }
@@ -387,13 +457,17 @@ func (f *FS) Switch(id string) error {
 	if cp.Mount != f.id {
 		return fmt.Errorf("switch to %s: checkpoint belongs to mount %s, not %s (fork a new mount from it instead)", id, cp.Mount, f.id)
 	}
-	upID, err := f.takeSpare(id)
+	upID, err := f.takeSpare()
 	if err != nil {
 		return fmt.Errorf("switch to %s: %w", id, err)
 	}
 	next, err := f.buildStack(cp.Lowers, cp.Layers, upID, cp.ID)
 	if err != nil {
-		_ = os.Remove(f.store.LayerPath(upID))
+		f.spareMu.Lock()
+		if f.spare == "" {
+			f.spare = upID
+		}
+		f.spareMu.Unlock()
 		return fmt.Errorf("switch to %s: %w", id, err)
 	}
 	f.mu.Lock()
@@ -413,26 +487,32 @@ func (f *FS) Switch(id string) error {
 	delta = append(delta, old.frozen[k:]...)
 	delta = append(delta, next.frozen[k:]...)
 	touched, terr := touchedPaths(delta)
+	if err := f.journal.Append(layer.JournalEntry{Op: "switch", Checkpoint: cp, Upper: next.upper.id}); err != nil {
+		f.mu.Unlock()
+		f.spareMu.Lock()
+		if f.spare == "" {
+			f.spare = upID
+		}
+		f.spareMu.Unlock()
+		return fmt.Errorf("switch to %s: %w", id, err)
+	}
 	f.st = next
 	f.gen.Add(1)
 	f.viewGen.Add(1)
 	f.dirty.Store(false)
-	if err := f.saveMount(false); err != nil {
-		f.log.Warn("save mount record", "err", err)
-	}
 	f.mu.Unlock()
-	go f.refillSpare()
-
 	// Discard the old upper (nothing references it any more).
 	if old.upper != next.upper {
 		f.reg.drop(old.upper)
-		go func(id string) {
-			tmp := filepath.Join(f.store.WorkDir(), "gc-"+id)
-			if os.Rename(f.store.LayerPath(id), tmp) == nil {
-				_ = os.RemoveAll(tmp)
-				_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", id+".json"))
-			}
-		}(old.upper.id)
+	}
+	oldUpper := old.upper.id
+	f.bg <- func() {
+		f.refillSpare()
+		tmp := filepath.Join(f.store.WorkDir(), "gc-"+oldUpper)
+		if os.Rename(f.store.LayerPath(oldUpper), tmp) == nil {
+			_ = os.RemoveAll(tmp)
+			_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", oldUpper+".json"))
+		}
 	}
 	if terr != nil || !sameLowers {
 		f.invalidateAll()
@@ -572,10 +652,15 @@ func (f *FS) Unmount() error {
 			}
 		}
 		f.server.Wait()
+		close(f.bg)
+		<-f.bgDone
+		_ = f.journal.Sync()
+		_ = f.journal.Close()
 		f.reg.closeAll()
 		f.spareMu.Lock()
 		if f.spare != "" {
-			f.store.DropSpareLayer(f.spare)
+			_ = os.RemoveAll(f.store.LayerPath(f.spare))
+			_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", f.spare+".json"))
 			f.spare = ""
 		}
 		f.spareMu.Unlock()
@@ -672,15 +757,3 @@ func errnoOf(err error) syscall.Errno {
 }
 
 var _ = context.Background
-
-// syncPath fsyncs a file and its directory (background durability).
-func syncPath(p string) {
-	if fh, err := os.Open(p); err == nil {
-		_ = fh.Sync()
-		_ = fh.Close()
-	}
-	if d, err := os.Open(filepath.Dir(p)); err == nil {
-		_ = d.Sync()
-		_ = d.Close()
-	}
-}

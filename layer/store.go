@@ -34,6 +34,8 @@ type Checkpoint struct {
 	Lowers []string `json:"lowers,omitempty"`
 	// Layers are the frozen layer ids of the stack, bottom first.
 	Layers []string `json:"layers"`
+	// Deleted marks a tombstone left by DeleteCheckpoint.
+	Deleted bool `json:"deleted,omitempty"`
 }
 
 // MountRecord describes a live (or crashed) mount of the store.
@@ -48,6 +50,9 @@ type MountRecord struct {
 	Upper string `json:"upper"`
 	// Base is the last checkpoint taken or switched to ("" if none).
 	Base string `json:"base,omitempty"`
+	// Spare is a pre-created empty layer the next checkpoint will use as
+	// its upper.
+	Spare string `json:"spare,omitempty"`
 }
 
 // LayerMeta is the metadata of one layer.
@@ -130,34 +135,6 @@ func (s *Store) NewLayer(parent string) (string, error) {
 	return id, nil
 }
 
-// NewSpareLayer creates an empty layer outside the layers directory (so GC
-// never sees it) and returns its id; TakeSpareLayer moves it into place.
-// This keeps the directory creation out of a checkpoint's critical path.
-func (s *Store) NewSpareLayer() (string, error) {
-	id := NewID()
-	if err := os.Mkdir(filepath.Join(s.WorkDir(), "spare-"+id), 0o755); err != nil {
-		return "", fmt.Errorf("new spare layer: %w", err)
-	}
-	return id, nil
-}
-
-// TakeSpareLayer moves spare layer id into the store with the given parent.
-func (s *Store) TakeSpareLayer(id, parent string) error {
-	if err := os.Rename(filepath.Join(s.WorkDir(), "spare-"+id), s.LayerPath(id)); err != nil {
-		return fmt.Errorf("take spare layer %s: %w", id, err)
-	}
-	m := LayerMeta{ID: id, Parent: parent, Created: time.Now().UTC()}
-	if err := s.writeJSON(filepath.Join("meta/layers", id+".json"), m, false); err != nil {
-		return fmt.Errorf("take spare layer %s: %w", id, err)
-	}
-	return nil
-}
-
-// DropSpareLayer removes an unused spare layer.
-func (s *Store) DropSpareLayer(id string) {
-	_ = os.RemoveAll(filepath.Join(s.WorkDir(), "spare-"+id))
-}
-
 // Layer returns the metadata of layer id.
 func (s *Store) Layer(id string) (LayerMeta, error) {
 	var m LayerMeta
@@ -186,8 +163,24 @@ func (s *Store) Checkpoint(id string) (Checkpoint, error) {
 	if !ValidID(id) {
 		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
 	}
-	if err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c); err != nil {
+	err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c)
+	if errors.Is(err, ErrNotFound) {
+		// Not materialized yet: look in the mounts' journals.
+		js, jerr := s.journalCheckpoints()
+		if jerr != nil {
+			return c, fmt.Errorf("checkpoint %s: %w", id, jerr)
+		}
+		jc, ok := js[id]
+		if !ok {
+			return c, fmt.Errorf("checkpoint %s: %w", id, ErrNotFound)
+		}
+		c, err = jc, nil
+	}
+	if err != nil {
 		return c, fmt.Errorf("checkpoint %s: %w", id, err)
+	}
+	if c.Deleted {
+		return c, fmt.Errorf("checkpoint %s: %w (deleted)", id, ErrNotFound)
 	}
 	if c.ID != id {
 		return c, fmt.Errorf("checkpoint %s: corrupted record (id %q)", id, c.ID)
@@ -210,6 +203,7 @@ func (s *Store) Checkpoints() ([]Checkpoint, error) {
 	if err != nil {
 		return nil, fmt.Errorf("list checkpoints: %w", err)
 	}
+	seen := map[string]bool{}
 	var out []Checkpoint
 	for _, e := range ents {
 		name, ok := strings.CutSuffix(e.Name(), ".json")
@@ -220,7 +214,19 @@ func (s *Store) Checkpoints() ([]Checkpoint, error) {
 		if err := s.readJSON(filepath.Join("meta/checkpoints", e.Name()), &c); err != nil {
 			continue
 		}
-		out = append(out, c)
+		seen[name] = true
+		if !c.Deleted {
+			out = append(out, c)
+		}
+	}
+	js, err := s.journalCheckpoints()
+	if err != nil {
+		return nil, fmt.Errorf("list checkpoints: %w", err)
+	}
+	for id, c := range js {
+		if !seen[id] {
+			out = append(out, c)
+		}
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if !out[i].Created.Equal(out[j].Created) {
@@ -231,17 +237,18 @@ func (s *Store) Checkpoints() ([]Checkpoint, error) {
 	return out, nil
 }
 
-// DeleteCheckpoint removes the record of checkpoint id. Its layers are freed
-// by the next GC if nothing else references them.
+// DeleteCheckpoint removes checkpoint id (a tombstone record replaces it).
+// Its layers are freed by the next GC if nothing else references them.
 func (s *Store) DeleteCheckpoint(id string) error {
-	if !ValidID(id) {
-		return fmt.Errorf("delete checkpoint %q: %w", id, ErrNotFound)
-	}
-	err := os.Remove(filepath.Join(s.dir, "meta/checkpoints", id+".json"))
-	if errors.Is(err, os.ErrNotExist) {
+	c, err := s.Checkpoint(id)
+	if errors.Is(err, ErrNotFound) {
 		return fmt.Errorf("delete checkpoint %s: %w", id, ErrNotFound)
 	}
-	if err != nil {
+	if c.ID != id {
+		return fmt.Errorf("delete checkpoint %s: %w", id, err)
+	}
+	tomb := Checkpoint{ID: id, Mount: c.Mount, Created: c.Created, Deleted: true}
+	if err := s.writeJSON(filepath.Join("meta/checkpoints", id+".json"), tomb, true); err != nil {
 		return fmt.Errorf("delete checkpoint %s: %w", id, err)
 	}
 	return nil
@@ -329,6 +336,15 @@ func (s *Store) Referenced() (map[string]bool, error) {
 			refs[l] = true
 		}
 		refs[m.Upper] = true
+		refs[m.Spare] = true
+		// The journal is ahead of the lazily written record.
+		if js, err := s.JournalEntries(m.ID); err == nil && len(js) > 0 {
+			last := js[len(js)-1]
+			refs[last.Upper] = true
+			for _, l := range last.Checkpoint.Layers {
+				refs[l] = true
+			}
+		}
 	}
 	return refs, nil
 }

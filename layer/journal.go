@@ -1,0 +1,128 @@
+package layer
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+)
+
+// JournalEntry is one line of a mount's journal: the stack the mount has
+// after a checkpoint, a switch or a compaction. The journal is the source
+// of truth for a mount's stack (a crashed mount resumes from its last
+// entry) and holds checkpoint records before they are materialized as
+// files under meta/checkpoints.
+type JournalEntry struct {
+	// Op is "checkpoint", "switch" or "compact".
+	Op string `json:"op"`
+	// Checkpoint is the record taken (Op checkpoint) or switched to.
+	Checkpoint Checkpoint `json:"checkpoint"`
+	// Upper is the writable upper layer after the operation.
+	Upper string `json:"upper"`
+}
+
+// Journal is an append-only log of one mount's stack changes. An append is
+// a single write(2) to an O_APPEND file: safe against a crash of the
+// process as soon as it returns; Sync makes it safe against power loss.
+type Journal struct {
+	mu sync.Mutex
+	f  *os.File
+}
+
+func (s *Store) journalPath(mountID string) string {
+	return filepath.Join(s.dir, "meta", "journal", mountID+".log")
+}
+
+// OpenJournal opens (creating) the journal of mount mountID.
+func (s *Store) OpenJournal(mountID string) (*Journal, error) {
+	if !ValidID(mountID) {
+		return nil, fmt.Errorf("open journal: invalid mount id %q", mountID)
+	}
+	if err := os.MkdirAll(filepath.Join(s.dir, "meta", "journal"), 0o700); err != nil {
+		return nil, fmt.Errorf("open journal %s: %w", mountID, err)
+	}
+	f, err := os.OpenFile(s.journalPath(mountID), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open journal %s: %w", mountID, err)
+	}
+	return &Journal{f: f}, nil
+}
+
+// Append writes one entry.
+func (j *Journal) Append(e JournalEntry) error {
+	b, err := json.Marshal(e)
+	if err != nil {
+		return err
+	}
+	b = append(b, '\n')
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	if _, err := j.f.Write(b); err != nil {
+		return fmt.Errorf("journal append: %w", err)
+	}
+	return nil
+}
+
+// Sync flushes the journal to stable storage.
+func (j *Journal) Sync() error {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.f.Sync()
+}
+
+// Close closes the journal.
+func (j *Journal) Close() error { return j.f.Close() }
+
+// JournalEntries reads the journal of mount mountID (a torn last line is
+// ignored).
+func (s *Store) JournalEntries(mountID string) ([]JournalEntry, error) {
+	f, err := os.Open(s.journalPath(mountID))
+	if os.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []JournalEntry
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 64<<20)
+	for sc.Scan() {
+		var e JournalEntry
+		if json.Unmarshal(sc.Bytes(), &e) == nil {
+			out = append(out, e)
+		}
+	}
+	return out, sc.Err()
+}
+
+// journalCheckpoints returns the checkpoint records found in every journal.
+func (s *Store) journalCheckpoints() (map[string]Checkpoint, error) {
+	ents, err := os.ReadDir(filepath.Join(s.dir, "meta", "journal"))
+	if os.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]Checkpoint{}
+	for _, e := range ents {
+		id, ok := strings.CutSuffix(e.Name(), ".log")
+		if !ok || !ValidID(id) {
+			continue
+		}
+		js, err := s.JournalEntries(id)
+		if err != nil {
+			return nil, err
+		}
+		for _, je := range js {
+			if je.Op == "checkpoint" {
+				out[je.Checkpoint.ID] = je.Checkpoint
+			}
+		}
+	}
+	return out, nil
+}
