@@ -288,6 +288,15 @@ func (s *Sandbox) makeLimits(joined map[string]bool) error {
 		if err := os.WriteFile(filepath.Join(dir, l.file), []byte(l.value), 0); err != nil {
 			return fmt.Errorf("set %s: %w", filepath.Join(dir, l.file), err)
 		}
+		if l.file == "memory.limit_in_bytes" {
+			// Memory plus swap: the limit must not be dodged by swapping.
+			memsw := filepath.Join(dir, "memory.memsw.limit_in_bytes")
+			if _, err := os.Stat(memsw); err == nil {
+				if err := os.WriteFile(memsw, []byte(l.value), 0); err != nil {
+					return fmt.Errorf("set %s: %w", memsw, err)
+				}
+			}
+		}
 	}
 	return nil
 }

@@ -236,7 +236,11 @@ func TestSession(t *testing.T) {
 	if _, err := ss.Send(ctx, "(sleep 0.3; echo late) &", SendOptions{Idle: 50 * time.Millisecond}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(600 * time.Millisecond)
+	waitFor(t, "background output to be buffered", func() bool {
+		ss.mu.Lock()
+		defer ss.mu.Unlock()
+		return strings.Contains(string(ss.buf), "late")
+	})
 	if out, err := ss.Send(ctx, "echo now", SendOptions{}); err != nil || out != "late\nnow\n" {
 		t.Fatalf("buffered output: %q %v", out, err)
 	}
@@ -412,13 +416,19 @@ func TestKillProcesses(t *testing.T) {
 	if err := sb.KillProcesses(ctx, func(p Process) bool { return p.PID == keepPID }); err != nil {
 		t.Fatal(err)
 	}
-	procs, err := sb.Processes()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(procs) != 2 {
-		t.Fatalf("after KillProcesses: %+v", procs)
-	}
+	waitFor(t, "only init and the kept session", func() bool {
+		procs, err := sb.Processes()
+		if err != nil {
+			t.Fatal(err)
+		}
+		live := 0
+		for _, p := range procs {
+			if p.State != "Z" {
+				live++
+			}
+		}
+		return live == 2
+	})
 	if out, err := keep.Send(ctx, "still here", SendOptions{}); err != nil || out != "still here\n" {
 		t.Fatalf("kept session: %q %v", out, err)
 	}
