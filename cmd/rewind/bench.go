@@ -25,8 +25,11 @@ func newBenchCmd() *cobra.Command {
 		Example: "  rewind bench turn --n 200",
 	}
 	cmd.AddCommand(newBenchTurnCmd())
+	cmd.AddCommand(newBenchMCTSCmd())
 	cmd.AddCommand(newBenchPolicyCmd())
 	cmd.AddCommand(newBenchSandboxCmd())
+	cmd.AddCommand(newBenchFSCmd())
+	cmd.AddCommand(newBenchCRCmd())
 	return cmd
 }
 

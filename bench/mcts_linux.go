@@ -1,0 +1,142 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"github.com/rewind-sandbox/rewind/client"
+	"golang.org/x/sys/unix"
+)
+
+// AllSystems lists every system RunMCTS knows, rewind's rows first.
+var AllSystems = []string{"rewind-effects", "rewind-always", "cp-a", "cp-reflink", "tarball", "overlay-remount", "fuse-overlayfs-copy"}
+
+// MCTSOptions configures RunMCTS.
+type MCTSOptions struct {
+	Traces []*Trace
+	// Systems to run (default AllSystems).
+	Systems []string
+	// Client reaches the rewind daemon (needed for rewind-* rows).
+	Client *client.Client
+	// Parent is where baselines keep their directories (default: a temp dir).
+	Parent string
+	// CrashChecks per trace and system (default 10).
+	CrashChecks int
+	Progress    io.Writer
+}
+
+// RunMCTS replays every trace with every system and aggregates the rows.
+// A system that fails records its error in its row; the run goes on.
+func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
+	if len(o.Systems) == 0 {
+		o.Systems = AllSystems
+	}
+	if o.CrashChecks == 0 {
+		o.CrashChecks = 10
+	}
+	parent := o.Parent
+	if parent == "" {
+		parent = os.TempDir()
+	}
+	rep := &Report{Kind: "mcts"}
+	for _, t := range o.Traces {
+		rep.Traces = append(rep.Traces, fmt.Sprintf("%s (%d nodes, %d rollbacks)", t.Name, len(t.Nodes), t.Rollbacks()))
+	}
+	var xfsDir string
+	for _, name := range o.Systems {
+		var agg *Result
+		for _, t := range o.Traces {
+			m, cleanup, err := newSystem(name, o.Client, parent, &xfsDir)
+			var r *Result
+			if err != nil {
+				r = &Result{Name: name, Trace: t.Name, Error: err.Error()}
+			} else {
+				r, _ = Replay(ctx, t, m, ReplayOptions{CrashChecks: o.CrashChecks, Progress: o.Progress})
+				cleanup()
+			}
+			if o.Progress != nil {
+				fmt.Fprintf(o.Progress, "%s on %s: state %.0f ms, overhead %.3fx %s\n", name, t.Name, r.StateMS, r.OverheadRatio, r.Error)
+			}
+			if agg == nil {
+				agg = r
+				finish(agg)
+			} else {
+				merge(agg, r)
+			}
+			if ctx.Err() != nil {
+				return rep, ctx.Err()
+			}
+		}
+		rep.Systems = append(rep.Systems, agg)
+	}
+	if xfsDir != "" {
+		_ = unix.Unmount(xfsDir, unix.MNT_DETACH)
+		_ = os.RemoveAll(filepath.Dir(xfsDir))
+	}
+	rep.compare()
+	return rep, nil
+}
+
+func newSystem(name string, c *client.Client, parent string, xfsDir *string) (Manager, func(), error) {
+	nop := func() {}
+	switch name {
+	case "rewind-effects", "rewind-always":
+		if c == nil {
+			return nil, nop, fmt.Errorf("no rewind daemon client")
+		}
+		return NewRewind(c, strings.TrimPrefix(name, "rewind-")), nop, nil
+	case "cp-a":
+		return NewCopyBaseline("cp", parent), nop, nil
+	case "tarball":
+		return NewCopyBaseline("tar", parent), nop, nil
+	case "cp-reflink":
+		if *xfsDir == "" {
+			d, err := scratchXFS()
+			if err != nil {
+				return nil, nop, err
+			}
+			*xfsDir = d
+		}
+		return NewCopyBaseline("reflink", *xfsDir), nop, nil
+	case "overlay-remount":
+		return NewOverlayBaseline(parent), nop, nil
+	case "fuse-overlayfs-copy":
+		return NewFuseOverlayBaseline(parent), nop, nil
+	}
+	return nil, nop, fmt.Errorf("unknown system %q (known: %s)", name, strings.Join(AllSystems, ", "))
+}
+
+// scratchXFS loop-mounts a sparse 4 GiB XFS image with reflink=1 in a temp
+// dir and returns the mount point.
+func scratchXFS() (string, error) {
+	tmp, err := os.MkdirTemp("", "rewind-bench-xfs-")
+	if err != nil {
+		return "", err
+	}
+	img := filepath.Join(tmp, "img")
+	f, err := os.Create(img)
+	if err != nil {
+		return "", err
+	}
+	err = f.Truncate(4 << 30)
+	f.Close()
+	if err != nil {
+		return "", err
+	}
+	if out, err := exec.Command("mkfs.xfs", "-q", "-m", "reflink=1", img).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("mkfs.xfs: %v: %s", err, out)
+	}
+	mnt := filepath.Join(tmp, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		return "", err
+	}
+	if out, err := exec.Command("mount", "-o", "loop", img, mnt).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("mount loop XFS (needs root): %v: %s", err, out)
+	}
+	return mnt, nil
+}

@@ -1,0 +1,142 @@
+package bench
+
+import (
+	"fmt"
+	"html"
+	"io"
+	"sort"
+	"strings"
+)
+
+// Report is the outcome of a benchmark run: one row per system, aggregated
+// over every trace.
+type Report struct {
+	Kind    string    `json:"kind"`
+	Machine string    `json:"machine,omitempty"`
+	Command string    `json:"command,omitempty"`
+	Traces  []string  `json:"traces,omitempty"`
+	Systems []*Result `json:"systems"`
+	// BestBaseline names the baseline with the least state-management time
+	// and Speedup is its state time over rewind-effects' (>1: rewind wins).
+	BestBaseline string   `json:"best_baseline,omitempty"`
+	Speedup      float64  `json:"speedup_vs_best_baseline,omitempty"`
+	Notes        []string `json:"notes,omitempty"`
+}
+
+// merge adds b (another trace of the same system) into a.
+func merge(a, b *Result) {
+	a.Nodes += b.Nodes
+	a.LLMMS += b.LLMMS
+	a.ExecMS += b.ExecMS
+	a.StateMS += b.StateMS
+	a.StateMSZeroLLM += b.StateMSZeroLLM
+	a.FrozenMS += b.FrozenMS
+	a.CrashChecks += b.CrashChecks
+	a.CrashCorrect += b.CrashCorrect
+	a.Usage.DiskBytes = max(a.Usage.DiskBytes, b.Usage.DiskBytes)
+	for k, v := range b.Decisions {
+		if a.Decisions == nil {
+			a.Decisions = map[string]int{}
+		}
+		a.Decisions[k] += v
+	}
+	// Percentiles cannot be merged exactly: keep the worst trace's.
+	a.P50MS, a.P99MS = max(a.P50MS, b.P50MS), max(a.P99MS, b.P99MS)
+	a.Checkpoint = worst(a.Checkpoint, b.Checkpoint)
+	a.Restore = worst(a.Restore, b.Restore)
+	if a.Error == "" {
+		a.Error = b.Error
+	}
+	a.Trace += "," + b.Trace
+	finish(a)
+}
+
+func worst(a, b Latency) Latency {
+	return Latency{N: a.N + b.N, P50MS: max(a.P50MS, b.P50MS), P99MS: max(a.P99MS, b.P99MS), SumMS: a.SumMS + b.SumMS}
+}
+
+func finish(r *Result) {
+	if base := r.LLMMS + r.ExecMS; base > 0 {
+		r.OverheadRatio = (base + r.StateMS) / base
+	}
+	if r.ExecMS > 0 {
+		r.OverheadRatioZeroLLM = (r.ExecMS + r.StateMSZeroLLM) / r.ExecMS
+	}
+	r.RecoveryCorrectness = 1
+	if r.CrashChecks > 0 {
+		r.RecoveryCorrectness = float64(r.CrashCorrect) / float64(r.CrashChecks)
+	}
+}
+
+// compare fills BestBaseline and Speedup.
+func (rep *Report) compare() {
+	var rw *Result
+	best := (*Result)(nil)
+	for _, s := range rep.Systems {
+		if s.Error != "" {
+			continue
+		}
+		if s.Name == "rewind-effects" {
+			rw = s
+		} else if !strings.HasPrefix(s.Name, "rewind-") && (best == nil || s.StateMS < best.StateMS) {
+			best = s
+		}
+	}
+	if rw != nil && best != nil && rw.StateMS > 0 {
+		rep.BestBaseline = best.Name
+		rep.Speedup = best.StateMS / rw.StateMS
+	}
+}
+
+func mb(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
+
+// Markdown renders the report as a Markdown table.
+func (rep *Report) Markdown(w io.Writer) {
+	fmt.Fprintf(w, "| system | overhead (LLM 2 s median) | overhead (LLM 0) | state ms | p50 ms | p99 ms | restore p50 ms | frozen ms | disk MiB | skip/fs/full | recovery |\n")
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|---|\n")
+	for _, s := range rep.Systems {
+		if s.Error != "" {
+			fmt.Fprintf(w, "| %s | error: %s | | | | | | | | | |\n", s.Name, strings.ReplaceAll(s.Error, "|", "/"))
+			continue
+		}
+		fmt.Fprintf(w, "| %s | %.3fx | %.2fx | %.0f | %.1f | %.1f | %.1f | %.0f | %s | %d/%d/%d | %d/%d |\n",
+			s.Name, s.OverheadRatio, s.OverheadRatioZeroLLM, s.StateMS, s.P50MS, s.P99MS, s.Restore.P50MS, s.FrozenMS,
+			mb(s.Usage.DiskBytes), s.Decisions["skip"], s.Decisions["fs"], s.Decisions["full"], s.CrashCorrect, s.CrashChecks)
+	}
+	if rep.BestBaseline != "" {
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the best baseline (%s).\n", rep.Speedup, rep.BestBaseline)
+	}
+	for _, n := range rep.Notes {
+		fmt.Fprintf(w, "\n%s\n", n)
+	}
+}
+
+// SVG renders a horizontal bar chart of state-management time per system.
+func (rep *Report) SVG(w io.Writer) {
+	rows := append([]*Result(nil), rep.Systems...)
+	sort.SliceStable(rows, func(i, j int) bool { return rows[i].StateMS < rows[j].StateMS })
+	maxv := 1.0
+	for _, r := range rows {
+		maxv = max(maxv, r.StateMS)
+	}
+	const left, width, rowH = 190, 480, 26
+	h := 50 + rowH*len(rows)
+	fmt.Fprintf(w, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">`+"\n", left+width+120, h)
+	fmt.Fprintf(w, `<text x="10" y="20" font-size="14">State-management time over the trace (ms, lower is better)</text>`+"\n")
+	for i, r := range rows {
+		y := 35 + i*rowH
+		bw := int(float64(width) * r.StateMS / maxv)
+		color := "#888"
+		if strings.HasPrefix(r.Name, "rewind-") {
+			color = "#2a7"
+		}
+		fmt.Fprintf(w, `<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-8, y+15, html.EscapeString(r.Name))
+		if r.Error != "" {
+			fmt.Fprintf(w, `<text x="%d" y="%d" fill="#a22">error</text>`+"\n", left, y+15)
+			continue
+		}
+		fmt.Fprintf(w, `<rect x="%d" y="%d" width="%d" height="18" fill="%s"/>`+"\n", left, y+2, max(bw, 1), color)
+		fmt.Fprintf(w, `<text x="%d" y="%d">%.0f ms (%.3fx)</text>`+"\n", left+max(bw, 1)+6, y+15, r.StateMS, r.OverheadRatio)
+	}
+	fmt.Fprintln(w, "</svg>")
+}

@@ -1,0 +1,139 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/client"
+)
+
+// RepoDir is where the rewind rows keep the repository inside the sandbox.
+const RepoDir = "/root/rewind-bench-repo"
+
+// rewindManager drives a rewind daemon through its public API, as a harness
+// would: one sandbox on the host root (read-only base), a persistent bash
+// session, `turn` after every node, `restore` on rollbacks.
+type rewindManager struct {
+	c      *client.Client
+	policy string
+	name   string
+	seq    int
+}
+
+// NewRewind returns a rewind row named "rewind-<policy>" ("always" is
+// DeltaBox-style, every turn a full checkpoint; "effects" is Crab +
+// DeltaBox). After each turn it waits until the checkpoint is durable and
+// accounts that wait as asynchronous work (it runs during the LLM wait).
+func NewRewind(c *client.Client, policy string) Manager {
+	return &rewindManager{c: c, policy: policy}
+}
+
+func (r *rewindManager) Name() string { return "rewind-" + r.policy }
+
+func (r *rewindManager) Start(ctx context.Context, setup []string) error {
+	r.name = fmt.Sprintf("bench-%s-%d", r.policy, time.Now().UnixNano()%1e9)
+	if _, err := r.c.Create(ctx, api.CreateRequest{Name: r.name, Policy: r.policy}); err != nil {
+		return err
+	}
+	if _, err := r.c.StartSession(ctx, r.name, api.SessionRequest{ID: "sh", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"R=" + RepoDir, "HOME=/root", "PS1="}}); err != nil {
+		return err
+	}
+	if _, _, err := r.run(ctx, "mkdir -p $R && cd $R"); err != nil {
+		return err
+	}
+	for _, c := range setup {
+		out, code, err := r.run(ctx, c)
+		if err != nil {
+			return err
+		}
+		if code != 0 {
+			return fmt.Errorf("setup %q exited %d: %s", c, code, out)
+		}
+	}
+	return nil
+}
+
+var rwMarker = regexp.MustCompile(`__RWB_\d+_(\d+)__`)
+
+func (r *rewindManager) run(ctx context.Context, cmd string) (string, int, error) {
+	r.seq++
+	marker := fmt.Sprintf("__RWB_%d_", r.seq)
+	out, err := r.c.Send(ctx, r.name, "sh", api.SendRequest{
+		Text:      cmd + "\necho " + marker + "$?__",
+		Until:     regexp.QuoteMeta(marker) + `\d+__`,
+		TimeoutMS: 300000,
+		IdleMS:    300000,
+	})
+	if err != nil {
+		return out, -1, err
+	}
+	i := strings.Index(out, marker)
+	if i < 0 {
+		return out, -1, fmt.Errorf("session output lacks the end marker of %q: %q", cmd, out)
+	}
+	code := -1
+	if m := rwMarker.FindStringSubmatch(out[i:]); m != nil {
+		code, _ = strconv.Atoi(m[1])
+	}
+	return out[:i], code, nil
+}
+
+func (r *rewindManager) Run(ctx context.Context, cmd string) error {
+	_, _, err := r.run(ctx, cmd)
+	return err
+}
+
+func (r *rewindManager) Checkpoint(ctx context.Context) (string, Cost, error) {
+	start := time.Now()
+	res, err := r.c.Turn(ctx, r.name, api.TurnRequest{Mode: "auto"})
+	if err != nil {
+		return "", Cost{}, err
+	}
+	c := Cost{Visible: time.Since(start), Decision: string(res.Decision)}
+	// The rest of the checkpoint runs while the agent waits for its LLM.
+	w := time.Now()
+	ck, err := r.c.Wait(ctx, res.ID)
+	if err != nil {
+		return "", c, err
+	}
+	c.Async = time.Since(w)
+	if res.Decision != "skip" {
+		c.Frozen = time.Duration(ck.FrozenUS) * time.Microsecond
+	}
+	return res.ID, c, nil
+}
+
+func (r *rewindManager) Restore(ctx context.Context, id string) (Cost, error) {
+	start := time.Now()
+	_, err := r.c.Restore(ctx, r.name, id, 0)
+	return Cost{Visible: time.Since(start), Decision: "full"}, err
+}
+
+func (r *rewindManager) Digest(ctx context.Context) (string, error) {
+	out, _, err := r.run(ctx, digestScript)
+	return strings.TrimSpace(out), err
+}
+
+// Usage sums the file-system bytes of the sandbox's checkpoints.
+func (r *rewindManager) Usage() Usage {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var u Usage
+	if log, err := r.c.Log(ctx, r.name); err == nil {
+		for _, ck := range log.Checkpoints {
+			u.DiskBytes += ck.FSBytes
+		}
+	}
+	return u
+}
+
+func (r *rewindManager) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	return r.c.Remove(ctx, r.name)
+}
