@@ -18,6 +18,7 @@ import (
 var (
 	diffOps  = flag.Int("kp.ops", 1500, "operations per run of the differential test")
 	diffSeed = flag.Uint64("kp.seed", 1, "seed of the differential test")
+	diffLog  = flag.Bool("kp.trace", false, "log every operation of the differential test")
 )
 
 // TestDifferential applies one seeded random sequence of file operations,
@@ -52,14 +53,15 @@ func TestDifferential(t *testing.T) {
 }
 
 type diffRun struct {
-	t      *testing.T
-	f      layer.FS
-	model  string
-	rng    *rand.Rand
-	saved  map[string]string // checkpoint id -> model copy
-	ids    []string
-	nckpt  int
-	nswtch int
+	t        *testing.T
+	f        layer.FS
+	model    string
+	rng      *rand.Rand
+	saved    map[string]string // checkpoint id -> model copy
+	ids      []string
+	nckpt    int
+	nswtch   int
+	ncompact int
 	// rareSwitch makes switches 8x rarer, so consecutive checkpoints
 	// build long chains of delta layers.
 	rareSwitch bool
@@ -73,12 +75,15 @@ func runDifferentialMode(t *testing.T, f layer.FS, model string, seed uint64, op
 	r := &diffRun{t: t, f: f, model: model, rng: rand.New(rand.NewPCG(seed, 0x5eed)), saved: map[string]string{}, rareSwitch: rareSwitch}
 	for i := range ops {
 		desc := r.step()
+		if *diffLog {
+			t.Logf("op %d: %s", i, desc)
+		}
 		if t.Failed() {
 			t.Fatalf("op %d (%s) failed; seed %d", i, desc, seed)
 		}
 	}
 	r.compare("end")
-	t.Logf("%d ops, %d checkpoints, %d switches", ops, r.nckpt, r.nswtch)
+	t.Logf("%d ops, %d checkpoints, %d switches, %d compactions", ops, r.nckpt, r.nswtch, r.ncompact)
 }
 
 var (
@@ -193,6 +198,13 @@ func (r *diffRun) step() string {
 		})
 	case k < 82:
 		return r.both("mkfifo "+p, func(root string) error { return unix.Mkfifo(filepath.Join(root, p), 0o644) })
+	case k < 84:
+		if err := r.f.Compact(); err != nil {
+			r.t.Errorf("compact: %v", err)
+		}
+		r.ncompact++
+		r.compare("compact")
+		return "compact"
 	case k < 92:
 		id, err := r.f.Checkpoint()
 		if err != nil {

@@ -86,6 +86,9 @@ func mountKP(t testing.TB, st *layer.Store, opts Options) *FS {
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
+		if os.Getenv("KP_LOG") != "" {
+			opts.Logger = slog.Default()
+		}
 	}
 	f, err := Mount(st, mp, opts)
 	if err != nil {

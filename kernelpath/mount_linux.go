@@ -39,6 +39,7 @@ type FS struct {
 	gen     uint64             // ioctl generation (ioctl mode only)
 	ckptFP  map[string]entryFP // the upper as the last checkpoint froze it
 	chain   []string           // layers frozen from the live upper, bottom first
+	live    []string           // frozen layers the live overlay uses (the mount record's)
 	takenFP map[string]entryFP
 }
 
@@ -114,7 +115,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	if err := attach(mfd, mp); err != nil {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
-	f.upper = upper
+	f.upper, f.live = upper, f.layers
 	f.mntID = mountID(mp)
 	if !opts.NoIoctl {
 		if gen, err := f.query(); err == nil {
@@ -207,7 +208,7 @@ func (f *FS) stackFor(layers []string, upper string) stack {
 func (f *FS) saveRecord(durable bool) error {
 	return f.st.SaveMount(layer.MountRecord{
 		ID: f.id, PID: os.Getpid(), Mountpoint: f.mp, Lowers: f.lowers,
-		Layers: f.layers, Upper: f.upper, Base: f.base,
+		Layers: f.live, Upper: f.upper, Base: f.base,
 	}, durable)
 }
 
@@ -347,7 +348,7 @@ func (f *FS) checkpointIoctl() (string, error) {
 	frozen := f.upper
 	layers := append(append([]string(nil), f.layers...), frozen)
 	c := layer.Checkpoint{ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(), Lowers: f.lowers, Layers: layers}
-	f.layers, f.upper, f.gen, f.base, f.ckptFP = layers, upper, gen, c.ID, nil
+	f.layers, f.live, f.upper, f.gen, f.base, f.ckptFP = layers, layers, upper, gen, c.ID, nil
 	if err := f.saveCheckpoint(c); err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
@@ -394,7 +395,7 @@ func (f *FS) Switch(id string) error {
 		f.layers = oldLayers
 		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
 	}
-	f.upper, f.base, f.ckptFP, f.takenFP, f.chain = upper, id, nil, nil, nil
+	f.upper, f.base, f.ckptFP, f.takenFP, f.chain, f.live = upper, id, nil, nil, nil, f.layers
 	f.mntID = mountID(f.mp)
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
