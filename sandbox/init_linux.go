@@ -12,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -46,9 +47,7 @@ func MaybeRunInit() {
 		return
 	}
 	// Package initialization runs on the main thread: keep this goroutine
-	// there for good. The main thread is the init's identity (its
-	// credentials are what /proc/1 shows and what access checks against
-	// PID 1 use), and every sandbox process is forked from it.
+	// there for good; every sandbox process is forked from it.
 	runtime.LockOSThread()
 	err := runInit()
 	fmt.Fprintln(os.Stderr, "rewind init:", err)
@@ -56,8 +55,9 @@ func MaybeRunInit() {
 }
 
 // runInit receives the setup, builds the mount namespace, switches root,
-// drops the main thread's capabilities to the sandbox's set, then serves
-// the control channel and reaps children until the daemon goes away.
+// drops every thread's capabilities to the sandbox's set (re-executing
+// itself when the runtime cannot: cgo), then serves the control channel and
+// reaps children until the daemon goes away.
 func runInit() error {
 	// Nothing the daemon inherited may leak into the sandbox.
 	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
@@ -88,29 +88,40 @@ func runInit() error {
 		return err
 	}
 	ctlFile.Close()
-	if err := c.send(&msg{Op: opHello}); err != nil {
-		return err
-	}
 	buf := make([]byte, maxMsg)
 	oob := make([]byte, unix.CmsgSpace(16*4))
-	m, fds, err := c.recv(buf, oob)
-	if err != nil {
-		return fmt.Errorf("read setup: %w", err)
-	}
-	closeFDs(fds)
-	if m.Op != opSetup || m.Setup == nil {
-		return fmt.Errorf("expected setup, got %q", m.Op)
-	}
 	fail := func(err error) error {
 		_ = c.send(&msg{Op: opReady, Err: err.Error()})
 		return err
 	}
-	if err := setupNamespace(m.Setup); err != nil {
-		return fail(err)
-	}
-	if !m.Setup.KeepCaps {
-		if err := dropCaps(); err != nil {
+	keepCaps := false
+	if os.Getenv(initEnv) != stageReexeced {
+		if err := c.send(&msg{Op: opHello}); err != nil {
+			return err
+		}
+		m, fds, err := c.recv(buf, oob)
+		if err != nil {
+			return fmt.Errorf("read setup: %w", err)
+		}
+		closeFDs(fds)
+		if m.Op != opSetup || m.Setup == nil {
+			return fmt.Errorf("expected setup, got %q", m.Op)
+		}
+		if err := setupNamespace(m.Setup); err != nil {
 			return fail(err)
+		}
+		keepCaps = m.Setup.KeepCaps
+		if !keepCaps {
+			err := dropCapsAllThreads()
+			if errors.Is(err, errNoAllThreads) {
+				// This binary links cgo: the runtime cannot change every
+				// thread's credentials. Drop them on this thread and
+				// re-execute: exec leaves one thread, with these.
+				return fail(reexecReduced(c))
+			}
+			if err != nil {
+				return fail(err)
+			}
 		}
 	}
 	devNull, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
@@ -120,10 +131,17 @@ func runInit() error {
 	// stdin becomes the sandbox's own /dev/null (it was the host's).
 	_ = unix.Dup3(devNull, 0, 0)
 	st := &initState{c: c, devNull: devNull, held: map[int]bool{}, spawns: make(chan spawnReq)}
+	prewarmThreads()
+	if !keepCaps {
+		// Every thread of PID 1 must be as powerless as the sandbox's
+		// processes: they can open /proc/1/mem.
+		if err := checkThreadCaps(); err != nil {
+			return fail(err)
+		}
+	}
 	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
 		return err
 	}
-	prewarmThreads()
 	go st.reaper(chld)
 	go st.serve(buf, oob)
 	// Spawns run here, on the main thread, so that children inherit its
@@ -159,36 +177,122 @@ const (
 	initThreadAllowance = 32
 )
 
-// dropCaps reduces the calling thread's capabilities (bounding, permitted,
-// effective) to keptCaps.
-func dropCaps() error {
-	if err := dropBoundingSet(); err != nil {
-		return err
+// Values of initEnv: a first start, and the re-execution of an init whose
+// credentials are reduced already.
+const (
+	stageFirst    = "1"
+	stageReexeced = "2"
+)
+
+var errNoAllThreads = errors.New("cannot run a syscall on every thread (cgo)")
+
+// keptMask returns keptCaps as a bit mask.
+func keptMask() uint64 {
+	var m uint64
+	for _, c := range keptCaps {
+		m |= 1 << c
 	}
+	return m
+}
+
+// dropCapsAllThreads reduces the bounding, permitted and effective
+// capability sets of every thread of the process to keptCaps.
+func dropCapsAllThreads() error {
+	for c := uintptr(0); c <= uintptr(lastCap()); c++ {
+		if keptMask()&(1<<c) != 0 {
+			continue
+		}
+		if _, _, e := syscall.AllThreadsSyscall(unix.SYS_PRCTL, unix.PR_CAPBSET_DROP, c, 0); e != 0 {
+			if e == syscall.ENOTSUP {
+				return errNoAllThreads
+			}
+			return fmt.Errorf("drop capability %d: %w", c, e)
+		}
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	data := capData()
+	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
+		return fmt.Errorf("capset: %w", e)
+	}
+	return nil
+}
+
+func capData() [2]unix.CapUserData {
 	var data [2]unix.CapUserData
 	for _, c := range keptCaps {
 		data[c/32].Permitted |= 1 << (c % 32)
 		data[c/32].Effective |= 1 << (c % 32)
 	}
+	return data
+}
+
+// reexecReduced drops the calling (locked, main) thread's capabilities and
+// re-executes the init with the control socket on ctlFD: after exec the
+// process has one thread, with the reduced set, and every thread the
+// runtime starts inherits it.
+func reexecReduced(c *conn) error {
+	raw, err := c.c.File()
+	if err != nil {
+		return err
+	}
+	if int(raw.Fd()) == ctlFD {
+		if _, err := unix.FcntlInt(ctlFD, unix.F_SETFD, 0); err != nil {
+			return fmt.Errorf("control fd: %w", err)
+		}
+	} else if err := unix.Dup3(int(raw.Fd()), ctlFD, 0); err != nil {
+		return fmt.Errorf("control fd: %w", err)
+	}
+	if err := dropBoundingSet(); err != nil {
+		return err
+	}
+	data := capData()
 	if err := unix.Capset(&unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}, &data[0]); err != nil {
 		return fmt.Errorf("capset: %w", err)
+	}
+	err = syscall.Exec("/proc/self/exe", []string{"rewind-init"}, []string{initEnv + "=" + stageReexeced, "GOMAXPROCS=1"})
+	return fmt.Errorf("re-execute init: %w", err)
+}
+
+// checkThreadCaps verifies that no thread has a capability beyond keptCaps.
+func checkThreadCaps() error {
+	ents, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		return fmt.Errorf("check capabilities: %w", err)
+	}
+	mask := keptMask()
+	for _, e := range ents {
+		b, err := os.ReadFile("/proc/self/task/" + e.Name() + "/status")
+		if err != nil {
+			continue // thread gone
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			for _, field := range []string{"CapPrm:", "CapEff:", "CapBnd:"} {
+				if v, ok := strings.CutPrefix(line, field); ok {
+					n, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+					if err != nil || n&^mask != 0 {
+						return fmt.Errorf("thread %s of the init keeps capabilities %s %s", e.Name(), field, strings.TrimSpace(v))
+					}
+				}
+			}
+		}
 	}
 	return nil
 }
 
-func dropBoundingSet() error {
-	last := 40
+func lastCap() int {
 	if b, err := os.ReadFile("/proc/sys/kernel/cap_last_cap"); err == nil {
 		if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
-			last = n
+			return n
 		}
 	}
-	keep := map[uintptr]bool{}
-	for _, c := range keptCaps {
-		keep[c] = true
-	}
-	for c := uintptr(0); c <= uintptr(last); c++ {
-		if keep[c] {
+	return 40
+}
+
+// dropBoundingSet drops every capability but keptCaps from the calling
+// thread's bounding set.
+func dropBoundingSet() error {
+	for c := uintptr(0); c <= uintptr(lastCap()); c++ {
+		if keptMask()&(1<<c) != 0 {
 			continue
 		}
 		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil {

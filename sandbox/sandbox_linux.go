@@ -358,7 +358,7 @@ func spawnInit(initPath string, hostNet bool, cgroupFD int, log *slog.Logger) (*
 	}
 	cmd := exec.Command(initPath)
 	cmd.Args = []string{"rewind-init"}
-	cmd.Env = []string{initEnv + "=1", "GOMAXPROCS=1"}
+	cmd.Env = []string{initEnv + "=" + stageFirst, "GOMAXPROCS=1"}
 	cmd.Dir = "/"
 	cmd.ExtraFiles = []*os.File{childEnd}
 	logw := &lineLogger{log: log}
