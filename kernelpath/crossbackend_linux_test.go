@@ -19,7 +19,7 @@ func fuseAvailable() bool {
 }
 
 // mountAny mounts a view with the named backend ("kernel" or "fuse").
-func mountAny(t *testing.T, st *layer.Store, backend, id, from string) layer.FS {
+func mountAny(t *testing.T, st *layer.Store, backend, id, from string, lowers []string) layer.FS {
 	t.Helper()
 	mp := filepath.Join(filepath.Dir(st.Dir()), "mnt-"+layer.NewID())
 	if err := os.Mkdir(mp, 0o755); err != nil {
@@ -28,9 +28,9 @@ func mountAny(t *testing.T, st *layer.Store, backend, id, from string) layer.FS 
 	var v layer.FS
 	var err error
 	if backend == "kernel" {
-		v, err = Mount(st, mp, Options{MountID: id, From: from, Logger: slog.New(slog.DiscardHandler)})
+		v, err = Mount(st, mp, Options{MountID: id, From: from, Lowers: lowers, Logger: slog.New(slog.DiscardHandler)})
 	} else {
-		v, err = fs.Mount(st, mp, fs.Options{MountID: id, From: from})
+		v, err = fs.Mount(st, mp, fs.Options{MountID: id, From: from, Lowers: lowers})
 	}
 	if err != nil {
 		t.Fatalf("mount %s: %v", backend, err)
@@ -45,7 +45,8 @@ func mountAny(t *testing.T, st *layer.Store, backend, id, from string) layer.FS 
 }
 
 // TestCrossBackend: a random operation sequence (with checkpoints and
-// switches, checked against a model) runs on one backend; its final
+// switches, checked against a model, over a base directory) runs on one
+// backend; its final
 // checkpoint is then opened with the other backend, which must show the
 // very same tree. Both directions, on loop XFS.
 func TestCrossBackend(t *testing.T) {
@@ -53,11 +54,14 @@ func TestCrossBackend(t *testing.T) {
 	for _, dir := range [][2]string{{"kernel", "fuse"}, {"fuse", "kernel"}} {
 		t.Run(dir[0]+"-to-"+dir[1], func(t *testing.T) {
 			st := newStore(t, "xfs")
-			a := mountAny(t, st, dir[0], "writer", "")
 			model := filepath.Join(filepath.Dir(st.Dir()), "model")
 			if err := os.Mkdir(model, 0o755); err != nil {
 				t.Fatal(err)
 			}
+			base := filepath.Join(filepath.Dir(st.Dir()), "base")
+			makeBase(t, base, *diffSeed)
+			copyTreeCP(t, base, model)
+			a := mountAny(t, st, dir[0], "writer", "", []string{base})
 			var rs unix.Stat_t
 			if err := unix.Stat(a.Mountpoint(), &rs); err != nil {
 				t.Fatal(err)
@@ -68,7 +72,7 @@ func TestCrossBackend(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b := mountAny(t, st, dir[1], "reader", id)
+			b := mountAny(t, st, dir[1], "reader", id, nil)
 			want := treeDump(t, model)
 			if got := treeDump(t, b.Mountpoint()); got != want {
 				t.Fatalf("%s reads %s's checkpoint differently:\n--- %s\n%s\n--- model\n%s", dir[1], dir[0], dir[1], got, want)

@@ -7,7 +7,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -31,15 +30,33 @@ var (
 // Hard links are left out on purpose: native overlayfs (index=off) breaks
 // a hard link of a lower file on copy-up, which a plain directory does not.
 func TestDifferential(t *testing.T) {
-	for _, kind := range []string{"xfs", "btrfs", "xfs-chains"} {
-		t.Run(kind, func(t *testing.T) {
-			fsKind, _, chains := strings.Cut(kind, "-")
-			st := newStore(t, fsKind)
-			f := mountKP(t, st, Options{MountID: "diff"})
+	cases := []struct {
+		name   string
+		fs     string
+		chains bool // rare switches: long chains of delta layers
+		lower  bool // a read-only base directory under the layers
+	}{
+		{"xfs", "xfs", false, false},
+		{"btrfs", "btrfs", false, false},
+		{"xfs-chains", "xfs", true, false},
+		{"xfs-lower", "xfs", false, true},
+		{"xfs-lower-chains", "xfs", true, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			st := newStore(t, tc.fs)
 			model := filepath.Join(filepath.Dir(st.Dir()), "model")
 			if err := os.Mkdir(model, 0o755); err != nil {
 				t.Fatal(err)
 			}
+			var lowers []string
+			if tc.lower {
+				base := filepath.Join(filepath.Dir(st.Dir()), "base")
+				makeBase(t, base, *diffSeed)
+				copyTreeCP(t, base, model)
+				lowers = []string{base}
+			}
+			f := mountKP(t, st, Options{MountID: "diff", Lowers: lowers})
 			// The view's root is the upper's root: give the model the same
 			// mode.
 			var rs unix.Stat_t
@@ -47,8 +64,47 @@ func TestDifferential(t *testing.T) {
 				t.Fatal(err)
 			}
 			_ = os.Chmod(model, os.FileMode(rs.Mode&0o777))
-			runDifferentialMode(t, f, model, *diffSeed, *diffOps, chains)
+			if got, want := treeDump(t, f.Mountpoint()), treeDump(t, model); got != want {
+				t.Fatalf("fresh view differs from its base:\n%s\nwant:\n%s", got, want)
+			}
+			runDifferentialMode(t, f, model, *diffSeed, *diffOps, tc.chains)
 		})
+	}
+}
+
+// makeBase fills a base directory from the test's name space: directories
+// nested two deep with files, symlinks and xattrs, so the operations hit
+// lower entries (copy-up, whiteouts, opaque and redirected directories).
+func makeBase(t *testing.T, base string, seed uint64) {
+	t.Helper()
+	rng := rand.New(rand.NewPCG(seed, 0xba5e))
+	for _, d := range append([]string{""}, diffDirs[1:]...) {
+		dir := filepath.Join(base, d)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range []string{"f0", "f1", "f2", "l0"} {
+			p := filepath.Join(dir, n)
+			if _, err := os.Lstat(p); err == nil {
+				continue
+			}
+			if n == "l0" {
+				if err := os.Symlink("../f0", p); err != nil {
+					t.Fatal(err)
+				}
+				continue
+			}
+			data := make([]byte, rng.IntN(3000))
+			for i := range data {
+				data[i] = byte('A' + rng.IntN(26))
+			}
+			if err := os.WriteFile(p, data, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if rng.IntN(2) == 0 {
+				_ = unix.Setxattr(p, "user.base", []byte(n), 0)
+			}
+		}
 	}
 }
 
