@@ -113,10 +113,12 @@ func (e *Engine) enforceBounds() {
 		total += cs[i].bytes
 	}
 	count := len(cs)
-	if count <= e.cfg.MaxTemplates && total <= e.cfg.MaxTemplateBytes {
+	e.mu.Lock()
+	maxN, maxB := e.cfg.MaxTemplates, e.cfg.MaxTemplateBytes
+	if count <= maxN && total <= maxB {
+		e.mu.Unlock()
 		return
 	}
-	e.mu.Lock()
 	sort.Slice(cs, func(i, j int) bool {
 		a, b := cs[i].c, cs[j].c
 		if a.reachable != b.reachable {
@@ -126,11 +128,14 @@ func (e *Engine) enforceBounds() {
 	})
 	var victims []cand
 	for _, x := range cs {
-		if count <= e.cfg.MaxTemplates && total <= e.cfg.MaxTemplateBytes {
+		if count <= maxN && total <= maxB {
 			break
 		}
 		c := x.c
-		if c == newest || c.busy > 0 || (!c.image.Image && c.reachable) {
+		// Evictable: the image exists, or the checkpoint is unreachable
+		// and no image is being written from its templates.
+		imaging := c.imageDone != nil && !c.image.Image && c.image.ImageErr == nil
+		if c == newest || c.busy > 0 || !(c.image.Image || (!c.reachable && !imaging)) {
 			continue
 		}
 		victims = append(victims, x)
@@ -142,9 +147,23 @@ func (e *Engine) enforceBounds() {
 		e.log.Info("evict templates", "checkpoint", v.c.rec.ID, "bytes", v.bytes, "image", v.c.image.Image)
 		e.dropTemplates(v.c)
 	}
-	if count > e.cfg.MaxTemplates || total > e.cfg.MaxTemplateBytes {
+	if count > maxN || total > maxB {
 		e.log.Warn("template pool over its bounds: nothing evictable yet (no image)", "count", count, "bytes", total)
 	}
+}
+
+// SetLimits changes the pool bounds (values <= 0 keep the current one) and
+// evicts what no longer fits.
+func (e *Engine) SetLimits(maxTemplates int, maxBytes int64) {
+	e.mu.Lock()
+	if maxTemplates > 0 {
+		e.cfg.MaxTemplates = maxTemplates
+	}
+	if maxBytes > 0 {
+		e.cfg.MaxTemplateBytes = maxBytes
+	}
+	e.mu.Unlock()
+	e.enforceBounds()
 }
 
 // Evict drops the templates of checkpoint id (keeping its record and
