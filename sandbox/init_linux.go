@@ -131,7 +131,6 @@ func runInit() error {
 	// stdin becomes the sandbox's own /dev/null (it was the host's).
 	_ = unix.Dup3(devNull, 0, 0)
 	st := &initState{c: c, devNull: devNull, held: map[int]bool{}, spawns: make(chan spawnReq)}
-	prewarmThreads()
 	if !keepCaps {
 		// Every thread of PID 1 must be as powerless as the sandbox's
 		// processes: they can open /proc/1/mem.
@@ -142,6 +141,8 @@ func runInit() error {
 	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
 		return err
 	}
+	// Threads started from now on are copies of reduced ones.
+	go prewarmThreads()
 	go st.reaper(chld)
 	go st.serve(buf, oob)
 	// Spawns run here, on the main thread, so that children inherit its
