@@ -4,8 +4,11 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
@@ -44,13 +47,26 @@ func TestCRIURoundTrip(t *testing.T) {
 		c.Binds = append(c.Binds, Bind{Source: criuDir, Target: criuDir, ReadOnly: true})
 	})
 	ctx := testCtx(t)
+	for name, src := range map[string]string{
+		"server.py": "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\ns.bind(('127.0.0.1', 8765))\ns.listen()\nwhile True:\n    c, _ = s.accept()\n    c.sendall(b'pong\\n')\n    c.close()\n",
+		"client.py": "import socket\ntry:\n    print(socket.create_connection(('127.0.0.1', 8765)).recv(10).decode(), end='')\nexcept OSError:\n    print('refused')\n",
+	} {
+		if err := os.WriteFile(filepath.Join(sb.Root(), "tmp", name), []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
 	ss, err := sb.StartSession(ctx, SessionConfig{ID: "bash", Argv: []string{"bash"}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ss.Send(ctx, "cd /tmp && export V=checkpointed", SendOptions{}); err != nil {
+	// A shell with state, a background job and a loopback server.
+	if _, err := ss.Send(ctx, "cd /tmp; export V=checkpointed; sleep 1000 & python3 /tmp/server.py &", SendOptions{Idle: 50 * time.Millisecond}); err != nil {
 		t.Fatal(err)
 	}
+	waitFor(t, "loopback server", func() bool {
+		out, err := ss.Send(ctx, "python3 /tmp/client.py", SendOptions{Until: regexp.MustCompile(`(pong|refused)`)})
+		return err == nil && strings.Contains(out, "pong")
+	})
 	pid, nspid := ss.PID(), ss.NSPID()
 	inLink, err1 := os.Readlink(fmt.Sprintf("/proc/%d/fd/0", pid))
 	outLink, err2 := os.Readlink(fmt.Sprintf("/proc/%d/fd/1", pid))
@@ -64,7 +80,9 @@ func TestCRIURoundTrip(t *testing.T) {
 	}
 	defer dirFile.Close()
 
-	dump := sb.CommandContext(ctx, criu, "dump", "-t", fmt.Sprint(nspid), "-D", "/proc/self/fd/3", "-o", "dump.log")
+	// The sandbox's network namespace is private: nothing to lock.
+	dump := sb.CommandContext(ctx, criu, "dump", "-t", fmt.Sprint(nspid), "-D", "/proc/self/fd/3", "-o", "dump.log",
+		"--tcp-established", "--network-lock", "skip")
 	dump.ExtraFiles = []*os.File{dirFile}
 	if out, err := dump.CombinedOutput(); err != nil {
 		t.Fatalf("criu dump: %v %s\n%s", err, out, criuErrors(images, "dump.log"))
@@ -77,7 +95,7 @@ func TestCRIURoundTrip(t *testing.T) {
 	}
 	in, out := ch.ChildFiles()
 	restore := sb.CommandContext(ctx, criu, "restore", "-D", "/proc/self/fd/5", "-o", "restore.log",
-		"--restore-detached", "--manage-cgroups=ignore",
+		"--restore-detached", "--manage-cgroups=ignore", "--tcp-established",
 		"--inherit-fd", "fd[3]:"+inLink, "--inherit-fd", "fd[4]:"+outLink)
 	restore.ExtraFiles = []*os.File{in, out, dirFile}
 	if out, err := restore.CombinedOutput(); err != nil {
@@ -92,8 +110,8 @@ func TestCRIURoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := adopted.Send(ctx, "echo $V $(pwd) $$", SendOptions{})
-	if want := fmt.Sprintf("checkpointed /tmp %d\n", nspid); err != nil || got != want {
+	got, err := adopted.Send(ctx, "echo $V $(pwd) $$; jobs | wc -l; python3 /tmp/client.py", SendOptions{Until: regexp.MustCompile(`(pong|refused)\n`)})
+	if want := fmt.Sprintf("checkpointed /tmp %d\n2\npong\n", nspid); err != nil || got != want {
 		t.Fatalf("restored shell says %q (%v), want %q", got, err, want)
 	}
 	if _, err := adopted.Send(ctx, "exit 4", SendOptions{}); err != nil {

@@ -49,6 +49,8 @@ func MaybeRunInit() {
 	// Package initialization runs on the main thread: keep this goroutine
 	// there for good; every sandbox process is forked from it.
 	runtime.LockOSThread()
+	name := []byte("rewind-init\x00")
+	_ = unix.Prctl(unix.PR_SET_NAME, uintptr(unsafe.Pointer(&name[0])), 0, 0, 0)
 	err := runInit()
 	fmt.Fprintln(os.Stderr, "rewind init:", err)
 	os.Exit(1)
