@@ -194,7 +194,11 @@ func (d *demo) check(what string, got, want string) {
 	ok := strings.TrimSpace(got) == want
 	mark := "ok"
 	if !ok {
-		mark = fmt.Sprintf("MISMATCH: got %q, want %q", strings.TrimSpace(got), want)
+		g := strings.TrimSpace(got)
+		if lines := strings.Split(g, "\n"); len(lines) > 3 {
+			g = "... " + strings.Join(lines[len(lines)-2:], "\n")
+		}
+		mark = fmt.Sprintf("MISMATCH: got %q, want %q", g, want)
 		d.fail = append(d.fail, what+": "+mark)
 	}
 	fmt.Fprintf(d.out, "          check %-42s %s\n", what, mark)
@@ -233,7 +237,7 @@ func (d *demo) run(forks int) error {
 			return d.sh("cd /tmp && /work/venv/bin/python -m unittest -q /work/proj/test_calc.py 2>&1 || (cd /work/proj && /work/venv/bin/python -m unittest -q 2>&1)")
 		}},
 		{"start a background HTTP server", func() (string, error) {
-			return d.sh(`cd /work/proj && (setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/server.log 2>&1 < /dev/null &)
+			return d.sh(`cd /work/proj && (setsid nohup python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/server.log 2>&1 < /dev/null & echo $! > /tmp/server.pid)
 for i in $(seq 100); do python3 -c "import socket; socket.create_connection(('127.0.0.1', 8000), 1)" 2>/dev/null && exit 0; sleep 0.1; done; exit 1`)
 		}},
 		{"query the server", func() (string, error) {
@@ -255,7 +259,7 @@ for i in $(seq 100); do python3 -c "import socket; socket.create_connection(('12
 	afterShell, beforeVenv, last := ids[11], ids[5], ids[12]
 
 	fmt.Fprintln(d.out, "\nthe agent goes astray: kills the server, deletes the venv, changes the shell")
-	d.sh("pkill -f http.server; rm -rf /work/venv /work/proj/calc")
+	d.sh("kill $(cat /tmp/server.pid); rm -rf /work/venv /work/proj/calc")
 	d.bash("cd / && export APP_ENV=prod && unset -f greet")
 
 	if err := d.restore("back to after the shell step", afterShell); err != nil {
@@ -295,6 +299,17 @@ for i in $(seq 100); do python3 -c "import socket; socket.create_connection(('12
 				var o bytes.Buffer
 				d.c.Exec(d.ctx, n, api.ExecRequest{Argv: []string{"sh", "-c", "n=$(cat /run/rewind/copy); echo rollout $n >> /work/proj/README.md; tail -1 /work/proj/README.md"}}, &o, &o)
 				fmt.Fprintf(d.out, "          %s: %s\n", n, strings.TrimSpace(o.String()))
+			}
+			if len(f.Sandboxes) > 0 {
+				n := f.Sandboxes[len(f.Sandboxes)-1]
+				sh, err := d.c.Send(d.ctx, n, "sh", api.SendRequest{Text: `echo "$PWD $APP_ENV"; echo ` + demoMarker, Until: demoMarker, TimeoutMS: 30000})
+				if err != nil {
+					sh = err.Error()
+				}
+				d.check(n+": its own copy of the shell", strings.ReplaceAll(sh, demoMarker, ""), "/work/proj dev")
+				var o bytes.Buffer
+				d.c.Exec(d.ctx, n, api.ExecRequest{Argv: []string{"python3", "-c", "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/README.md', timeout=5).read().decode().splitlines()[0])"}}, &o, &o)
+				d.check(n+": its own copy of the server", o.String(), "# calc")
 			}
 			out, _ = d.sh("tail -1 /work/proj/README.md")
 			d.check("the source is untouched by its rollouts", out, "Adds and multiplies.")
