@@ -136,7 +136,7 @@ func TestIsolation(t *testing.T) {
 		t.Fatal(err)
 	}
 	hideDir := "/etc/rewind-test-hide"
-	sb := startTest(t, func(c *Config) { c.Hide = []string{"/etc/ssl"} })
+	sb := startTest(t, func(c *Config) { c.Hide = []string{"/etc/ssl", "/etc/hostname"} })
 	_ = hideDir
 	other := startTest(t, nil)
 	sh(t, other, "sleep 1000 &")
@@ -148,6 +148,13 @@ func TestIsolation(t *testing.T) {
 	// /run/rewind is a private empty tmpfs; hidden dirs are empty.
 	if out := sh(t, sb, "ls -A /run/rewind; ls -A /etc/ssl 2>&1 | head -1; echo end"); out != "end\n" && !strings.Contains(out, "Permission denied") {
 		t.Fatalf("masked dirs not empty: %q", out)
+	}
+	if out := sh(t, sb, "wc -c < /etc/hostname"); strings.TrimSpace(out) != "0" {
+		t.Fatalf("hidden file readable: %q", out)
+	}
+	// No route out of the sandbox's network namespace.
+	if out, _, code := run(t, sb, "python3", "-c", "import socket\ntry:\n    socket.create_connection(('10.0.2.2', 80), timeout=2)\nexcept OSError as e:\n    print(e.errno)"); code != 0 || strings.TrimSpace(out) != "101" {
+		t.Fatalf("connect out of the sandbox: %q (exit %d), want ENETUNREACH (101)", out, code)
 	}
 	// Only loopback, and it is up.
 	if out := sh(t, sb, "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"); out != "lo\n" {
