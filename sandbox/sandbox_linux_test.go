@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -722,4 +723,67 @@ func TestCancelledSpawnLeavesNothing(t *testing.T) {
 		}
 		return true
 	})
+}
+
+// TestConcurrentUseAndClose: execs, sessions, freezes and a Close racing
+// each other end cleanly (no deadlock, no leftover process or cgroup).
+func TestConcurrentUseAndClose(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	workers := 0
+	worker := func(f func(i int)) {
+		workers++
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				f(i)
+			}
+		}()
+	}
+	worker(func(i int) { _, _ = sb.Exec(ctx, ExecRequest{Argv: []string{"echo", "x"}, Stdout: io.Discard}) })
+	worker(func(i int) {
+		ss, err := sb.StartSession(ctx, SessionConfig{ID: fmt.Sprint("w", i), Argv: []string{"cat"}})
+		if err == nil {
+			_, _ = ss.Send(ctx, "hi", SendOptions{Idle: time.Millisecond})
+			_ = ss.Close()
+		}
+	})
+	worker(func(i int) {
+		if sb.Freeze(ctx) == nil {
+			_ = sb.Thaw(ctx)
+		}
+	})
+	worker(func(i int) { _, _ = sb.Processes() })
+	time.Sleep(300 * time.Millisecond)
+	closed := make(chan error, 1)
+	go func() { closed <- sb.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatal("Close hung")
+	}
+	close(stop)
+	for i := 0; i < workers; i++ {
+		select {
+		case <-done:
+		case <-time.After(60 * time.Second):
+			t.Fatal("a worker hung after Close")
+		}
+	}
+	// (cgroups can only be removed once no live process is left in them)
+	for _, d := range sb.cgroupDirs() {
+		if _, err := os.Stat(d); !os.IsNotExist(err) {
+			t.Fatalf("cgroup %s left", d)
+		}
+	}
 }
