@@ -481,13 +481,14 @@ func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, p
 		return nil, errors.New("probe: not a real sandbox")
 	}
 	pw := &probeWindow{p: a.p, eng: a.eng, sb: ps.sb}
+	// cr's templates and warm spares are rewind's processes, not effects
+	// of the agent's turn.
 	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID(),
-		Exclude: pw.exclude}
+		Exclude: a.eng.IsTemplate}
 	if fm, ok := mount.(*fsMount); ok {
 		t.FS = fm.f
 	}
 	pw.t = t
-	pw.refreshLive()
 	w, err := a.p.Begin(t)
 	if err != nil {
 		return nil, err
@@ -503,33 +504,6 @@ type probeWindow struct {
 	sb  *sandbox.Sandbox
 	t   probe.Target
 	w   probe.Window
-
-	liveMu sync.Mutex
-	live   map[int]bool // the sandbox's processes, cr templates and spares excluded
-}
-
-// refreshLive asks cr which processes are the agent's (not templates).
-func (w *probeWindow) refreshLive() {
-	procs, err := w.eng.Processes(w.sb)
-	live := map[int]bool{}
-	for _, p := range procs {
-		live[p.PID] = true
-	}
-	w.liveMu.Lock()
-	if err == nil {
-		w.live = live
-	} else {
-		w.live = nil
-	}
-	w.liveMu.Unlock()
-}
-
-// exclude hides cr's templates and warm spares from the probe: they are
-// rewind's processes, not effects of the agent's turn.
-func (w *probeWindow) exclude(pid int) bool {
-	w.liveMu.Lock()
-	defer w.liveMu.Unlock()
-	return w.live != nil && !w.live[pid]
 }
 
 func (w *probeWindow) End(context.Context) (*effect.Report, error) {
@@ -538,7 +512,6 @@ func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	if w.w == nil {
 		return nil, errors.New("no probe window open")
 	}
-	w.refreshLive()
 	rep, err := w.w.End()
 	w.w = nil
 	return rep, err
@@ -550,7 +523,6 @@ func (w *probeWindow) Begin(context.Context) error {
 	if w.w != nil {
 		return nil
 	}
-	w.refreshLive()
 	nw, err := w.p.Begin(w.t)
 	if err != nil {
 		return err
