@@ -667,7 +667,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		res.Duration = time.Since(start)
 		return res, nil
 	}
-	if c.rec.Mode == ModeTemplate && len(c.templates) > 0 {
+	if c.rec.Mode == ModeTemplate && len(e.tmpls(c)) > 0 {
 		// Fast path: the copies are made (stopped) while the old
 		// processes still run, so the fork does not compete with their
 		// teardown; then the old ones are killed, the fs switched, and the
@@ -758,7 +758,7 @@ func (e *Engine) Fork(ctx context.Context, t Target, id string, n int, opts Rest
 	if c.rec.Sandbox != t.ID() {
 		return nil, fmt.Errorf("fork %s: checkpoint of sandbox %s; use Restore to put it into sandbox %s", id, c.rec.Sandbox, t.ID())
 	}
-	if c.rec.Mode != ModeEmpty && len(c.templates) == 0 {
+	if c.rec.Mode != ModeEmpty && len(e.tmpls(c)) == 0 {
 		if !e.imageReady(c) {
 			return nil, fmt.Errorf("fork %s: no templates and no image", id)
 		}
@@ -840,7 +840,7 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 		killCopies(ms)
 		return nil, err
 	}
-	for _, tm := range c.templates {
+	for _, tm := range e.tmpls(c) {
 		var cp *inject.Proc
 		if useSpare && e.cfg.Warm {
 			e.mu.Lock()
@@ -894,11 +894,18 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, err
 		}
 	}
 	if useSpare && e.cfg.Warm {
-		for _, tm := range c.templates {
+		for _, tm := range e.tmpls(c) {
 			go e.makeSpare(tm, false)
 		}
 	}
 	return out, nil
+}
+
+// tmpls returns a snapshot of c's templates.
+func (e *Engine) tmpls(c *ckpt) []*template {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]*template(nil), c.templates...)
 }
 
 func (e *Engine) imageReady(c *ckpt) bool {

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -81,8 +83,8 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 		return err
 	}
 	var imgs []image
-	for i, tm := range c.templates {
-		cp, err := e.dumpCopy(tm)
+	for i, tm := range e.tmpls(c) {
+		cp, err := e.dumpCopy(tm, t.InitPID())
 		if err != nil {
 			return err
 		}
@@ -115,7 +117,7 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 // dumpCopy forks a copy of tm and leaves it in a SIGSTOP stop, detached, for
 // criu to seize. The pid is registered so restores never mistake it for a
 // live process.
-func (e *Engine) dumpCopy(tm *template) (int, error) {
+func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	l := e.sandboxLock(tm.sandbox)
 	l.Lock()
 	defer l.Unlock()
@@ -124,6 +126,13 @@ func (e *Engine) dumpCopy(tm *template) (int, error) {
 	e.mu.Unlock()
 	if dropped {
 		return 0, errors.New("template dropped")
+	}
+	// CRIU restores the copy's exact pid. A pid from the upper half of
+	// the range keeps it clear of the low pids every sandbox's init and
+	// first processes take, so the image also restores into other
+	// sandboxes (fan-out, re-created sandboxes).
+	if err := setLastPID(init); err != nil {
+		e.log.Debug("ns_last_pid", "err", err)
 	}
 	cp, err := tm.proc.Fork(true)
 	if err != nil {
@@ -291,3 +300,23 @@ func (e *Engine) removeImage(c *ckpt) {
 }
 
 var _ = inject.ErrMultiThreaded
+
+// setLastPID moves the next pid of init's PID namespace to a random value in
+// the upper half of pid_max (ns_last_pid can only be written from inside the
+// namespace, hence nsenter).
+func setLastPID(init int) error {
+	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		return err
+	}
+	pidMax, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pidMax < 1024 {
+		return fmt.Errorf("pid_max %q", b)
+	}
+	last := pidMax/2 + rand.IntN(pidMax/4)
+	cmd := exec.Command("nsenter", "-t", strconv.Itoa(init), "-p", "--", "sh", "-c", "echo "+strconv.Itoa(last)+" > /proc/sys/kernel/ns_last_pid")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("set ns_last_pid: %v: %s", err, out)
+	}
+	return nil
+}

@@ -90,6 +90,7 @@ func procState(pid int) (byte, error) {
 func (e *Engine) enforceBounds() {
 	type cand struct {
 		c     *ckpt
+		tms   []*template
 		bytes int64
 	}
 	e.mu.Lock()
@@ -99,7 +100,7 @@ func (e *Engine) enforceBounds() {
 		if len(c.templates) == 0 {
 			continue
 		}
-		cs = append(cs, cand{c: c})
+		cs = append(cs, cand{c: c, tms: append([]*template(nil), c.templates...)})
 		if newest == nil || c.lastUse > newest.lastUse {
 			newest = c
 		}
@@ -107,7 +108,7 @@ func (e *Engine) enforceBounds() {
 	e.mu.Unlock()
 	var total int64
 	for i := range cs {
-		for _, tm := range cs[i].c.templates {
+		for _, tm := range cs[i].tms {
 			cs[i].bytes += e.measure(tm)
 		}
 		total += cs[i].bytes
