@@ -68,6 +68,7 @@ func TestCRIURoundTrip(t *testing.T) {
 		return err == nil && strings.Contains(out, "pong")
 	})
 	pid, nspid := ss.PID(), ss.NSPID()
+	dumped := procOf(pid)
 	inLink, err1 := os.Readlink(fmt.Sprintf("/proc/%d/fd/0", pid))
 	outLink, err2 := os.Readlink(fmt.Sprintf("/proc/%d/fd/1", pid))
 	if err1 != nil || err2 != nil {
@@ -87,7 +88,7 @@ func TestCRIURoundTrip(t *testing.T) {
 	if out, err := dump.CombinedOutput(); err != nil {
 		t.Fatalf("criu dump: %v %s\n%s", err, out, criuErrors(images, "dump.log"))
 	}
-	waitFor(t, "dumped shell to exit", func() bool { return !alive(pid) })
+	waitFor(t, "dumped shell to exit", func() bool { return !alive(dumped) })
 
 	ch, err := sb.NewChannels()
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -106,7 +107,36 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 	}
 }
 
-func alive(pid int) bool {
-	_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
-	return err == nil
+// proc identifies a process across pid reuse (this host's pid_max is
+// small): its pid and start time.
+type proc struct {
+	pid   int
+	start string
+}
+
+func procOf(pid int) proc {
+	return proc{pid, startTime(pid)}
+}
+
+func startTime(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ""
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	if len(f) < 20 {
+		return ""
+	}
+	return f[19] // starttime
+}
+
+// alive reports whether the very process p still exists (zombies count as
+// gone).
+func alive(p proc) bool {
+	if p.start == "" || startTime(p.pid) != p.start {
+		return false
+	}
+	st, err := readProcess(p.pid)
+	return err == nil && st.State != "Z"
 }

@@ -695,18 +695,45 @@ func (s *Sandbox) hostPID(nspid int) int {
 	return 0
 }
 
+// pidfd opens a pidfd for host pid if it is (still) in this sandbox's
+// cgroup: the pidfd then names that very process, even if the pid is
+// recycled later. It returns -1 otherwise.
+func (s *Sandbox) pidfd(pid int) int {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return -1 // gone
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil || !strings.Contains(string(b), ":freezer:"+strings.TrimPrefix(s.freezerDir, "/sys/fs/cgroup/freezer")+"\n") {
+		unix.Close(fd)
+		return -1 // not ours (any more)
+	}
+	return fd
+}
+
+// memberPidfds returns pidfds of the sandbox's processes but the init.
+func (s *Sandbox) memberPidfds() []int {
+	pids, _ := cgroupPIDs(s.freezerDir)
+	var fds []int
+	for _, pid := range pids {
+		if pid == s.initPID {
+			continue
+		}
+		if fd := s.pidfd(pid); fd >= 0 {
+			fds = append(fds, fd)
+		}
+	}
+	return fds
+}
+
 // killPID sends SIGKILL to host pid if it is still in this sandbox's cgroup
 // (pidfd, so a recycled pid is never hit).
 func (s *Sandbox) killPID(pid int) error {
-	fd, err := unix.PidfdOpen(pid, 0)
-	if err != nil {
-		return nil // gone
+	fd := s.pidfd(pid)
+	if fd < 0 {
+		return nil
 	}
 	defer unix.Close(fd)
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
-	if err != nil || !strings.Contains(string(b), ":freezer:"+strings.TrimPrefix(s.freezerDir, "/sys/fs/cgroup/freezer")+"\n") {
-		return nil // not ours (any more)
-	}
 	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && err != unix.ESRCH {
 		return err
 	}
@@ -805,11 +832,16 @@ func (s *Sandbox) teardown() error {
 	if s.cmd != nil && s.cmd.Process != nil {
 		// cgroup.kill kills every member atomically (no fork escapes);
 		// frozen tasks cannot die: thaw after signalling.
-		members, _ := cgroupPIDs(s.freezerDir)
+		members := s.memberPidfds()
+		defer func() {
+			for _, fd := range members {
+				unix.Close(fd)
+			}
+		}()
 		_ = os.WriteFile(filepath.Join(s.v2Dir, "cgroup.kill"), []byte("1"), 0)
 		_ = s.cmd.Process.Kill()
-		for _, pid := range members {
-			_ = s.killPID(pid)
+		for _, fd := range members {
+			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
 		}
 		_ = os.WriteFile(filepath.Join(s.freezerDir, "freezer.state"), []byte("THAWED"), 0)
 		s.freezeMu.Lock()
@@ -835,11 +867,10 @@ func (s *Sandbox) teardown() error {
 				errs = append(errs, fmt.Errorf("close %s: init %d did not exit", s.cfg.ID, s.initPID))
 				break wait
 			case <-tick.C:
-				for _, pid := range members {
-					if pid != s.initPID {
-						var ws unix.WaitStatus
-						_, _ = unix.Wait4(pid, &ws, unix.WNOHANG|unix.WALL, nil)
-					}
+				for _, fd := range members {
+					// Reaps the very process (pidfd), and only if it is
+					// our tracee: never another child of this daemon.
+					_ = unix.Waitid(unix.P_PIDFD, fd, nil, unix.WEXITED|unix.WNOHANG|unix.WALL, nil)
 				}
 			}
 		}

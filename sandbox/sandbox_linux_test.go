@@ -382,6 +382,10 @@ func TestCloseLeavesNothing(t *testing.T) {
 	if err != nil || len(procs) < 6 {
 		t.Fatalf("processes: %+v %v", procs, err)
 	}
+	var ids []proc
+	for _, p := range procs {
+		ids = append(ids, procOf(p.PID))
+	}
 	if err := sb.Freeze(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -391,8 +395,8 @@ func TestCloseLeavesNothing(t *testing.T) {
 	if !hooked {
 		t.Fatal("OnClose hook not run")
 	}
-	for _, p := range procs {
-		if alive(p.PID) {
+	for _, p := range ids {
+		if alive(p) {
 			t.Fatalf("process %+v survived Close", p)
 		}
 	}
@@ -550,7 +554,7 @@ func TestInitCrash(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := ss.PID()
+	pid := procOf(ss.PID())
 	if err := syscall.Kill(sb.InitPID(), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}

@@ -62,19 +62,19 @@ func TestSpares(t *testing.T) {
 	}
 	waitFor(t, "refill", func() bool { return sp.Ready() == 2 })
 	sp.mu.Lock()
-	var left []int
+	var left []proc
 	for _, ip := range sp.ready {
-		left = append(left, ip.cmd.Process.Pid)
+		left = append(left, procOf(ip.cmd.Process.Pid))
 	}
 	sp.mu.Unlock()
 	sp.Close()
-	for _, pid := range left {
+	for _, p := range left {
 		deadline := time.Now().Add(10 * time.Second)
-		for alive(pid) && time.Now().Before(deadline) {
+		for alive(p) && time.Now().Before(deadline) {
 			time.Sleep(5 * time.Millisecond)
 		}
-		if alive(pid) {
-			t.Fatalf("spare %d survived Close", pid)
+		if alive(p) {
+			t.Fatalf("spare %d survived Close", p.pid)
 		}
 	}
 	// Start after Close still works (no spares).
