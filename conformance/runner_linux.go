@@ -114,6 +114,13 @@ func Run(ctx context.Context, w *Workload, opts Options) (*Result, error) {
 		kdir = opts.WorkDir
 	}
 
+	if w.Process() {
+		res := &Result{Workload: w.Name, Steps: len(w.Steps)}
+		for _, p := range opts.Paths {
+			res.Paths = append(res.Paths, PathResult{Path: p, Status: "skip", Detail: "process workload (RunProcess)"})
+		}
+		return res, nil
+	}
 	ref, err := newModel(filepath.Join(work, "model"), "", nil)
 	if err != nil {
 		return nil, err

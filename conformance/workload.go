@@ -61,8 +61,16 @@ type Step struct {
 	FD    string `json:"fd,omitempty"`    // name of a held file descriptor
 	Flags string `json:"flags,omitempty"` // open: r, w, rw, a, creat
 	Cmd   string `json:"cmd,omitempty"`   // sh
-	Label string `json:"label,omitempty"` // checkpoint / restore / fork
-	View  string `json:"view,omitempty"`  // fork / view
+	// Session names a process session (session, send); Argv starts it;
+	// Marker is a command of the session's language printing its argument
+	// "{m}" (e.g. "echo {m}", "print('{m}')"); State is a command printing
+	// the session's state digest (cwd, chosen variables, a heap checksum).
+	Session string   `json:"session,omitempty"`
+	Argv    []string `json:"argv,omitempty"`
+	Marker  string   `json:"marker,omitempty"`
+	State   string   `json:"state,omitempty"`
+	Label   string   `json:"label,omitempty"` // checkpoint / restore / fork
+	View    string   `json:"view,omitempty"`  // fork / view
 	// Expect is the content an fdread/expect step must see, or the
 	// output an sh step must print (when ExpectSet).
 	Expect *string `json:"expect,omitempty"`
@@ -83,7 +91,7 @@ type Step struct {
 var Ops = []string{
 	"write", "append", "truncate", "mkdir", "rm", "rmtree", "rename", "link", "symlink",
 	"chmod", "chown", "setxattr", "rmxattr", "mknod", "sparse", "mmap",
-	"open", "fdwrite", "fdread", "close", "sh",
+	"open", "fdwrite", "fdread", "close", "sh", "session", "send",
 	"checkpoint", "restore", "fork", "view", "turn", "compare", "expect", "repeat",
 }
 
@@ -188,6 +196,7 @@ func (s Step) subst(i string) Step {
 	s.Path, s.To, s.Target = r.Replace(s.Path), r.Replace(s.To), r.Replace(s.Target)
 	s.Data, s.Value, s.Name = r.Replace(s.Data), r.Replace(s.Value), r.Replace(s.Name)
 	s.Cmd, s.Label, s.FD, s.View = r.Replace(s.Cmd), r.Replace(s.Label), r.Replace(s.FD), r.Replace(s.View)
+	s.Session, s.State = r.Replace(s.Session), r.Replace(s.State)
 	if s.Expect != nil {
 		e := r.Replace(*s.Expect)
 		s.Expect = &e
@@ -201,6 +210,18 @@ func (s Step) content() []byte {
 		return bytes.Repeat([]byte(s.Data), s.Repeat)
 	}
 	return []byte(s.Data)
+}
+
+// Process reports whether w drives processes (it starts a session): such
+// workloads run on the process and probe paths; the others on the
+// file-system paths.
+func (w *Workload) Process() bool {
+	for _, s := range w.Steps {
+		if s.Op == "session" {
+			return true
+		}
+	}
+	return false
 }
 
 // Validate checks that every step is well-formed: known op, the fields it
@@ -313,7 +334,23 @@ func (s Step) validate(labels map[string]bool) error {
 		if s.View == "" {
 			return fmt.Errorf("view needs view")
 		}
-	case "turn", "compare":
+	case "session":
+		if s.Session == "" || len(s.Argv) == 0 || !strings.Contains(s.Marker, "{m}") || s.State == "" {
+			return fmt.Errorf("session needs session, argv, marker (with {m}) and state")
+		}
+	case "send":
+		if s.Session == "" || s.Data == "" {
+			return fmt.Errorf("send needs session and data")
+		}
+	case "turn":
+		if s.Expect != nil {
+			switch *s.Expect {
+			case "skip", "fs", "full":
+			default:
+				return fmt.Errorf("turn expect must be skip, fs or full")
+			}
+		}
+	case "compare":
 	case "expect":
 		if !s.Absent && s.Expect == nil {
 			return fmt.Errorf("expect needs expect or absent")

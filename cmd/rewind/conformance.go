@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rewind-sandbox/rewind/conformance"
+	"github.com/rewind-sandbox/rewind/probe"
 )
 
 // allConformancePaths are the path names `rewind conformance run` knows, in
@@ -52,7 +53,10 @@ func newConformanceRunCmd() *cobra.Command {
 		Short: "Run the conformance corpus (or given workloads) and print a workload x path matrix",
 		Long: `run executes the shipped corpus (embedded in the binary) or the --workload
 files on each requested path and prints a matrix: pass, fail (with the first
-differing path, step and entries) or skip (path unavailable here). A '*' marks
+differing path, step and entries), skip (path unavailable here) or '-' (the
+workload does not apply to the path: file-system workloads run on fuse and
+kernel, process workloads — those with sessions — on template, criu, ebpf and
+userspace). A '*' marks
 a pass that used a documented exception (conformance/FORMAT.md). The exit
 status is 1 when any path fails.
 
@@ -137,10 +141,60 @@ func pathAvailability(p string) string {
 		if !strings.Contains(string(b), "overlay") {
 			return "no overlayfs in /proc/filesystems"
 		}
-	default:
-		return "process and probe paths are not wired into the conformance runner yet"
+	case "template", "userspace":
+		if _, err := os.Stat("/dev/fuse"); err != nil {
+			return "no /dev/fuse (the sandbox root is a FUSE view)"
+		}
+	case "criu":
+		if _, err := os.Stat("/dev/fuse"); err != nil {
+			return "no /dev/fuse (the sandbox root is a FUSE view)"
+		}
+		if err := conformance.CheckCRIU(""); err != nil {
+			return err.Error()
+		}
+	case "ebpf":
+		if err := probe.CheckEBPF(); err != nil {
+			return err.Error()
+		}
 	}
 	return ""
+}
+
+// runOne runs w on the paths that apply to it (file-system paths for a
+// file-system workload, process and probe paths for a process workload)
+// and marks the others "-".
+func runOne(ctx context.Context, w *conformance.Workload, run []string, opts conformance.Options) (*conformance.Result, error) {
+	var fsPaths, procPaths []string
+	for _, p := range run {
+		if slices.Contains(conformance.FSPaths, p) {
+			fsPaths = append(fsPaths, p)
+		} else {
+			procPaths = append(procPaths, p)
+		}
+	}
+	res := &conformance.Result{Workload: w.Name, Steps: len(w.Steps)}
+	var sub *conformance.Result
+	var err error
+	if w.Process() {
+		sub, err = conformance.RunProcess(ctx, w, conformance.ProcOptions{Paths: procPaths, WorkDir: opts.WorkDir, Logger: opts.Logger})
+	} else {
+		o := opts
+		o.Paths = fsPaths
+		sub, err = conformance.Run(ctx, w, o)
+	}
+	if err != nil {
+		return nil, err
+	}
+	for _, p := range run {
+		pr := conformance.PathResult{Path: p, Status: "-"}
+		for _, q := range sub.Paths {
+			if q.Path == p {
+				pr = q
+			}
+		}
+		res.Paths = append(res.Paths, pr)
+	}
+	return res, nil
 }
 
 func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error {
@@ -184,7 +238,9 @@ func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error 
 	var results []*conformance.Result
 	var repro string
 	if r.random {
-		res, file, err := conformance.RunRandom(ctx, uint64(r.seed), r.steps, opts, r.reproDir)
+		o := opts
+		o.Paths = slices.DeleteFunc(slices.Clone(run), func(p string) bool { return !slices.Contains(conformance.FSPaths, p) })
+		res, file, err := conformance.RunRandom(ctx, uint64(r.seed), r.steps, o, r.reproDir)
 		if err != nil {
 			return err
 		}
@@ -196,7 +252,7 @@ func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error 
 		results, repro = append(results, res), file
 	} else {
 		for _, w := range r.workloads {
-			res, err := conformance.Run(ctx, w, opts)
+			res, err := runOne(ctx, w, run, opts)
 			if err != nil {
 				return err
 			}
@@ -243,6 +299,9 @@ func printMatrix(out io.Writer, paths []string, results []*conformance.Result, s
 		fmt.Fprintf(tw, "%s\t%d", res.Workload, res.Steps)
 		for _, p := range paths {
 			cell := "skip"
+			if _, ok := skipped[p]; !ok {
+				cell = "-"
+			}
 			for _, pr := range res.Paths {
 				if pr.Path != p {
 					continue
