@@ -926,10 +926,15 @@ func CleanupStale(id string) error {
 		for {
 			if pids, err := cgroupPIDs(dir); err == nil {
 				for _, pid := range pids {
-					if fd, err := unix.PidfdOpen(pid, 0); err == nil {
-						_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-						unix.Close(fd)
+					fd, err := unix.PidfdOpen(pid, 0)
+					if err != nil {
+						continue
 					}
+					// Still a member (the pid may have been recycled)?
+					if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid)); err == nil && strings.Contains(string(b), "/rewind/"+id+"\n") {
+						_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+					}
+					unix.Close(fd)
 				}
 			}
 			err := unix.Rmdir(dir)
