@@ -65,7 +65,11 @@ func (e *Engine) dumpTemplates(c *ckpt, t Target) {
 	e.mu.Lock()
 	if err != nil {
 		c.image.ImageErr = err
-		e.log.Warn("checkpoint image failed; templates only", "checkpoint", c.rec.ID, "err", err)
+		if errors.Is(err, errDropped) {
+			e.log.Debug("checkpoint dropped before its image was written", "checkpoint", c.rec.ID)
+		} else {
+			e.log.Warn("checkpoint image failed; templates only", "checkpoint", c.rec.ID, "err", err)
+		}
 	} else {
 		c.image.Image = true
 		c.image.ImageDir = filepath.Dir(e.imageDir(c, 0))
@@ -114,6 +118,8 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 	return nil
 }
 
+var errDropped = errors.New("template dropped")
+
 // dumpCopy forks a copy of tm and leaves it in a SIGSTOP stop, detached, for
 // criu to seize. The pid is registered so restores never mistake it for a
 // live process.
@@ -125,7 +131,7 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	dropped := tm.dropped
 	e.mu.Unlock()
 	if dropped {
-		return 0, errors.New("template dropped")
+		return 0, errDropped
 	}
 	// CRIU restores the copy's exact pid. A pid from the upper half of
 	// the range keeps it clear of the low pids every sandbox's init and

@@ -1,0 +1,298 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rewind-sandbox/rewind/cr"
+	"github.com/rewind-sandbox/rewind/sandbox"
+)
+
+// crBenchRow is one line of `rewind bench cr`.
+type crBenchRow struct {
+	Op        string  `json:"op"`
+	RSSMB     int     `json:"rss_mb"`
+	N         int     `json:"n"`
+	P50MS     float64 `json:"p50_ms"`
+	P95MS     float64 `json:"p95_ms"`
+	Baseline  string  `json:"baseline,omitempty"`
+	BaseP50MS float64 `json:"baseline_p50_ms,omitempty"`
+	Ratio     float64 `json:"p50_over_baseline,omitempty"`
+}
+
+func newBenchCRCmd() *cobra.Command {
+	var n int
+	var sizes string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "cr",
+		Short: "Process checkpoint/restore: template vs CRIU restore, frozen time, first-write with and without warm",
+		Long: `Starts a real sandbox (host /usr and /etc read-only) with a python3 session holding a buffer
+so that its RSS is about each --sizes value (MB), and measures N times each:
+  restore template       Restore by forking the template (fresh stdio, session adopted)
+  restore template+warm  the same with a pre-forked, pre-faulted spare (Config.Warm)
+  restore criu           template evicted: CRIU restore of the image, then fork
+  checkpoint frozen      how long the agent is stopped per checkpoint (template path)
+  first write            writing one byte per page after a restore (copy-on-write faults),
+                         without and with warm; baseline: the same loop a second time
+Baseline for restores: a plain fork() of the same process, timed inside it.
+Needs root, cgroups and (for the criu rows) CRIU.`,
+		Example: "  sudo rewind bench cr\n  sudo rewind bench cr --n 50 --sizes 15,200,1024 --json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if os.Geteuid() != 0 {
+				return fmt.Errorf("bench cr needs root")
+			}
+			var szs []int
+			for _, f := range strings.Split(sizes, ",") {
+				v, err := strconv.Atoi(strings.TrimSpace(f))
+				if err != nil || v < 12 {
+					return fmt.Errorf("bad --sizes entry %q (MB, at least 12)", f)
+				}
+				szs = append(szs, v)
+			}
+			var rows []crBenchRow
+			for _, sz := range szs {
+				r, err := runCRBench(cmd.Context(), n, sz)
+				if err != nil {
+					return fmt.Errorf("bench cr at %d MB: %w", sz, err)
+				}
+				rows = append(rows, r...)
+			}
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"rows": rows})
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "OP\tRSS\tN\tP50\tP95\tBASELINE\tBASE P50\tP50 RATIO")
+			for _, r := range rows {
+				ratio := "-"
+				if r.Baseline != "" {
+					ratio = fmt.Sprintf("%.2fx", r.Ratio)
+				}
+				fmt.Fprintf(tw, "%s\t%d MB\t%d\t%.3f ms\t%.3f ms\t%s\t%.3f ms\t%s\n", r.Op, r.RSSMB, r.N, r.P50MS, r.P95MS, r.Baseline, r.BaseP50MS, ratio)
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().IntVar(&n, "n", 20, "iterations per operation")
+	cmd.Flags().StringVar(&sizes, "sizes", "15,200", "target RSS values in MB, comma separated")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+const crBenchLoop = `
+import sys, os, time
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    try:
+        exec(line)
+    except Exception as ex:
+        print("ERR", ex)
+    print("__END__", flush=True)
+`
+
+var crBenchEnd = regexp.MustCompile(`__END__\n`)
+
+type crBench struct {
+	ctx context.Context
+	sb  *sandbox.Sandbox
+}
+
+func (b *crBench) send(code string) (string, error) {
+	s := b.sb.Session("main")
+	if s == nil {
+		return "", fmt.Errorf("no session")
+	}
+	out, err := s.Send(b.ctx, fmt.Sprintf("exec(%q)", code), sandbox.SendOptions{Until: crBenchEnd})
+	if err != nil {
+		return "", err
+	}
+	out = strings.TrimSuffix(out, "__END__\n")
+	if strings.HasPrefix(out, "ERR") {
+		return "", fmt.Errorf("python: %s", strings.TrimSpace(out))
+	}
+	return strings.TrimSpace(out), nil
+}
+
+// stdio gives a restored copy fresh channels adopted as session "main".
+func (b *crBench) stdio(cr.Proc) (*cr.Stdio, error) {
+	ch, err := b.sb.NewChannels()
+	if err != nil {
+		return nil, err
+	}
+	nIn, nOut, err := ch.InitFDs(b.ctx)
+	if err != nil {
+		ch.Close()
+		return nil, err
+	}
+	in, out := ch.ChildFiles()
+	op := fmt.Sprintf("/proc/1/fd/%d", nOut)
+	return &cr.Stdio{
+		Stdin: fmt.Sprintf("/proc/1/fd/%d", nIn), Stdout: op, Stderr: op,
+		Files: [3]*os.File{in, out, out},
+		Started: func(pid int) error {
+			_, err := b.sb.AdoptSession("main", pid, ch)
+			return err
+		},
+	}, nil
+}
+
+func msOf(l latencies, p float64) float64 { return float64(l.pct(p)) / 1e6 }
+
+func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	n = max(n, 1)
+	root, err := os.MkdirTemp("", "rewind-bench-cr-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(root)
+	binds, err := sandbox.MinimalRoot(root)
+	if err != nil {
+		return nil, err
+	}
+	sb, err := sandbox.Start(ctx, sandbox.Config{ID: fmt.Sprintf("bench-cr-%d", os.Getpid()), Root: root, Binds: binds})
+	if err != nil {
+		return nil, err
+	}
+	defer sb.Close()
+	images, err := os.MkdirTemp("", "rewind-bench-cr-images-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(images)
+	b := &crBench{ctx: ctx, sb: sb}
+	if _, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "main", Argv: []string{"python3", "-u", "-c", crBenchLoop}}); err != nil {
+		return nil, err
+	}
+	base, err := b.send("print(open('/proc/self/statm').read().split()[1])")
+	if err != nil {
+		return nil, err
+	}
+	pages, _ := strconv.Atoi(base)
+	extra := max(rssMB<<20-pages*4096, 1<<20)
+	if _, err := b.send(fmt.Sprintf("buf = bytearray(b'\\x01') * %d", extra)); err != nil {
+		return nil, err
+	}
+	// Baseline: plain fork() inside the process.
+	out, err := b.send(fmt.Sprintf("ts = []\nfor i in range(%d):\n    t0 = time.perf_counter_ns(); p = os.fork()\n    if p == 0: os._exit(0)\n    ts.append(time.perf_counter_ns() - t0); os.waitpid(p, 0)\nprint(' '.join(map(str, ts)))", n))
+	if err != nil {
+		return nil, err
+	}
+	var forkL latencies
+	for _, f := range strings.Fields(out) {
+		v, _ := strconv.ParseInt(f, 10, 64)
+		forkL = append(forkL, time.Duration(v))
+	}
+	var rows []crBenchRow
+	row := func(op string, l latencies, baseline string, bl latencies) {
+		r := crBenchRow{Op: op, RSSMB: rssMB, N: len(l), P50MS: msOf(l, 0.5), P95MS: msOf(l, 0.95)}
+		if baseline != "" {
+			r.Baseline, r.BaseP50MS = baseline, msOf(bl, 0.5)
+			if r.BaseP50MS > 0 {
+				r.Ratio = r.P50MS / r.BaseP50MS
+			}
+		}
+		rows = append(rows, r)
+	}
+	row("fork() baseline", forkL, "", nil)
+	for _, warm := range []bool{false, true} {
+		quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+		e, err := cr.New(cr.Config{Warm: warm, ImagesDir: images, Logger: quiet})
+		if err != nil {
+			return nil, err
+		}
+		err = func() error {
+			defer e.Close()
+			defer e.DropSandbox(sb.ID())
+			var frozen, restore, first, second latencies
+			for i := 0; i < n; i++ {
+				ck, err := e.Checkpoint(ctx, sb, cr.CheckpointOptions{ID: fmt.Sprintf("f%d", i)})
+				if err != nil {
+					return err
+				}
+				frozen = append(frozen, ck.Frozen)
+				if i > 0 {
+					e.Drop(ck.ID)
+				}
+			}
+			for i := 0; i < n; i++ {
+				if warm {
+					waitWarm(e, sb.ID())
+				}
+				t0 := time.Now()
+				if _, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio}); err != nil {
+					return err
+				}
+				restore = append(restore, time.Since(t0))
+				out, err := b.send("def touch():\n    t0 = time.perf_counter_ns()\n    for i in range(0, len(buf), 4096): buf[i] = 2\n    return time.perf_counter_ns() - t0\nprint(touch(), touch())")
+				if err != nil {
+					return err
+				}
+				f := strings.Fields(out)
+				if len(f) == 2 {
+					v1, _ := strconv.ParseInt(f[0], 10, 64)
+					v2, _ := strconv.ParseInt(f[1], 10, 64)
+					first, second = append(first, time.Duration(v1)), append(second, time.Duration(v2))
+				}
+			}
+			if !warm {
+				row("checkpoint frozen", frozen, "", nil)
+				row("restore template", restore, "fork()", forkL)
+				row("first write (no warm)", first, "second pass", second)
+				// CRIU: evict the template, restore from the image.
+				if err := e.WaitImage(ctx, "f0"); err != nil {
+					return fmt.Errorf("image: %w", err)
+				}
+				var crl latencies
+				for i := 0; i < min(n, 10); i++ {
+					if err := e.Evict("f0"); err != nil {
+						return err
+					}
+					t0 := time.Now()
+					res, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio})
+					if err != nil {
+						return err
+					}
+					if res.Path != "criu" {
+						return fmt.Errorf("restore took path %s", res.Path)
+					}
+					crl = append(crl, time.Since(t0))
+				}
+				row("restore criu (evicted)", crl, "fork()", forkL)
+			} else {
+				row("restore template+warm", restore, "fork()", forkL)
+				row("first write (warm)", first, "second pass", second)
+			}
+			if got, err := b.send("print(len(buf))"); err != nil || got != strconv.Itoa(extra) {
+				return fmt.Errorf("restored process answers %q, %v", got, err)
+			}
+			return nil
+		}()
+		if err != nil {
+			return nil, err
+		}
+	}
+	return rows, nil
+}
+
+// waitWarm waits until the warmed spares of sb's checkpoints are ready.
+func waitWarm(e *cr.Engine, sb string) {
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) && !e.SparesReady(sb) {
+		time.Sleep(time.Millisecond)
+	}
+}
