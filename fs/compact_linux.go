@@ -67,6 +67,7 @@ func (f *FS) Compact() error {
 	if len(cur.frozen) >= len(run) && slices.Equal(cur.frozen[:len(run)], run) {
 		frozen := append([]*layerDir{m}, cur.frozen[len(run):]...)
 		f.st = newStack(cur.upper, frozen, cur.lowers, cur.base)
+		f.upper.Store(f.st.upper)
 		f.gen.Add(1)
 		if err := f.journal.Append(f.entry("compact", layer.Checkpoint{ID: cur.base})); err != nil {
 			f.log.Warn("journal compaction", "err", err)

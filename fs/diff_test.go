@@ -313,6 +313,10 @@ func errKind(err error) string {
 // model directory, with checkpoints and restores to random earlier
 // checkpoints, and compares the trees after every restore and at the end.
 func runDifferential(t *testing.T, seed int64, n int) {
+	runDifferentialOpts(t, seed, n, Options{})
+}
+
+func runDifferentialOpts(t *testing.T, seed int64, n int, opts Options) {
 	dir := t.TempDir()
 	model := filepath.Join(dir, "model")
 	prep := func(l string) {
@@ -329,7 +333,7 @@ func runDifferential(t *testing.T, seed int64, n int) {
 			t.Fatal(err)
 		}
 	}
-	fx := mountT(t, prep, Options{})
+	fx := mountT(t, prep, opts)
 	copyTree(t, fx.lower, model)
 	g := &gen{r: rand.New(rand.NewSource(seed)), model: model}
 	type cp struct{ id, snap string }

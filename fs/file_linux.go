@@ -75,7 +75,81 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 		n.f.dirty.Store(true)
 		n.f.record("modify", n, "", 0)
 	}
-	return &handle{n: n, fd: fd, l: l, flags: flags, viewGen: n.f.viewGen.Load()}, fuse.FOPEN_KEEP_CACHE, 0
+	h := &handle{n: n, fd: fd, l: l, flags: flags, viewGen: n.f.viewGen.Load()}
+	f := n.f
+	if write {
+		f.dirty.Store(true)
+	}
+	// Passthrough for files whose data is in the writable upper: the kernel
+	// reads and writes the backing file itself. A checkpoint moves such a
+	// file's inode into the new upper (and leaves a copy in the frozen
+	// layer), so the backing stays writable and no frozen layer is written.
+	var s unix.Stat_t
+	canPT := f.opts.Passthrough && l == st.upper && unix.Fstat(fd, &s) == nil &&
+		s.Mode&unix.S_IFMT == unix.S_IFREG && s.Nlink == 1
+	n.mu.Lock()
+	switch {
+	case n.ptOpen > 0 && canPT && n.ptIno == s.Ino:
+	case n.ptOpen > 0:
+		// Open through a stale node still pinned by passthrough handles
+		// on another backing file: the kernel cannot mix io modes.
+		n.mu.Unlock()
+		unix.Close(fd)
+		return nil, 0, syscall.ESTALE
+	case canPT && n.cachedOpen == 0:
+	default:
+		canPT = false
+	}
+	if canPT {
+		n.ptOpen++
+		n.ptIno = s.Ino
+		if write {
+			n.ptWrite++
+		}
+	} else {
+		n.cachedOpen++
+	}
+	n.mu.Unlock()
+	if canPT {
+		f.ptMu.Lock()
+		f.ptNodes[n] = struct{}{}
+		f.ptMu.Unlock()
+		if write {
+			f.record("modify", n, "", 0)
+		}
+		return &ptHandle{handle: h, write: write}, 0, 0
+	}
+	return h, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+// ptHandle is a handle served by FUSE passthrough (when the kernel took
+// it; otherwise its methods serve requests like a plain handle).
+type ptHandle struct {
+	*handle
+	write bool
+}
+
+var _ gofs.FilePassthroughFder = (*ptHandle)(nil)
+
+// PassthroughFd hands the backing fd to the kernel.
+func (p *ptHandle) PassthroughFd() (int, bool) { return p.fd, true }
+
+// Release closes the backing fd and drops the node's passthrough count.
+func (p *ptHandle) Release(ctx context.Context) syscall.Errno {
+	n := p.n
+	n.mu.Lock()
+	n.ptOpen--
+	if p.write {
+		n.ptWrite--
+	}
+	last := n.ptOpen == 0
+	n.mu.Unlock()
+	if last {
+		n.f.ptMu.Lock()
+		delete(n.f.ptNodes, n)
+		n.f.ptMu.Unlock()
+	}
+	return p.handle.close()
 }
 
 func (h *handle) writableIn(u *layerDir) bool {
@@ -148,6 +222,7 @@ func (h *handle) refresh(st *stack, forWrite bool) syscall.Errno {
 // Read reads at off.
 func (h *handle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	f := h.n.f
+	f.reads.Add(1)
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	if h.viewGenStale() {
@@ -185,6 +260,7 @@ func (h *handle) prepareWrite(st *stack) syscall.Errno {
 // Write writes at off, redirecting into the current upper first if needed.
 func (h *handle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
 	f := h.n.f
+	f.writes.Add(1)
 	f.mu.RLock()
 	defer f.mu.RUnlock()
 	if errno := h.prepareWrite(f.st); errno != 0 {
@@ -267,6 +343,13 @@ func (h *handle) Flush(ctx context.Context) syscall.Errno { return 0 }
 
 // Release closes the host fd.
 func (h *handle) Release(ctx context.Context) syscall.Errno {
+	h.n.mu.Lock()
+	h.n.cachedOpen--
+	h.n.mu.Unlock()
+	return h.close()
+}
+
+func (h *handle) close() syscall.Errno {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.fd >= 0 {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -46,6 +47,13 @@ type Options struct {
 	SyncCheckpoint bool
 	// NoDurable skips fsyncing checkpoint records altogether (tests).
 	NoDurable bool
+	// Passthrough turns FUSE passthrough on (experimental). With it, files
+	// whose data is in the writable upper are read and written by the
+	// kernel directly; checkpoints and switches move such a file's live
+	// inode into the new upper (copying its content into the frozen layer,
+	// resp. the target's content into it), so open descriptors behave as
+	// without passthrough at a cost proportional to those files' size.
+	Passthrough bool
 	// Debug logs every FUSE request.
 	Debug bool
 	// Logger receives diagnostics; nil means slog.Default().
@@ -96,6 +104,12 @@ type FS struct {
 	effMu sync.Mutex
 	eff   effect.FS
 
+	reads, writes atomic.Uint64 // READ/WRITE requests served by the daemon
+
+	ptMu    sync.Mutex
+	ptNodes map[*node]struct{} // nodes with passthrough handles open
+	upper   atomic.Pointer[layerDir]
+
 	unmountOnce sync.Once
 	unmountErr  error
 }
@@ -133,6 +147,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		inos:    map[inoKey]uint64{},
 		nextIno: 2,
 		nodes:   map[uint64]*node{},
+		ptNodes: map[*node]struct{}{},
 	}
 	st, err := f.initialStack()
 	if err != nil {
@@ -140,6 +155,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		return nil, fmt.Errorf("mount %s: %w", mp, err)
 	}
 	f.st = st
+	f.upper.Store(f.st.upper)
 	f.gen.Store(1)
 	if f.journal, err = store.OpenJournal(f.id); err != nil {
 		f.reg.closeAll()
@@ -365,6 +381,13 @@ func (f *FS) Base() string {
 	return f.st.base
 }
 
+// upperNow is the current upper layer (readable without f.mu).
+func (f *FS) upperNow() *layerDir { return f.upper.Load() }
+
+// Requests returns how many READ and WRITE requests reached the daemon
+// (reads served by passthrough never do).
+func (f *FS) Requests() (reads, writes uint64) { return f.reads.Load(), f.writes.Load() }
+
 // Depth returns the number of frozen store layers under the upper.
 func (f *FS) Depth() int {
 	f.mu.RLock()
@@ -394,6 +417,15 @@ func (f *FS) Checkpoint() (string, error) {
 		}
 		frozen = append(append([]*layerDir(nil), old.frozen...), old.upper)
 		next = newStack(ul, frozen, old.lowers, id)
+		if err := f.swapPassthrough(old, next); err != nil {
+			f.spareMu.Lock()
+			if f.spare == "" {
+				f.spare = upID
+			}
+			f.spareMu.Unlock()
+			f.mu.Unlock()
+			return "", fmt.Errorf("checkpoint: %w", err)
+		}
 	} else {
 		// Nothing changed since the last checkpoint: a new id for the
 		// same stack, no layer pushed.
@@ -422,9 +454,10 @@ func (f *FS) Checkpoint() (string, error) {
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
 	f.st = next
+	f.upper.Store(f.st.upper)
 	pushed := next.upper != old.upper
 	if pushed {
-		f.dirty.Store(false)
+		f.dirty.Store(f.hasPassthroughWriters())
 		f.gen.Add(1)
 	}
 	f.mu.Unlock()
@@ -487,6 +520,7 @@ func (f *FS) Switch(id string) error {
 	delta = append(delta, old.frozen[k:]...)
 	delta = append(delta, next.frozen[k:]...)
 	touched, terr := touchedPaths(delta)
+	f.retargetPassthrough(old, next)
 	if err := f.journal.Append(layer.JournalEntry{Op: "switch", Checkpoint: cp, Upper: next.upper.id}); err != nil {
 		f.mu.Unlock()
 		f.spareMu.Lock()
@@ -497,9 +531,10 @@ func (f *FS) Switch(id string) error {
 		return fmt.Errorf("switch to %s: %w", id, err)
 	}
 	f.st = next
+	f.upper.Store(f.st.upper)
 	f.gen.Add(1)
 	f.viewGen.Add(1)
-	f.dirty.Store(false)
+	f.dirty.Store(f.hasPassthroughWriters())
 	f.mu.Unlock()
 	// Discard the old upper (nothing references it any more).
 	if old.upper != next.upper {
@@ -757,3 +792,120 @@ func errnoOf(err error) syscall.Errno {
 }
 
 var _ = context.Background
+
+// hasPassthroughWriters reports whether writable passthrough handles are
+// open (their writes bypass the daemon, so the upper counts as dirty).
+func (f *FS) hasPassthroughWriters() bool {
+	f.ptMu.Lock()
+	defer f.ptMu.Unlock()
+	for n := range f.ptNodes {
+		n.mu.Lock()
+		w := n.ptWrite > 0
+		n.mu.Unlock()
+		if w {
+			return true
+		}
+	}
+	return false
+}
+
+// swapPassthrough keeps passthrough backing files out of the layer being
+// frozen: the live inode of every file with passthrough handles open moves
+// into the new upper (the kernel keeps using it) and a copy of its content
+// takes its place in the frozen layer. Cost: the size of those files only.
+// The caller holds f.mu exclusively.
+func (f *FS) swapPassthrough(old, next *stack) error {
+	f.ptMu.Lock()
+	nodes := make([]*node, 0, len(f.ptNodes))
+	for n := range f.ptNodes {
+		nodes = append(nodes, n)
+	}
+	f.ptMu.Unlock()
+	for _, n := range nodes {
+		n.mu.Lock()
+		open, ino := n.ptOpen > 0, n.ptIno
+		n.mu.Unlock()
+		if !open {
+			continue
+		}
+		// Passthrough writes bypass the daemon, so the node's resolution
+		// may be stale: find the live inode by path and inode number.
+		p := n.vpath()
+		var s unix.Stat_t
+		if err := unix.Fstatat(old.upper.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW); err != nil || s.Ino != ino {
+			continue // unlinked or replaced: not part of the frozen layer
+		}
+		if err := f.copyUpDirs(next, path.Dir(p)); err != nil {
+			return fmt.Errorf("move open file %s: %w", p, err)
+		}
+		if err := unix.Renameat(old.upper.fd, p, next.upper.fd, p); err != nil {
+			return fmt.Errorf("move open file %s: %w", p, err)
+		}
+		if err := copyFile(next.upper.fd, p, old.upper.fd, p, &s, next.upper.path+"/"+p, false); err != nil {
+			_ = unix.Renameat(next.upper.fd, p, old.upper.fd, p)
+			return fmt.Errorf("freeze open file %s: %w", p, err)
+		}
+	}
+	return nil
+}
+
+// retargetPassthrough makes files held open with passthrough follow a
+// switch, as every other descriptor does: the live inode (which the kernel
+// reads and writes directly) gets the target view's content and moves into
+// the new upper. A file absent from the target keeps its old content, like
+// an unlinked open file. Cost: the size of those files only. The caller
+// holds f.mu exclusively.
+func (f *FS) retargetPassthrough(old, next *stack) {
+	f.ptMu.Lock()
+	nodes := make([]*node, 0, len(f.ptNodes))
+	for n := range f.ptNodes {
+		nodes = append(nodes, n)
+	}
+	f.ptMu.Unlock()
+	for _, n := range nodes {
+		n.mu.Lock()
+		open, ino := n.ptOpen > 0, n.ptIno
+		n.mu.Unlock()
+		if !open {
+			continue
+		}
+		p := n.vpath()
+		var live unix.Stat_t
+		if err := unix.Fstatat(old.upper.fd, p, &live, unix.AT_SYMLINK_NOFOLLOW); err != nil || live.Ino != ino {
+			continue
+		}
+		e, ok := f.resolvePath(next, p)
+		if !ok || e.st.Mode&unix.S_IFMT != unix.S_IFREG {
+			continue
+		}
+		if err := f.copyUpDirs(next, path.Dir(p)); err != nil {
+			f.log.Warn("retarget open file", "path", p, "err", err)
+			continue
+		}
+		s := e.srcs[0]
+		in, err := openBeneath(s.l.fd, s.path, unix.O_RDONLY, 0)
+		if err != nil {
+			continue
+		}
+		out, err := openBeneath(old.upper.fd, p, unix.O_WRONLY, 0)
+		if err == nil {
+			err = unix.Ftruncate(out, 0)
+			if err == nil {
+				err = copyData(in, out, e.st.Size)
+			}
+			if err == nil {
+				_ = unix.Fchown(out, int(e.st.Uid), int(e.st.Gid))
+				_ = unix.Fchmod(out, e.st.Mode&07777)
+				_ = unix.UtimesNanoAt(out, "", []unix.Timespec{e.st.Atim, e.st.Mtim}, unix.AT_EMPTY_PATH)
+			}
+			unix.Close(out)
+		}
+		unix.Close(in)
+		if err == nil {
+			err = unix.Renameat(old.upper.fd, p, next.upper.fd, p)
+		}
+		if err != nil {
+			f.log.Warn("retarget open file", "path", p, "err", err)
+		}
+	}
+}

@@ -24,6 +24,15 @@ type node struct {
 	gen  uint64
 	srcs []src // top-down
 	gone bool  // does not exist in the view of generation gen
+
+	// Passthrough bookkeeping: the kernel registers one backing file per
+	// inode and reuses it for every passthrough open while one is open, so
+	// a new passthrough handle is only handed out when the registered
+	// backing (ptLayer, ptPath) is still the entry's data.
+	ptOpen     int    // open passthrough handles
+	ptWrite    int    // ... of which writable
+	cachedOpen int    // open non-passthrough handles
+	ptIno      uint64 // backing inode of the passthrough handles
 }
 
 var (
@@ -170,7 +179,7 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 	mode := e.st.Mode & unix.S_IFMT
 	if !fresh {
 		if ch := n.GetChild(name); ch != nil && ch.StableAttr().Mode == mode {
-			if cn, ok := ch.Operations().(*node); ok {
+			if cn, ok := ch.Operations().(*node); ok && !cn.pinnedElsewhere(e) {
 				cn.setSrcs(e.srcs, gen)
 				f.aliasIno(e.srcs[0].l, e.st.Ino, ch.StableAttr().Ino)
 				return ch
@@ -188,7 +197,7 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 		// Another name of a live node: a hard link of the same inode is
 		// shared; anything else is a stale key (a reused backing inode
 		// number) and gets a fresh number.
-		if mode != unix.S_IFDIR && cn.StableAttr().Mode == mode && e.st.Nlink > 1 {
+		if mode != unix.S_IFDIR && cn.StableAttr().Mode == mode && e.st.Nlink > 1 && !cn.pinnedElsewhere(e) {
 			f.inoMu.Unlock()
 			cn.setSrcs(e.srcs, gen)
 			return cn.EmbeddedInode()
@@ -479,4 +488,67 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	}
 	n.f.record("meta", n, "", 0)
 	return 0
+}
+
+// dirHandle is an open directory: a snapshot of the merged listing, which
+// the kernel may cache (FOPEN_CACHE_DIR); a switch invalidates it with
+// NotifyContent on the directory, local changes by the kernel itself.
+type dirHandle struct {
+	mu   sync.Mutex
+	ents []fuse.DirEntry
+	pos  int
+}
+
+var (
+	_ gofs.NodeOpendirHandler = (*node)(nil)
+	_ gofs.FileReaddirenter   = (*dirHandle)(nil)
+	_ gofs.FileSeekdirer      = (*dirHandle)(nil)
+)
+
+// OpendirHandle snapshots the merged directory and lets the kernel cache
+// it.
+func (n *node) OpendirHandle(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return nil, 0, errno
+	}
+	defer done()
+	ents, err := readMerged(st, n.getSrcs(), n.vpath())
+	if err != nil {
+		return nil, 0, errnoOf(err)
+	}
+	list := make([]fuse.DirEntry, 0, len(ents))
+	for i, e := range ents {
+		list = append(list, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino), Off: uint64(i + 1)})
+	}
+	return &dirHandle{ents: list}, fuse.FOPEN_CACHE_DIR | fuse.FOPEN_KEEP_CACHE, 0
+}
+
+// Readdirent returns the next entry.
+func (d *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Errno) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.pos >= len(d.ents) {
+		return nil, 0
+	}
+	e := d.ents[d.pos]
+	d.pos++
+	return &e, 0
+}
+
+// Seekdir repositions the stream (offsets are 1-based entry indexes).
+func (d *dirHandle) Seekdir(ctx context.Context, off uint64) syscall.Errno {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.pos = int(min(off, uint64(len(d.ents))))
+	return 0
+}
+
+// pinnedElsewhere reports whether passthrough handles hold n on a backing
+// file other than e's: such a node cannot serve e (the kernel would refuse
+// to open it), so e gets a fresh node.
+func (n *node) pinnedElsewhere(e *entry) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.ptOpen > 0 && (e.srcs[0].l != n.f.upperNow() || n.ptIno != e.st.Ino)
 }

@@ -98,7 +98,27 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		unix.Close(fd)
 		return nil, nil, 0, errno
 	}
-	h := &handle{n: ch.Operations().(*node), fd: fd, l: st.upper, flags: flags, viewGen: n.f.viewGen.Load()}
+	cn := ch.Operations().(*node)
+	h := &handle{n: cn, fd: fd, l: st.upper, flags: flags, viewGen: n.f.viewGen.Load()}
+	if n.f.opts.Passthrough {
+		cn.mu.Lock()
+		ok := cn.ptOpen == 0 && cn.cachedOpen == 0
+		if ok {
+			cn.ptOpen++
+			cn.ptWrite++
+			cn.ptIno = s0Ino(fd)
+		}
+		cn.mu.Unlock()
+		if ok {
+			n.f.ptMu.Lock()
+			n.f.ptNodes[cn] = struct{}{}
+			n.f.ptMu.Unlock()
+			return ch, &ptHandle{handle: h, write: true}, 0, 0
+		}
+	}
+	cn.mu.Lock()
+	cn.cachedOpen++
+	cn.mu.Unlock()
 	return ch, h, fuse.FOPEN_KEEP_CACHE, 0
 }
 
@@ -518,4 +538,10 @@ func (f *FS) copyUpChild(st *stack, n *node, name, p string, e *entry) error {
 		}
 	}
 	return f.copyUpPath(st, p, e, false)
+}
+
+func s0Ino(fd int) uint64 {
+	var s unix.Stat_t
+	_ = unix.Fstat(fd, &s)
+	return s.Ino
 }

@@ -526,7 +526,13 @@ func hashDir(t testing.TB, dir string) string {
 }
 
 func TestConcurrentWritersDuringCheckpoint(t *testing.T) {
-	fx := mountT(t, nil, Options{})
+	for _, pt := range []bool{false, true} {
+		t.Run(fmt.Sprintf("passthrough=%v", pt), func(t *testing.T) { concurrentWriters(t, Options{Passthrough: pt}) })
+	}
+}
+
+func concurrentWriters(t *testing.T, opts Options) {
+	fx := mountT(t, nil, opts)
 	const writers = 4
 	const perWriter = 400
 	var wg sync.WaitGroup
@@ -580,7 +586,7 @@ func TestConcurrentWritersDuringCheckpoint(t *testing.T) {
 	}
 	for _, fl := range frozen {
 		if h := hashDir(t, fl.path); h != fl.hash {
-			t.Fatalf("frozen layer %s changed after its checkpoint", fl.path)
+			t.Fatalf("frozen layer %s changed after its checkpoint:\nthen %.300s\nnow  %.300s", fl.path, fl.hash, h)
 		}
 	}
 	for w := 0; w < writers; w++ {
@@ -836,4 +842,64 @@ func TestSandboxRootUsage(t *testing.T) {
 	if _, err := os.Stat(fx.p("proc/self/status")); err != nil {
 		t.Fatalf("proc mount lost after a switch: %v", err)
 	}
+}
+
+func TestPassthrough(t *testing.T) {
+	data := strings.Repeat("0123456789abcdef", 1<<16) // 1 MiB
+	fx := mountT(t, nil, Options{Passthrough: true})
+	r0, w0 := fx.fs.Requests()
+	mustWrite(t, fx.p("big"), data)
+	for i := 0; i < 4; i++ {
+		if got := mustRead(t, fx.p("big")); got != data {
+			t.Fatal("passthrough read returned wrong data")
+		}
+	}
+	r1, w1 := fx.fs.Requests()
+	if r1 != r0 || w1 != w0 {
+		t.Fatalf("%d READ and %d WRITE requests reached the daemon: passthrough is off", r1-r0, w1-w0)
+	}
+	// A passthrough writer across a checkpoint never writes the frozen
+	// layer; a reader across a restore follows the view.
+	w, err := os.OpenFile(fx.p("big"), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	if _, err := w.WriteAt([]byte("A"), 0); err != nil {
+		t.Fatal(err)
+	}
+	c1 := fx.checkpoint(t)
+	frozen := fx.fs.st.frozen[len(fx.fs.st.frozen)-1]
+	if _, err := w.WriteAt([]byte("B"), 1); err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRead(t, frozen.path+"/big"); got[:4] != "A123" {
+		t.Fatalf("frozen layer: %q", got[:4])
+	}
+	if got := mustRead(t, fx.p("big")); got[:4] != "AB23" {
+		t.Fatalf("view: %q", got[:4])
+	}
+	r, err := os.Open(fx.p("big"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	fx.restore(t, c1)
+	buf := make([]byte, 4)
+	if _, err := r.ReadAt(buf, 0); err != nil || string(buf) != "A123" {
+		t.Fatalf("reader across restore: %q %v", buf, err)
+	}
+	if _, err := w.WriteAt([]byte("C"), 2); err != nil {
+		t.Fatal(err)
+	}
+	if got := mustRead(t, fx.p("big")); got[:4] != "A1C3" {
+		t.Fatalf("writer across restore: %q", got[:4])
+	}
+	if got := mustRead(t, frozen.path+"/big"); got[:4] != "A123" {
+		t.Fatalf("frozen layer after restore: %q", got[:4])
+	}
+}
+
+func TestDifferentialPassthrough(t *testing.T) {
+	runDifferentialOpts(t, 7, 1500, Options{Passthrough: true})
 }

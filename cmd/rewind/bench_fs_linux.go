@@ -1,0 +1,414 @@
+package main
+
+import (
+	"crypto/rand"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/layer"
+)
+
+type benchFSOpts struct {
+	dir      string
+	sizes    []int
+	deltas   []int
+	rounds   int
+	ioMiB    int
+	small    int
+	stats    int
+	skipIO   bool
+	skipFOFS bool
+	asJSON   bool
+}
+
+type fsBenchRow struct {
+	Name     string  `json:"name"`
+	RewindUS float64 `json:"rewind_us"`
+	P99US    float64 `json:"p99_us,omitempty"`
+	PlainUS  float64 `json:"plain_us,omitempty"`
+	FOFSUS   float64 `json:"fuse_overlayfs_us,omitempty"`
+	Target   string  `json:"target,omitempty"`
+}
+
+func newBenchFSCmd() *cobra.Command {
+	var o benchFSOpts
+	cmd := &cobra.Command{
+		Use:   "fs",
+		Short: "DeltaFS: checkpoint/restore latency and I/O vs the plain dir and fuse-overlayfs",
+		Long: `Measures, in one run: checkpoint latency (p50/p99, timed inside the server) with 1k, 10k and
+100k files in the view; restore latency against the size of the delta (paths changed since the
+common ancestor); and I/O rows (sequential write/read, create+write+close of small files,
+stat of many files, unpacking a tarball) on the plain backing directory, on rewind's FUSE
+overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
+		Example: "  rewind bench fs\n  rewind bench fs --sizes 1000,10000 --io-mib 256 --json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return runBenchFS(cmd, o)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.dir, "dir", "", "scratch directory (default: a temp dir under /var/tmp)")
+	f.IntSliceVar(&o.sizes, "sizes", []int{1000, 10000, 100000}, "files in the view for checkpoint latency")
+	f.IntSliceVar(&o.deltas, "deltas", []int{10, 100, 1000}, "changed paths for restore latency")
+	f.IntVar(&o.rounds, "rounds", 200, "checkpoints/restores measured per size")
+	f.IntVar(&o.ioMiB, "io-mib", 1024, "size of the sequential read/write file in MiB")
+	f.IntVar(&o.small, "small", 10000, "small files to create")
+	f.IntVar(&o.stats, "stats", 100000, "files to stat")
+	f.BoolVar(&o.skipIO, "no-io", false, "skip the I/O rows")
+	f.BoolVar(&o.skipFOFS, "no-fuse-overlayfs", false, "skip the fuse-overlayfs baseline")
+	f.BoolVar(&o.asJSON, "json", false, "print JSON rows")
+	return cmd
+}
+
+func fsPctUS(d []time.Duration, p float64) float64 {
+	s := append([]time.Duration(nil), d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	if len(s) == 0 {
+		return 0
+	}
+	i := int(p*float64(len(s))+0.5) - 1
+	return float64(s[max(0, min(i, len(s)-1))].Nanoseconds()) / 1000
+}
+
+func fsMakeFiles(dir string, n int) error {
+	per := 1000
+	for i := 0; i < n; i++ {
+		d := filepath.Join(dir, fmt.Sprintf("d%03d", i/per))
+		if i%per == 0 {
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				return err
+			}
+		}
+		if err := os.WriteFile(filepath.Join(d, fmt.Sprintf("f%05d", i)), []byte("x"), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func fsStatAll(dir string) (int, error) {
+	n := 0
+	err := filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var s unix.Stat_t
+		n++
+		return unix.Lstat(p, &s)
+	})
+	return n, err
+}
+
+type fsBenchEnv struct {
+	root string
+	st   *layer.Store
+}
+
+func (e *fsBenchEnv) mount(name string, lowers []string) (*fs.FS, string, error) {
+	mp := filepath.Join(e.root, "mnt-"+name)
+	if err := os.MkdirAll(mp, 0o755); err != nil {
+		return nil, "", err
+	}
+	f, err := fs.Mount(e.st, mp, fs.Options{MountID: name, Lowers: lowers})
+	return f, mp, err
+}
+
+func runBenchFS(cmd *cobra.Command, o benchFSOpts) error {
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("bench fs: must run as root (FUSE DirectMount)")
+	}
+	root := o.dir
+	if root == "" {
+		var err error
+		if root, err = os.MkdirTemp("/var/tmp", "rewind-bench-fs-"); err != nil {
+			return fmt.Errorf("bench fs: %w", err)
+		}
+		defer os.RemoveAll(root)
+	}
+	st, err := layer.OpenStore(filepath.Join(root, "state"))
+	if err != nil {
+		return fmt.Errorf("bench fs: %w", err)
+	}
+	env := &fsBenchEnv{root: root, st: st}
+	var rows []fsBenchRow
+	out := cmd.ErrOrStderr()
+
+	// Checkpoint latency against the number of files in the view.
+	for _, n := range o.sizes {
+		lower := filepath.Join(root, fmt.Sprintf("lower-%d", n))
+		if err := fsMakeFiles(lower, n); err != nil {
+			return fmt.Errorf("bench fs: %w", err)
+		}
+		f, mp, err := env.mount(fmt.Sprintf("ckpt%d", n), []string{lower})
+		if err != nil {
+			return fmt.Errorf("bench fs: %w", err)
+		}
+		if _, err := fsStatAll(mp); err != nil {
+			f.Unmount()
+			return fmt.Errorf("bench fs: %w", err)
+		}
+		var lat []time.Duration
+		for i := 0; i < o.rounds; i++ {
+			p := filepath.Join(mp, fmt.Sprintf("d%03d/f%05d", (i%n)/1000, i%n))
+			if err := os.WriteFile(p, []byte(fmt.Sprint(i)), 0o644); err != nil {
+				f.Unmount()
+				return fmt.Errorf("bench fs: %w", err)
+			}
+			t0 := time.Now()
+			if _, err := f.Checkpoint(); err != nil {
+				f.Unmount()
+				return fmt.Errorf("bench fs: %w", err)
+			}
+			lat = append(lat, time.Since(t0))
+		}
+		f.Unmount()
+		rows = append(rows, fsBenchRow{Name: fmt.Sprintf("checkpoint, %d files", n), RewindUS: fsPctUS(lat, 0.5), P99US: fsPctUS(lat, 0.99), Target: "p50<=300 p99<=2000"})
+		fmt.Fprintf(out, "checkpoint %d files: p50 %.0f µs p99 %.0f µs\n", n, fsPctUS(lat, 0.5), fsPctUS(lat, 0.99))
+	}
+
+	// Restore latency against the delta.
+	{
+		lower := filepath.Join(root, "lower-restore")
+		maxD := 0
+		for _, d := range o.deltas {
+			maxD = max(maxD, d)
+		}
+		if err := fsMakeFiles(lower, max(maxD, 1000)); err != nil {
+			return fmt.Errorf("bench fs: %w", err)
+		}
+		for _, d := range o.deltas {
+			f, mp, err := env.mount(fmt.Sprintf("restore%d", d), []string{lower})
+			if err != nil {
+				return fmt.Errorf("bench fs: %w", err)
+			}
+			if _, err := fsStatAll(mp); err != nil {
+				f.Unmount()
+				return fmt.Errorf("bench fs: %w", err)
+			}
+			base, _ := f.Checkpoint()
+			for i := 0; i < d; i++ {
+				p := filepath.Join(mp, fmt.Sprintf("d%03d/f%05d", i/1000, i))
+				if err := os.WriteFile(p, []byte("changed"), 0o644); err != nil {
+					f.Unmount()
+					return fmt.Errorf("bench fs: %w", err)
+				}
+			}
+			top, _ := f.Checkpoint()
+			var lat []time.Duration
+			for i := 0; i < o.rounds; i++ {
+				target := base
+				if i%2 == 1 {
+					target = top
+				}
+				t0 := time.Now()
+				if err := f.Switch(target); err != nil {
+					f.Unmount()
+					return fmt.Errorf("bench fs: %w", err)
+				}
+				lat = append(lat, time.Since(t0))
+				// Touch one changed path so the kernel really re-resolves.
+				_, _ = os.Stat(filepath.Join(mp, "d000/f00000"))
+			}
+			f.Unmount()
+			rows = append(rows, fsBenchRow{Name: fmt.Sprintf("restore, %d changed paths", d), RewindUS: fsPctUS(lat, 0.5), P99US: fsPctUS(lat, 0.99), Target: "p50<=2000 at 100"})
+			fmt.Fprintf(out, "restore delta %d: p50 %.0f µs p99 %.0f µs\n", d, fsPctUS(lat, 0.5), fsPctUS(lat, 0.99))
+		}
+	}
+
+	if !o.skipIO {
+		ioRows, err := benchIO(env, o, out)
+		if err != nil {
+			return err
+		}
+		rows = append(rows, ioRows...)
+	}
+	if o.asJSON {
+		return json.NewEncoder(cmd.OutOrStdout()).Encode(rows)
+	}
+	tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ROW\tREWIND\tP99\tPLAIN\tx PLAIN\tFUSE-OVERLAYFS\tx FOFS\tTARGET")
+	for _, r := range rows {
+		ratio := func(b float64) string {
+			if b == 0 {
+				return "-"
+			}
+			return fmt.Sprintf("%.2fx", r.RewindUS/b)
+		}
+		us := func(v float64) string {
+			if v == 0 {
+				return "-"
+			}
+			if v >= 10000 {
+				return fmt.Sprintf("%.1f ms", v/1000)
+			}
+			return fmt.Sprintf("%.0f µs", v)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Name, us(r.RewindUS), us(r.P99US), us(r.PlainUS), ratio(r.PlainUS), us(r.FOFSUS), ratio(r.FOFSUS), r.Target)
+	}
+	return tw.Flush()
+}
+
+// fsIOTarget is one place the I/O rows run in.
+type fsIOTarget struct {
+	name  string
+	dir   string
+	close func()
+}
+
+func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error) {
+	lower := filepath.Join(env.root, "io-lower")
+	if err := fsMakeFiles(lower, o.stats); err != nil {
+		return nil, fmt.Errorf("bench fs: %w", err)
+	}
+	big := filepath.Join(lower, "big")
+	if err := fsWriteRandom(big, int64(o.ioMiB)<<20); err != nil {
+		return nil, fmt.Errorf("bench fs: %w", err)
+	}
+	tarball := filepath.Join(env.root, "src.tar")
+	if b, err := exec.Command("tar", "-C", filepath.Join(runtime.GOROOT(), "src"), "-cf", tarball, "net", "crypto").CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("bench fs: make tarball: %v: %s", err, b)
+	}
+	// Plain: a copy-free view of the same files is the lower itself, plus
+	// a scratch dir on the same file system for writes.
+	plainW := filepath.Join(env.root, "plain-w")
+	os.MkdirAll(plainW, 0o755)
+	targets := []fsIOTarget{{name: "plain", dir: plainW, close: func() {}}}
+	f, mp, err := env.mount("io", []string{lower})
+	if err != nil {
+		return nil, fmt.Errorf("bench fs: %w", err)
+	}
+	defer f.Unmount()
+	targets = append(targets, fsIOTarget{name: "rewind", dir: mp, close: func() {}})
+	if !o.skipFOFS {
+		if path, err := exec.LookPath("fuse-overlayfs"); err == nil {
+			up, wk, fmp := filepath.Join(env.root, "fofs-up"), filepath.Join(env.root, "fofs-work"), filepath.Join(env.root, "fofs-mnt")
+			for _, d := range []string{up, wk, fmp} {
+				os.MkdirAll(d, 0o755)
+			}
+			if b, err := exec.Command(path, "-o", "lowerdir="+lower+",upperdir="+up+",workdir="+wk, fmp).CombinedOutput(); err != nil {
+				fmt.Fprintf(out, "fuse-overlayfs: %v: %s\n", err, b)
+			} else {
+				defer unix.Unmount(fmp, unix.MNT_DETACH)
+				targets = append(targets, fsIOTarget{name: "fofs", dir: fmp})
+			}
+		} else {
+			fmt.Fprintln(out, "fuse-overlayfs not installed: baseline skipped")
+		}
+	}
+	type ioCase struct {
+		name   string
+		target string
+		run    func(dir, readDir string) error
+	}
+	cases := []ioCase{
+		{fmt.Sprintf("seq write %d MiB", o.ioMiB), "<=1.1x", func(dir, _ string) error {
+			return fsWriteRandom(filepath.Join(dir, "seqw"), int64(o.ioMiB)<<20)
+		}},
+		{fmt.Sprintf("seq read %d MiB", o.ioMiB), "<=1.1x", func(_, rd string) error {
+			return fsReadAll(filepath.Join(rd, "big"))
+		}},
+		{fmt.Sprintf("create+write+close %d files", o.small), "<=1.3x", func(dir, _ string) error {
+			d := filepath.Join(dir, "small")
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				return err
+			}
+			for i := 0; i < o.small; i++ {
+				if err := os.WriteFile(filepath.Join(d, fmt.Sprint(i)), []byte("hello"), 0o644); err != nil {
+					return err
+				}
+			}
+			return nil
+		}},
+		{fmt.Sprintf("stat %d files (warm)", o.stats), "<=1.3x", func(_, rd string) error {
+			_, err := fsStatAll(rd)
+			return err
+		}},
+		{"untar Go net+crypto", "<=1.3x", func(dir, _ string) error {
+			d := filepath.Join(dir, "untar")
+			if err := os.MkdirAll(d, 0o755); err != nil {
+				return err
+			}
+			b, err := exec.Command("tar", "-C", d, "-xf", tarball).CombinedOutput()
+			if err != nil {
+				return fmt.Errorf("%v: %s", err, b)
+			}
+			return nil
+		}},
+	}
+	var rows []fsBenchRow
+	for _, c := range cases {
+		res := map[string]float64{}
+		for _, tg := range targets {
+			readDir := tg.dir
+			if tg.name == "plain" {
+				readDir = lower
+			}
+			if strings.HasPrefix(c.name, "stat") {
+				_, _ = fsStatAll(readDir) // warm
+			}
+			if strings.HasPrefix(c.name, "seq read") {
+				_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
+			}
+			t0 := time.Now()
+			if err := c.run(tg.dir, readDir); err != nil {
+				return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
+			}
+			res[tg.name] = float64(time.Since(t0).Nanoseconds()) / 1000
+		}
+		r := fsBenchRow{Name: c.name, RewindUS: res["rewind"], PlainUS: res["plain"], FOFSUS: res["fofs"], Target: c.target + " plain, < fuse-overlayfs"}
+		fmt.Fprintf(out, "%s: rewind %.1f ms plain %.1f ms fuse-overlayfs %.1f ms\n", c.name, r.RewindUS/1000, r.PlainUS/1000, r.FOFSUS/1000)
+		rows = append(rows, r)
+	}
+	return rows, nil
+}
+
+func fsWriteRandom(p string, size int64) error {
+	fh, err := os.OpenFile(p, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, 1<<20)
+	rand.Read(buf)
+	for off := int64(0); off < size; off += int64(len(buf)) {
+		if _, err := fh.Write(buf[:min(int64(len(buf)), size-off)]); err != nil {
+			fh.Close()
+			return err
+		}
+	}
+	if err := fh.Sync(); err != nil {
+		fh.Close()
+		return err
+	}
+	return fh.Close()
+}
+
+func fsReadAll(p string) error {
+	fh, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer fh.Close()
+	buf := make([]byte, 1<<20)
+	for {
+		_, err := fh.Read(buf)
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
