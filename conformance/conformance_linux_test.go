@@ -218,3 +218,28 @@ func TestCorpusProcess(t *testing.T) {
 		})
 	}
 }
+
+// TestRandomFUSELinks adds hard links to the random workloads and runs them
+// on the FUSE path, which promises plain-directory link semantics across
+// copy-up (the kernel path has documented exceptions a random workload
+// cannot place).
+func TestRandomFUSELinks(t *testing.T) {
+	requireFS(t)
+	for _, seed := range []uint64{1, 2, 3} {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			w := GenerateWith(seed, 300, GenOptions{HardLinks: true})
+			out := filepath.Join(os.TempDir(), "rewind-conformance-repro")
+			res, file, err := RunGenerated(ctx, w, Options{Paths: []string{"fuse"}, WorkDir: t.TempDir()}, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range res.Paths {
+				if p.Status != "pass" {
+					t.Errorf("seed %d on %s: step %d: %s\nminimized reproducer: %s", seed, p.Path, p.Step, p.Detail, file)
+				}
+			}
+		})
+	}
+}

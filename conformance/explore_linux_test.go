@@ -13,6 +13,7 @@ var (
 	exploreSeeds = flag.Int("conformance.seeds", 0, "TestExplore: number of random seeds to run (0 = skip)")
 	exploreFirst = flag.Uint64("conformance.seed", 100, "TestExplore: first seed")
 	exploreSteps = flag.Int("conformance.steps", 600, "TestExplore: steps per random workload")
+	exploreLinks = flag.Bool("conformance.links", false, "TestExplore: add hard links and run the FUSE path only")
 )
 
 // TestExplore is a longer randomized run for developers, off by default:
@@ -26,7 +27,12 @@ func TestExplore(t *testing.T) {
 	for i := range *exploreSeeds {
 		seed := *exploreFirst + uint64(i)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		res, file, err := RunRandom(ctx, seed, *exploreSteps, Options{Paths: FSPaths, WorkDir: t.TempDir(), KernelDir: kdir},
+		paths := FSPaths
+		if *exploreLinks {
+			paths = []string{"fuse"}
+		}
+		w := GenerateWith(seed, *exploreSteps, GenOptions{HardLinks: *exploreLinks})
+		res, file, err := RunGenerated(ctx, w, Options{Paths: paths, WorkDir: t.TempDir(), KernelDir: kdir},
 			filepath.Join(os.TempDir(), "rewind-conformance-repro"))
 		cancel()
 		if err != nil {

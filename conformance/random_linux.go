@@ -12,7 +12,11 @@ import (
 // reproDir as <name>-min.json; the file's path is returned. Run that file
 // with `rewind conformance run --workload FILE` to reproduce.
 func RunRandom(ctx context.Context, seed uint64, n int, opts Options, reproDir string) (*Result, string, error) {
-	w := Generate(seed, n)
+	return RunGenerated(ctx, Generate(seed, n), opts, reproDir)
+}
+
+// RunGenerated runs a generated workload like RunRandom.
+func RunGenerated(ctx context.Context, w *Workload, opts Options, reproDir string) (*Result, string, error) {
 	res, err := Run(ctx, w, opts)
 	if err != nil || !res.Failed() {
 		return res, "", err
