@@ -82,7 +82,9 @@ func (cl *client) readLoop() {
 	oob := make([]byte, unix.CmsgSpace(16*4))
 	for {
 		m, fds, err := cl.conn.recv(buf, oob)
-		closeFDs(fds) // the init never sends fds
+		if err != nil || m.Op != opReply {
+			closeFDs(fds) // only replies carry fds (a terminal's master)
+		}
 		if err != nil {
 			var bad badMsgError
 			if errors.As(err, &bad) {
@@ -121,6 +123,7 @@ func (cl *client) readLoop() {
 				// what it started.
 				delete(cl.orphans, m.ID)
 				cl.mu.Unlock()
+				closeFDs(fds)
 				if m.PID > 0 {
 					go func(pid int) {
 						_ = cl.conn.send(&msg{Op: opKill, PID: pid, Sig: int(unix.SIGKILL), Group: true})
@@ -141,7 +144,10 @@ func (cl *client) readLoop() {
 			}
 			cl.mu.Unlock()
 			if ok {
+				m.fds = fds
 				ch <- m
+			} else {
+				closeFDs(fds)
 			}
 		}
 	}
@@ -171,6 +177,7 @@ func (cl *client) call(ctx context.Context, m *msg, fds ...int) (*msg, chan exit
 			return nil, nil, ErrClosed
 		}
 		if r.Err != "" {
+			closeFDs(r.fds)
 			if r.waiter != nil {
 				cl.forget(r.PID)
 			}
@@ -188,7 +195,11 @@ func (cl *client) call(ctx context.Context, m *msg, fds ...int) (*msg, chan exit
 		} else {
 			// The reply raced with ctx: it is in ch.
 			cl.mu.Unlock()
-			if r, ok := <-ch; ok && r.waiter != nil && r.Err == "" && m.Op == opSpawn {
+			r, ok := <-ch
+			if ok {
+				closeFDs(r.fds)
+			}
+			if ok && r.waiter != nil && r.Err == "" && m.Op == opSpawn {
 				cl.forget(r.PID)
 				_ = cl.conn.send(&msg{Op: opKill, PID: r.PID, Sig: int(unix.SIGKILL), Group: true})
 				_ = cl.conn.send(&msg{Op: opKill, PID: r.PID, Sig: int(unix.SIGKILL)})

@@ -636,19 +636,71 @@ func (st *initState) spawn(m *msg, fds []int) {
 		st.reply(m, &msg{Err: err.Error()})
 		return
 	}
+	sys := &syscall.SysProcAttr{Setsid: true}
+	master := -1
+	if m.TTY {
+		var slave int
+		var err error
+		master, slave, err = openTerminal(m.Rows, m.Cols)
+		if err != nil {
+			st.reply(m, &msg{Err: fmt.Sprintf("start %s: %v", m.Argv[0], err)})
+			return
+		}
+		defer unix.Close(master)
+		defer unix.Close(slave)
+		files = []uintptr{uintptr(slave), uintptr(slave), uintptr(slave)}
+		sys.Setctty = true
+		sys.Ctty = 0
+	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	pid, err := syscall.ForkExec(path, m.Argv, &syscall.ProcAttr{
 		Dir:   dir,
 		Env:   m.Env,
 		Files: files,
-		Sys:   &syscall.SysProcAttr{Setsid: true},
+		Sys:   sys,
 	})
 	if err != nil {
 		st.reply(m, &msg{Err: fmt.Sprintf("start %s: %v", m.Argv[0], err)})
 		return
 	}
-	st.reply(m, &msg{PID: pid})
+	r := &msg{Op: opReply, ID: m.ID, PID: pid}
+	if master >= 0 {
+		_ = st.c.send(r, master)
+		return
+	}
+	_ = st.c.send(r)
+}
+
+// openTerminal opens a new pseudo-terminal of the sandbox's devpts and
+// returns its master and slave.
+func openTerminal(rows, cols int) (master, slave int, err error) {
+	master, err = unix.Open("/dev/ptmx", unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, -1, fmt.Errorf("open terminal: %w", err)
+	}
+	if err := unix.IoctlSetPointerInt(master, unix.TIOCSPTLCK, 0); err != nil {
+		unix.Close(master)
+		return -1, -1, fmt.Errorf("unlock terminal: %w", err)
+	}
+	n, err := unix.IoctlGetUint32(master, unix.TIOCGPTN)
+	if err != nil {
+		unix.Close(master)
+		return -1, -1, fmt.Errorf("terminal number: %w", err)
+	}
+	if rows <= 0 {
+		rows = 50
+	}
+	if cols <= 0 {
+		cols = 200
+	}
+	_ = unix.IoctlSetWinsize(master, unix.TIOCSWINSZ, &unix.Winsize{Row: uint16(rows), Col: uint16(cols)})
+	slave, err = unix.Open(fmt.Sprintf("/dev/pts/%d", n), unix.O_RDWR|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		unix.Close(master)
+		return -1, -1, fmt.Errorf("open terminal %d: %w", n, err)
+	}
+	return master, slave, nil
 }
 
 // lookPath resolves argv0 like execvp, with the request's PATH.

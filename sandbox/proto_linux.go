@@ -54,7 +54,14 @@ type msg struct {
 
 	Err string `json:"err,omitempty"`
 
+	// spawn: run on a new terminal (stdio = its slave side); the reply
+	// carries the master.
+	TTY  bool `json:"tty,omitempty"`
+	Rows int  `json:"rows,omitempty"`
+	Cols int  `json:"cols,omitempty"`
+
 	waiter chan exitStatus // daemon side: exit of a spawned pid
+	fds    []int           // daemon side: fds that came with a reply
 }
 
 type setupConfig struct {

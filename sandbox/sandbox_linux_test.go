@@ -791,3 +791,37 @@ func TestConcurrentUseAndClose(t *testing.T) {
 		}
 	}
 }
+
+func TestTTYSession(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	ss, err := sb.StartSession(ctx, SessionConfig{ID: "tty", Argv: []string{"bash", "--norc", "-i"}, TTY: true, Rows: 30, Cols: 100, Env: []string{"PS1=$ "}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := ss.Send(ctx, "tty; stty size; echo $((6*7))", SendOptions{Until: regexp.MustCompile(`\n42\r?\n`)})
+	if err != nil || !strings.Contains(out, "/dev/pts/") || !strings.Contains(out, "30 100") {
+		t.Fatalf("tty session: %q %v", out, err)
+	}
+	// Python without -i is interactive on a terminal.
+	if _, err := ss.Send(ctx, "python3 -q", SendOptions{Until: regexp.MustCompile(`>>> $`)}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := ss.Send(ctx, "print(sum(range(10)))", SendOptions{Until: regexp.MustCompile(`45\r?\n`)}); err != nil || !strings.Contains(out, "45") {
+		t.Fatalf("python on tty: %q %v", out, err)
+	}
+	if _, err := ss.Send(ctx, "exit()", SendOptions{Until: regexp.MustCompile(`\$ $`)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ss.Send(ctx, "exit 3", SendOptions{Idle: 50 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ss.Done():
+	case <-time.After(30 * time.Second):
+		t.Fatal("tty session did not end")
+	}
+	if ss.ExitCode() != 3 {
+		t.Fatalf("exit code %d", ss.ExitCode())
+	}
+}

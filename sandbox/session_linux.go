@@ -39,6 +39,13 @@ type SessionConfig struct {
 	Env []string
 	// Dir is the working directory inside the sandbox (default /).
 	Dir string
+	// TTY runs the process on a new pseudo-terminal (its controlling
+	// terminal, stdin, stdout and stderr) instead of pipes: programs then
+	// behave interactively (prompts, line editing, echo of what Send
+	// writes, job control). Rows and Cols set its size (default 50x200).
+	// A restored copy of the process gets pipes (see AdoptSession).
+	TTY        bool
+	Rows, Cols int
 }
 
 // SendOptions tells Send when the answer is complete.
@@ -108,8 +115,25 @@ func (c *Channels) InitFDs(ctx context.Context) (stdin, output int, err error) {
 	return r.FDs[0], r.FDs[1], nil
 }
 
+// ttyChannels wraps a terminal's master as the daemon's ends.
+func (s *Sandbox) ttyChannels(master int) (*Channels, error) {
+	if err := unix.SetNonblock(master, true); err != nil {
+		unix.Close(master)
+		return nil, err
+	}
+	dup, err := unix.FcntlInt(uintptr(master), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		unix.Close(master)
+		return nil, err
+	}
+	return &Channels{sb: s, stdinW: os.NewFile(uintptr(master), "tty"), outR: os.NewFile(uintptr(dup), "tty")}, nil
+}
+
 // releaseChild closes the child ends in the daemon and in the init.
 func (c *Channels) releaseChild() {
+	if c.stdinR == nil { // a terminal: no child ends here
+		return
+	}
 	c.stdinR.Close()
 	c.outW.Close()
 	if c.held != nil {
@@ -172,19 +196,37 @@ func (s *Sandbox) StartSession(ctx context.Context, cfg SessionConfig) (*Session
 		return nil, fmt.Errorf("start session %s in %s: %w", cfg.ID, s.cfg.ID, ErrSessionExists)
 	}
 	s.mu.Unlock()
+	req := &msg{Op: opSpawn, Argv: cfg.Argv, Env: mergeEnv(s.cfg.Env, cfg.Env), Dir: cfg.Dir}
+	if cfg.TTY {
+		req.TTY, req.Rows, req.Cols = true, cfg.Rows, cfg.Cols
+		req.Env = mergeEnv(req.Env, []string{"TERM=xterm"})
+		r, waiter, err := s.cli.call(ctx, req)
+		if err != nil {
+			return nil, fmt.Errorf("start session %s in %s: %w", cfg.ID, s.cfg.ID, err)
+		}
+		if len(r.fds) != 1 {
+			closeFDs(r.fds)
+			_, _, _ = s.cli.call(ctx, &msg{Op: opKill, PID: r.PID, Sig: int(unix.SIGKILL), Group: true})
+			return nil, fmt.Errorf("start session %s in %s: no terminal from init", cfg.ID, s.cfg.ID)
+		}
+		ch, err := s.ttyChannels(r.fds[0])
+		if err != nil {
+			_, _, _ = s.cli.call(ctx, &msg{Op: opKill, PID: r.PID, Sig: int(unix.SIGKILL), Group: true})
+			return nil, fmt.Errorf("start session %s in %s: %w", cfg.ID, s.cfg.ID, err)
+		}
+		return s.attach(cfg.ID, r.PID, 0, ch, waiter), nil
+	}
 	ch, err := s.NewChannels()
 	if err != nil {
 		return nil, err
 	}
-	r, waiter, err := s.cli.call(ctx, &msg{
-		Op: opSpawn, Argv: cfg.Argv, Env: mergeEnv(s.cfg.Env, cfg.Env), Dir: cfg.Dir, Stdio: []int{0, 1, 1},
-	}, int(ch.stdinR.Fd()), int(ch.outW.Fd()))
+	req.Stdio = []int{0, 1, 1}
+	r, waiter, err := s.cli.call(ctx, req, int(ch.stdinR.Fd()), int(ch.outW.Fd()))
 	if err != nil {
 		ch.Close()
 		return nil, fmt.Errorf("start session %s in %s: %w", cfg.ID, s.cfg.ID, err)
 	}
-	ss := s.attach(cfg.ID, r.PID, 0, ch, waiter)
-	return ss, nil
+	return s.attach(cfg.ID, r.PID, 0, ch, waiter), nil
 }
 
 // AdoptSession makes hostPID, a process the caller created in the sandbox
