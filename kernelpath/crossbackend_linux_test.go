@@ -46,9 +46,8 @@ func mountAny(t *testing.T, st *layer.Store, backend, id, from string, lowers []
 
 // TestCrossBackend: a random operation sequence (with checkpoints and
 // switches, checked against a model, over a base directory) runs on one
-// backend; its final
-// checkpoint is then opened with the other backend, which must show the
-// very same tree. Both directions, on loop XFS.
+// backend; its final checkpoint is then opened with the other backend,
+// which must show the very same tree. Both directions, on loop XFS.
 func TestCrossBackend(t *testing.T) {
 	testenv.Require(t, fuseAvailable(), "/dev/fuse")
 	for _, dir := range [][2]string{{"kernel", "fuse"}, {"fuse", "kernel"}} {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -15,9 +16,10 @@ import (
 )
 
 var (
-	diffOps  = flag.Int("kp.ops", 1500, "operations per run of the differential test")
-	diffSeed = flag.Uint64("kp.seed", 1, "seed of the differential test")
-	diffLog  = flag.Bool("kp.trace", false, "log every operation of the differential test")
+	diffOps    = flag.Int("kp.ops", 1500, "operations per run of the differential test")
+	diffSeed   = flag.Uint64("kp.seed", 1, "seed of the differential test")
+	diffLog    = flag.Bool("kp.trace", false, "log every operation of the differential test")
+	diffVerify = flag.Bool("kp.verify", false, "verify every checkpoint at once through a second mount (slow)")
 )
 
 // TestDifferential applies one seeded random sequence of file operations,
@@ -274,6 +276,9 @@ func (r *diffRun) step() string {
 		copyTreeCP(r.t, r.model, dir)
 		r.saved[id] = dir
 		r.ids = append(r.ids, id)
+		if *diffVerify {
+			r.verify(id, dir)
+		}
 		r.nckpt++
 		return "checkpoint " + id
 	default:
@@ -295,6 +300,31 @@ func (r *diffRun) step() string {
 		r.nswtch++
 		r.compare("switch " + id)
 		return "switch " + id
+	}
+}
+
+// verify mounts checkpoint id with the kernel path and compares it with
+// the model's copy.
+func (r *diffRun) verify(id, dir string) {
+	kf, ok := r.f.(*FS)
+	if !ok {
+		return
+	}
+	mp := r.t.TempDir()
+	g, err := Mount(kf.st, mp, Options{MountID: "verify-" + id, From: id, Logger: kf.log})
+	if err != nil {
+		r.t.Errorf("verify %s: %v", id, err)
+		return
+	}
+	defer g.Unmount()
+	if got, want := treeDump(r.t, mp), treeDump(r.t, dir); got != want {
+		r.t.Errorf("checkpoint %s differs from the model\n--- view\n%s\n--- model\n%s", id, got, want)
+		if rec, err := kf.st.Checkpoint(id); err == nil {
+			for _, l := range rec.Layers {
+				out, _ := exec.Command("sh", "-c", "cd "+kf.st.LayerPath(l)+" && find . -printf '%p %y %i\\n' && getfattr -R -d -m trusted . 2>/dev/null").CombinedOutput()
+				r.t.Logf("layer %s:\n%s", l, out)
+			}
+		}
 	}
 }
 

@@ -18,11 +18,12 @@ import (
 // writes a delta layer D to be stacked on Lp so that D over Lp shows what U
 // over the base shows now, copying only the entries that changed since P:
 //
-//   - a directory still at the path it had in P (same inode, same flags):
-//     D holds a plain directory there only if something below changed;
+//   - a directory still at the path it had in P (same inode): D holds a
+//     plain directory there only if something below changed;
 //   - a directory moved since P (its inode was at q in P): D holds it with
 //     the absolute redirect "/q", so its lower content continues at the
-//     copy Lp holds at q (whatever Lp's own flags say below);
+//     copy Lp holds at q (whatever Lp's own flags say below), and entries
+//     of q in P missing now become whiteouts;
 //   - any other directory is new: copied whole, with U's flags, and made
 //     opaque if Lp had something at that path;
 //   - a non-directory is copied when new or changed (inode, ctime, mtime,
@@ -161,10 +162,14 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 		cur.opaque, cur.redirect = dirFlags(cfd)
 		z.fp[cp] = cur
 		cd := &lazyDir{parent: d, name: name}
+		// The same directory (inode) as in P, possibly moved since (its
+		// redirect, pointing at its origin in the base, may have been added
+		// by the move: routing lookups through Lp's copy at pq reaches the
+		// same origin). Only a directory that became opaque hides what Lp
+		// holds and is written as new.
 		pq, known := z.prevDirs[cur.ino]
-		if known {
-			o := z.prev[pq]
-			known = o.opaque == cur.opaque && o.redirect == cur.redirect
+		if known && cur.opaque && !z.prev[pq].opaque {
+			known = false
 		}
 		switch {
 		case known && merge && pq == qp:

@@ -11,20 +11,24 @@
 //     freezes the upper into a lower and pushes a fresh upper inside the
 //     kernel; Switch replaces the stack in place. Open fds and cwds of live
 //     processes follow (lazy redirection by a generation counter).
-//   - Stock overlayfs (this host): Checkpoint freezes the upper by copying
-//     its entries into a new layer — reflink (FICLONE) on XFS or btrfs, so
-//     the cost grows with the number of entries changed since the view was
-//     mounted, not with their size; a plain copy elsewhere (FreezeMode
-//     says which). The live mount is not touched, so open fds and cwds stay
-//     valid and keep writing to the live upper, which is what a checkpoint
-//     of a running sandbox needs. Switch mounts a new overlay over the
-//     target stack with a fresh upper beneath the old mount
-//     (MOVE_MOUNT_BENEATH) and lazily detaches the old one: the view
-//     changes atomically for new lookups, but processes that still hold
-//     fds or a cwd on the old mount keep seeing the old tree. That is fine
-//     for rewind's restore, where the cr engine re-creates the process
+//   - Stock overlayfs (this host): the live upper cannot be swapped, so
+//     Checkpoint copies the upper's entries changed since the previous
+//     checkpoint into a new delta layer stacked on that checkpoint's
+//     layers (a full copy of the upper every 16th time, bounding the
+//     chain). Data is reflinked (FICLONE) on XFS or btrfs, so the cost
+//     grows with the number of entries changed, not with their size; it is
+//     copied elsewhere (FreezeMode says which). The live mount is not
+//     touched, so open fds and cwds stay valid and keep writing to the live
+//     upper, which is what a checkpoint of a running sandbox needs. Switch
+//     mounts a new overlay over the target stack with a fresh upper beneath
+//     the old mount (MOVE_MOUNT_BENEATH) and lazily detaches the old one:
+//     the view changes atomically for new lookups, but processes that still
+//     hold fds or a cwd on the old mount keep seeing the old tree. That is
+//     fine for rewind's restore, where the cr engine re-creates the process
 //     tree after the switch, and it is precisely why the patched ioctl
-//     exists.
+//     exists. Compact merges the layers under the live upper into one
+//     (overlayfs semantics: whiteouts, opaque and redirected directories)
+//     and rewrites the checkpoint records that use them.
 //
 // btrfs subvolume snapshots were measured and rejected as the freeze
 // mechanism: overlayfs treats every subvolume of one btrfs as one file
