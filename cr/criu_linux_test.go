@@ -236,3 +236,41 @@ func TestRestoreIntoOtherSandboxes(t *testing.T) {
 		t.Fatal("foreign fork succeeded")
 	}
 }
+
+func TestLoadImagesAfterRestart(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	bashChat(t, live, "export V=before-restart")
+	images := t.TempDir()
+	e1, err := New(Config{ImagesDir: images})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e1.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e1.WaitImage(ctxT(t), "c"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e1.Close(); err != nil { // the daemon goes away: templates die, images stay
+		t.Fatal(err)
+	}
+	bashChat(t, live, "export V=after")
+	e2 := newEngine(t, Config{ImagesDir: images})
+	loaded, err := e2.LoadImages()
+	if err != nil || len(loaded) != 1 || loaded[0].ID != "c" || loaded[0].Mode != ModeTemplate {
+		t.Fatalf("loaded %+v, %v", loaded, err)
+	}
+	stdio, sessions := freshStdio(t, sb)
+	res, err := e2.Restore(ctxT(t), sb, "c", RestoreOptions{Stdio: stdio})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "criu" {
+		t.Fatalf("path %q", res.Path)
+	}
+	if got := bashChat(t, <-sessions, "echo $V"); got != "before-restart" {
+		t.Fatalf("restored: %q", got)
+	}
+}

@@ -219,16 +219,20 @@ func New(cfg Config) (*Engine, error) {
 	}, nil
 }
 
-// Close kills every template and stops the tracer.
+// Close kills every template and stops the tracer. Images stay on disk
+// (Drop removes them); another engine can pick them up with LoadImages.
 func (e *Engine) Close() error {
 	e.mu.Lock()
-	ids := make([]string, 0, len(e.ckpts))
-	for id := range e.ckpts {
-		ids = append(ids, id)
+	cs := make([]*ckpt, 0, len(e.ckpts))
+	for _, c := range e.ckpts {
+		cs = append(cs, c)
 	}
 	e.mu.Unlock()
-	for _, id := range ids {
-		e.Drop(id)
+	for _, c := range cs {
+		if c.imageDone != nil {
+			<-c.imageDone
+		}
+		e.dropTemplates(c)
 	}
 	e.tracer.Close()
 	if e.runner != nil {

@@ -73,6 +73,9 @@ func (e *Engine) dumpTemplates(c *ckpt, t Target) {
 	} else {
 		c.image.Image = true
 		c.image.ImageDir = filepath.Dir(e.imageDir(c, 0))
+		if err := writeMeta(c); err != nil {
+			e.log.Warn("write checkpoint metadata", "checkpoint", c.rec.ID, "err", err)
+		}
 	}
 	close(c.imageDone)
 	e.mu.Unlock()

@@ -73,6 +73,9 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 	c.stoppedNS = wasStopped
 	c.image = Parts{Image: true, ImageDir: filepath.Dir(e.imageDir(c, 0))}
 	c.rec.Frozen = time.Since(start)
+	if err := writeMeta(c); err != nil {
+		e.log.Warn("write checkpoint metadata", "checkpoint", c.rec.ID, "err", err)
+	}
 	return nil
 }
 
