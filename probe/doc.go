@@ -33,8 +33,9 @@
 // layer (the daemon's case) it is never attached.
 //
 // The userspace backend (NewUserspace) needs no eBPF: it compares /proc
-// snapshots of the cgroup's processes taken at Begin and at End, and reads
-// file-system effects from Target.FS.
+// snapshots of the cgroup's processes taken at Begin and at End, counts
+// forks and execs with the proc connector, and reads file-system effects
+// from Target.FS.
 //
 // Both backends share the snapshot comparison, so they agree on the fields
 // it fills.
@@ -44,9 +45,13 @@
 //	field                        eBPF                                userspace
 //	FS.*                         Target.FS if set; else syscall      Target.FS; if nil, LostEvents=1
 //	                             counts (see below), BytesWritten=0
-//	Proc.Forked                  every fork/clone (not threads)      new processes alive at End
-//	Proc.Execs, ExecSamples      every successful exec               new or re-exec'd processes alive at End
-//	                             (Argv0 = executed file name)        (Argv0 = argv[0])
+//	Proc.Forked                  every fork/clone (not threads)      every fork by a sandbox process (proc
+//	                                                                 connector); without it, new processes
+//	                                                                 alive at End
+//	Proc.Execs, ExecSamples      every successful exec               every exec (proc connector; comm and
+//	                             (Argv0 = executed file name)        argv[0] read from /proc, empty if the
+//	                                                                 process is already gone); without it,
+//	                                                                 new or re-exec'd processes at End
 //	Proc.Exited                  snapshot: alive at Begin, gone at End (both)
 //	Proc.Alive                   snapshot: processes in the cgroup at End (both)
 //	Proc.NewLongLived, LongLived snapshot: alive at End, born in the turn (both)
@@ -63,11 +68,15 @@
 //	Net.BytesSent                bytes sent on inet sockets          0 (invisible)
 //	LostEvents                   ring-buffer samples dropped         1 when Target.FS is nil, else 0
 //
-// Legitimate differences: the userspace backend sees only processes and
-// sockets alive at the snapshots, so a short-lived process (a one-shot cat)
-// leaves Forked/Execs at 0 there, and a short-lived remote connection is
-// invisible; the eBPF backend counts every event (but sees only TCP
-// connections, not UDP datagrams). A policy that wants both
+// Legitimate differences: the userspace backend sees sockets only when
+// alive at the snapshots, so a short-lived remote connection is invisible
+// to it; the eBPF backend counts every TCP connect (but not UDP datagrams).
+// The userspace backend learns of forks and execs from the proc connector
+// (NETLINK_CONNECTOR, host-wide, attributed to the sandbox by following
+// forks from its known processes, or by /proc/PID/cgroup for a process
+// spawned into the cgroup from outside, which it may miss if the process is
+// gone before its exec is read); without the connector it sees only
+// processes alive at End, so a one-shot cat leaves Forked/Execs at 0. A policy that wants both
 // backends to agree must decide skip on FSChanged(), NetChanged(),
 // NewLongLived, Exited, CwdChanges and Mem.PagesWritten, which are computed
 // identically (FS from the same source) — not on Forked or Execs, which for

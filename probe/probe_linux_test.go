@@ -237,3 +237,35 @@ func TestNextSplitsTurns(t *testing.T) {
 		})
 	}
 }
+
+// TestShortLivedProcesses checks that both backends count processes born
+// and dead within the turn (the userspace backend through the proc
+// connector).
+func TestShortLivedProcesses(t *testing.T) {
+	for _, p := range openBoth(t) {
+		t.Run(p.Backend(), func(t *testing.T) {
+			cg, dir := newCgroup(t), t.TempDir()
+			writeFile(t, filepath.Join(dir, "f"), "x\n")
+			bash := startShell(t, cg, dir, false)
+			w, err := p.Begin(Target{Sandbox: "short", CgroupV2Dir: cg, FS: NewDirSource(dir)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			bash.run("cat f >/dev/null; ls >/dev/null; (sleep 0.3)")
+			r, err := w.End()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The userspace backend reads comm from /proc when the exec is
+			// reported: a process that ran briefly may be gone by then.
+			comms := map[string]bool{}
+			for _, x := range r.Proc.ExecSamples {
+				comms[x.Comm] = true
+			}
+			okComms := comms["sleep"] && (p.Backend() == BackendUserspace || comms["cat"] && comms["ls"])
+			if r.Proc.Forked < 3 || r.Proc.Execs < 3 || !okComms || r.Proc.NewLongLived != 0 || r.LostEvents != 0 {
+				t.Fatalf("forked %d execs %d samples %+v new %d lost %d", r.Proc.Forked, r.Proc.Execs, r.Proc.ExecSamples, r.Proc.NewLongLived, r.LostEvents)
+			}
+		})
+	}
+}

@@ -16,6 +16,8 @@ type userspaceProbe struct {
 	turns  *turns
 	mu     sync.Mutex
 	closed bool
+	conn   *procConn // fork/exec events; nil until the first Begin or if unavailable
+	connOK bool      // conn was tried
 }
 
 // NewUserspace returns the userspace backend. It never fails on Linux.
@@ -33,7 +35,27 @@ func (p *userspaceProbe) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true
+	if p.conn != nil {
+		p.conn.close()
+		p.conn = nil
+	}
 	return nil
+}
+
+// procConn opens the proc connector once; nil if it is unavailable (then
+// only the snapshots count processes).
+func (p *userspaceProbe) procConn() *procConn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.connOK && !p.closed {
+		p.connOK = true
+		c, err := openProcConn()
+		if err != nil {
+			p.log.Info("probe: proc connector unavailable; short-lived processes are not counted", "err", err)
+		}
+		p.conn = c
+	}
+	return p.conn
 }
 
 func (p *userspaceProbe) Begin(t Target) (Window, error) {
@@ -54,9 +76,20 @@ func (p *userspaceProbe) Begin(t Target) (Window, error) {
 	if t.FS != nil {
 		t.FS.TakeFSEffects() // effects before the turn belong to no turn
 	}
+	if c := p.procConn(); c != nil {
+		if w.sub, err = c.subscribe(t.CgroupV2Dir, t.Exclude); err != nil {
+			p.turns.release(t.Sandbox)
+			return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
+		}
+		w.conn = c
+	}
 	if w.begin, err = takeSnapshot(t.CgroupV2Dir, true, t.Exclude); err != nil {
+		w.unsubscribe()
 		p.turns.release(t.Sandbox)
 		return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
+	}
+	if w.sub != nil {
+		w.conn.addMembers(w.sub, w.begin)
 	}
 	return w, nil
 }
@@ -68,8 +101,16 @@ type userWindow struct {
 	turn  uint64
 	began time.Time
 	begin *snapshot
+	conn  *procConn
+	sub   *connSub
 	mu    sync.Mutex
 	done  bool
+}
+
+func (w *userWindow) unsubscribe() {
+	if w.sub != nil {
+		w.conn.unsubscribe(w.sub)
+	}
 }
 
 func (w *userWindow) Abort() {
@@ -77,6 +118,7 @@ func (w *userWindow) Abort() {
 	defer w.mu.Unlock()
 	if !w.done {
 		w.done = true
+		w.unsubscribe()
 		w.p.turns.release(w.t.Sandbox)
 	}
 }
@@ -108,22 +150,43 @@ func (w *userWindow) finish(next bool) (*effect.Report, *userWindow, error) {
 	} else {
 		r.LostEvents = 1 // file-system effects are invisible to this backend
 	}
+	var forked, execs, lost uint64
+	var samples []effect.Exec
+	if w.sub != nil {
+		forked, execs, lost, samples = w.conn.take(w.sub, next)
+	}
 	end, err := takeSnapshot(w.t.CgroupV2Dir, true, w.t.Exclude)
 	if err != nil {
+		w.unsubscribe()
 		w.p.turns.release(w.t.Sandbox)
 		return nil, nil, fmt.Errorf("end %s turn %d: %w", w.t.Sandbox, w.turn, err)
 	}
 	d := applySnapshots(r, w.begin, end, w.t.InitPID)
 	applySockets(r, w.begin, end)
-	// Only processes alive at End are visible: lower bounds.
-	r.Proc.Forked = d.New
-	r.Proc.Execs = d.New + d.Reexec
-	r.Proc.ExecSamples = d.NewExecs
+	if w.sub != nil {
+		// Every fork and exec of the sandbox's processes, from the proc
+		// connector; the snapshots see at least the survivors.
+		r.Proc.Forked = max(forked, d.New)
+		r.Proc.Execs = max(execs, d.New+d.Reexec)
+		r.Proc.ExecSamples = samples
+		if len(samples) == 0 {
+			r.Proc.ExecSamples = d.NewExecs
+		}
+		r.LostEvents += lost
+	} else {
+		// Only processes alive at End are visible: lower bounds.
+		r.Proc.Forked = d.New
+		r.Proc.Execs = d.New + d.Reexec
+		r.Proc.ExecSamples = d.NewExecs
+	}
 	if !next {
 		w.p.turns.release(w.t.Sandbox)
 		return r, nil, nil
 	}
-	nw := &userWindow{p: w.p, t: w.t, turn: w.p.turns.advance(w.t.Sandbox), began: ended, begin: end}
+	nw := &userWindow{p: w.p, t: w.t, turn: w.p.turns.advance(w.t.Sandbox), began: ended, begin: end, conn: w.conn, sub: w.sub}
+	if w.sub != nil {
+		w.conn.addMembers(w.sub, end)
+	}
 	return r, nw, nil
 }
 
