@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command initbin is a minimal program that can serve as a sandbox init
 // (it imports package sandbox). Tests build it without cgo to exercise the
 // init path that changes every thread's credentials in place.
