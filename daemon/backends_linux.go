@@ -484,11 +484,12 @@ func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, p
 	// cr's templates and warm spares are rewind's processes, not effects
 	// of the agent's turn.
 	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID(),
-		Exclude: a.eng.IsTemplate}
+		Exclude: pw.exclude}
 	if fm, ok := mount.(*fsMount); ok {
 		t.FS = fm.f
 	}
 	pw.t = t
+	pw.refreshLive()
 	w, err := a.p.Begin(t)
 	if err != nil {
 		return nil, err
@@ -504,6 +505,39 @@ type probeWindow struct {
 	sb  *sandbox.Sandbox
 	t   probe.Target
 	w   probe.Window
+
+	liveMu sync.Mutex
+	live   map[int]bool // the agent's processes as cr sees them
+}
+
+// refreshLive asks cr which processes are the agent's (templates, warm
+// spares and init excluded).
+func (w *probeWindow) refreshLive() {
+	procs, err := w.eng.Processes(w.sb)
+	live := map[int]bool{}
+	for _, p := range procs {
+		live[p.PID] = true
+	}
+	w.liveMu.Lock()
+	if err == nil {
+		w.live = live
+	} else {
+		w.live = nil
+	}
+	w.liveMu.Unlock()
+}
+
+// exclude hides cr's helper processes from the probe: they are rewind's,
+// not effects of the agent's turn. cr's view of the live processes is
+// taken right before each window boundary; IsTemplate covers helpers made
+// since.
+func (w *probeWindow) exclude(pid int) bool {
+	if w.eng.IsTemplate(pid) {
+		return true
+	}
+	w.liveMu.Lock()
+	defer w.liveMu.Unlock()
+	return w.live != nil && !w.live[pid]
 }
 
 func (w *probeWindow) End(context.Context) (*effect.Report, error) {
@@ -512,6 +546,7 @@ func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	if w.w == nil {
 		return nil, errors.New("no probe window open")
 	}
+	w.refreshLive()
 	rep, err := w.w.End()
 	w.w = nil
 	return rep, err
@@ -523,6 +558,7 @@ func (w *probeWindow) Begin(context.Context) error {
 	if w.w != nil {
 		return nil
 	}
+	w.refreshLive()
 	nw, err := w.p.Begin(w.t)
 	if err != nil {
 		return err

@@ -211,3 +211,93 @@ func persistentBash(t *testing.T, setup, undo, check, want string) {
 		t.Fatalf("bash after restore: %q", got)
 	}
 }
+
+func TestRealPythonHeapAndFork(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "py"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "py", api.SessionRequest{ID: "repl", Argv: []string{"python3", "-i", "-q"}}); err != nil {
+		t.Fatal(err)
+	}
+	py := func(sb, line string) string {
+		t.Helper()
+		out, err := c.Send(ctx, sb, "repl", api.SendRequest{Text: line + "; print('@@done@@')", Until: "@@done@@", TimeoutMS: 30000})
+		if err != nil {
+			t.Fatalf("%s: send %q: %v (%q)", sb, line, err, out)
+		}
+		out = strings.ReplaceAll(out, ">>> ", "")
+		return strings.TrimSpace(strings.ReplaceAll(out, "@@done@@", ""))
+	}
+	py("py", "import random; heap = {i: str(i) * 100 for i in range(20000)}; heap['who'] = 'original'")
+	ck, err := c.Turn(ctx, "py", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	py("py", "heap.clear(); heap['who'] = 'changed'")
+	if _, err := c.Restore(ctx, "py", ck.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := py("py", "print(len(heap), heap['who'], heap[19999][:5])"); got != "20001 original 19999" {
+		t.Fatalf("python heap after restore: %q", got)
+	}
+	// Fork: each rollout has its own copy of the interpreter.
+	f, err := c.Fork(ctx, ck.ID, api.ForkRequest{Count: 2, Prefix: "roll"})
+	if err != nil {
+		t.Fatalf("fork: %v", err)
+	}
+	for i, n := range f.Sandboxes {
+		py(n, "heap['who'] = open('/run/rewind/copy').read().strip()")
+		if got := py(n, "print(heap['who'], len(heap))"); got != string(rune('1'+i))+" 20001" {
+			t.Fatalf("%s: %q", n, got)
+		}
+	}
+	if got := py("py", "print(heap['who'])"); got != "original" {
+		t.Fatalf("source after its rollouts changed their copies: %q", got)
+	}
+}
+
+// TestRealRacingRestores: two restores carrying the same epoch race; one
+// wins, the other is rejected as stale, and the sandbox is consistent.
+func TestRealRacingRestores(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "r"}); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, v := range []string{"a", "b"} {
+		sh(t, c, "r", "echo "+v+" > /f")
+		ck, err := c.Turn(ctx, "r", api.TurnRequest{Mode: "full", Wait: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, ck.ID)
+	}
+	sb, _ := c.Get(ctx, "r")
+	errs := make(chan error, 2)
+	for _, id := range ids {
+		go func() { _, err := c.Restore(ctx, "r", id, sb.Epoch); errs <- err }()
+	}
+	var stale, ok int
+	for range 2 {
+		err := <-errs
+		switch {
+		case err == nil:
+			ok++
+		case errors.Is(err, state.ErrStaleEpoch):
+			stale++
+		default:
+			t.Fatalf("racing restore: %v", err)
+		}
+	}
+	if ok != 1 || stale != 1 {
+		t.Fatalf("racing restores: %d succeeded, %d stale", ok, stale)
+	}
+	after, _ := c.Get(ctx, "r")
+	want := map[string]string{ids[0]: "a", ids[1]: "b"}[after.Head]
+	if got := sh(t, c, "r", "cat /f"); got != want || after.Epoch != sb.Epoch+1 {
+		t.Fatalf("after the race: head %s epoch %d, /f = %q (want %q)", after.Head, after.Epoch, got, want)
+	}
+}
