@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/rewind-sandbox/rewind/cr"
@@ -64,6 +65,14 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg)}
 
 	be := &backendSet{fs: fsb, proc: pb, names: map[string]string{"fs": "fuse", "proc": "sandbox+cr"}}
+	be.collectors = append(be.collectors,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "rewind_template_pool_templates", Help: "Template processes held by the process checkpoint engine."},
+			func() float64 { return float64(eng.Stats().Templates) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "rewind_template_pool_checkpoints", Help: "Process checkpoints held by the engine."},
+			func() float64 { return float64(eng.Stats().Checkpoints) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "rewind_template_pool_private_dirty_bytes", Help: "Private dirty memory of templates and spares."},
+			func() float64 { return float64(eng.Stats().PrivateDirty) }),
+	)
 	if p, err := probe.Open(probe.Options{Logger: log}); err != nil {
 		log.Warn("no effect probe: auto turns take full checkpoints", "err", err)
 		be.names["probe"] = "none"

@@ -301,3 +301,59 @@ func TestRealRacingRestores(t *testing.T) {
 		t.Fatalf("after the race: head %s epoch %d, /f = %q (want %q)", after.Head, after.Epoch, got, want)
 	}
 }
+
+// TestRealGC: GC through the API frees exactly the unreachable branch,
+// restores of what it kept still work, and freed ids are clear errors.
+func TestRealGC(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "g"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "g", api.SessionRequest{ID: "sh", Argv: []string{"bash", "--norc"}}); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for i, v := range []string{"root", "keep", "drop1", "drop2"} {
+		sh(t, c, "g", "echo "+v+" > /f")
+		mode := "full"
+		if i%2 == 1 {
+			mode = "fs"
+		}
+		ck, err := c.Turn(ctx, "g", api.TurnRequest{Mode: mode, Wait: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, ck.ID)
+	}
+	if _, err := c.Pin(ctx, []string{ids[1]}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Restore(ctx, "g", ids[0], 0); err != nil {
+		t.Fatal(err)
+	}
+	res, err := c.GC(ctx, false)
+	if err != nil || len(res.Errors) > 0 {
+		t.Fatalf("gc: %+v %v", res, err)
+	}
+	freed := map[string]bool{}
+	for _, id := range res.Freed {
+		freed[id] = true
+	}
+	if len(freed) != 2 || !freed[ids[2]] || !freed[ids[3]] {
+		t.Fatalf("gc freed %v, want %v", res.Freed, ids[2:])
+	}
+	if _, err := c.Restore(ctx, "g", ids[3], 0); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("restore of a freed checkpoint: %v", err)
+	}
+	if _, err := c.Restore(ctx, "g", ids[1], 0); err != nil {
+		t.Fatalf("restore of the pinned checkpoint: %v", err)
+	}
+	if got := sh(t, c, "g", "cat /f"); got != "keep" {
+		t.Fatalf("/f = %q", got)
+	}
+	m, err := c.Metrics(ctx)
+	if err != nil || !strings.Contains(m, "rewind_gc_freed_checkpoints_total 2") || !strings.Contains(m, "rewind_template_pool_templates") {
+		t.Fatalf("metrics after gc: %v", err)
+	}
+}
