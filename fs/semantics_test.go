@@ -903,3 +903,32 @@ func TestPassthrough(t *testing.T) {
 func TestDifferentialPassthrough(t *testing.T) {
 	runDifferentialOpts(t, 7, 1500, Options{Passthrough: true})
 }
+
+func TestTakeFSEffects(t *testing.T) {
+	fx := mountT(t, func(l string) { mustWrite(t, l+"/old", "o") }, Options{})
+	if e := fx.fs.TakeFSEffects(); e.UpperNonEmpty || e.Created+e.Modified+e.Deleted != 0 {
+		t.Fatalf("fresh mount reports effects: %+v", e)
+	}
+	// Reads change nothing.
+	mustRead(t, fx.p("old"))
+	os.ReadDir(fx.mp)
+	if e := fx.fs.TakeFSEffects(); e.UpperNonEmpty || e.Created+e.Modified+e.Deleted+e.MetaChanged+e.Renamed != 0 {
+		t.Fatalf("reads reported as effects: %+v", e)
+	}
+	mustWrite(t, fx.p("new"), "12345")
+	os.Remove(fx.p("old"))
+	os.Rename(fx.p("new"), fx.p("renamed"))
+	os.Chmod(fx.p("renamed"), 0o600)
+	e := fx.fs.TakeFSEffects()
+	if e.Created != 1 || e.Deleted != 1 || e.Renamed != 1 || e.MetaChanged != 1 || e.BytesWritten != 5 || !e.UpperNonEmpty {
+		t.Fatalf("effects %+v", e)
+	}
+	if len(e.Samples) == 0 || e.Samples[0].Op != "create" || e.Samples[0].Path != "/new" {
+		t.Fatalf("samples %+v", e.Samples)
+	}
+	// Counters reset; after a checkpoint the upper is empty again.
+	fx.checkpoint(t)
+	if e := fx.fs.TakeFSEffects(); e.UpperNonEmpty || e.Created != 0 {
+		t.Fatalf("after checkpoint: %+v", e)
+	}
+}

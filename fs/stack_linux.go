@@ -19,9 +19,48 @@ type layerDir struct {
 	path string
 	fd   int // O_PATH directory fd of the layer root
 
-	// Frozen layers never change: their directory listings are cached.
+	// Frozen layers never change: their directory listings and the
+	// entries looked up in them are cached, so a lookup through hundreds
+	// of layers costs map lookups, not system calls.
 	idxMu sync.Mutex
 	idx   map[string]map[string]bool // dir path -> names (frozen layers only)
+	ents  map[string]*layerEnt       // path -> entry (frozen layers only)
+}
+
+// layerEnt is a cached entry of a frozen layer.
+type layerEnt struct {
+	err      error
+	st       unix.Stat_t
+	opaque   bool
+	redirect string
+}
+
+// stat returns the entry at p in l; cached when l is frozen.
+func (l *layerDir) stat(p string, frozen bool) *layerEnt {
+	if frozen {
+		l.idxMu.Lock()
+		if e, ok := l.ents[p]; ok {
+			l.idxMu.Unlock()
+			return e
+		}
+		l.idxMu.Unlock()
+	}
+	e := &layerEnt{}
+	e.err = unix.Fstatat(l.fd, p, &e.st, unix.AT_SYMLINK_NOFOLLOW)
+	if e.err == nil && e.st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		hp := l.path + "/" + p
+		e.opaque = layer.IsOpaque(hp)
+		e.redirect = layer.Redirect(hp)
+	}
+	if frozen {
+		l.idxMu.Lock()
+		if l.ents == nil || len(l.ents) > 1<<17 {
+			l.ents = map[string]*layerEnt{} // bound memory
+		}
+		l.ents[p] = e
+		l.idxMu.Unlock()
+	}
+	return e
 }
 
 // stack is an immutable description of a view: a writable upper over
@@ -200,14 +239,15 @@ func lookupEntry(st *stack, psrcs []src, pvpath, name string, skipUpper bool) (e
 				continue
 			}
 		}
-		var s unix.Stat_t
-		err := unix.Fstatat(l.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW)
+		le := l.stat(p, l != st.upper)
+		err := le.err
 		if err == unix.ENOENT || err == unix.ENOTDIR {
 			continue
 		}
 		if err != nil {
 			return e, false, err
 		}
+		s := le.st
 		if layer.IsWhiteout(&s) {
 			break
 		}
@@ -228,11 +268,10 @@ func lookupEntry(st *stack, psrcs []src, pvpath, name string, skipUpper bool) (e
 		if l == st.top[len(st.top)-1] {
 			break
 		}
-		hp := l.path + "/" + p
-		if layer.IsOpaque(hp) {
+		if le.opaque {
 			break
 		}
-		if r := layer.Redirect(hp); r != "" {
+		if r := le.redirect; r != "" {
 			if strings.HasPrefix(r, "/") {
 				redirect = path.Clean(strings.TrimPrefix(r, "/"))
 				if redirect == "" || redirect == "." || strings.HasPrefix(redirect, "../") {

@@ -32,6 +32,7 @@ type benchFSOpts struct {
 	skipIO   bool
 	skipFOFS bool
 	asJSON   bool
+	pt       bool
 }
 
 type fsBenchRow struct {
@@ -70,6 +71,7 @@ overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
 	f.BoolVar(&o.skipIO, "no-io", false, "skip the I/O rows")
 	f.BoolVar(&o.skipFOFS, "no-fuse-overlayfs", false, "skip the fuse-overlayfs baseline")
 	f.BoolVar(&o.asJSON, "json", false, "print JSON rows")
+	f.BoolVar(&o.pt, "passthrough", true, "mount rewind with FUSE passthrough for the I/O rows")
 	return cmd
 }
 
@@ -117,12 +119,12 @@ type fsBenchEnv struct {
 	st   *layer.Store
 }
 
-func (e *fsBenchEnv) mount(name string, lowers []string) (*fs.FS, string, error) {
+func (e *fsBenchEnv) mount(name string, lowers []string, pt bool) (*fs.FS, string, error) {
 	mp := filepath.Join(e.root, "mnt-"+name)
 	if err := os.MkdirAll(mp, 0o755); err != nil {
 		return nil, "", err
 	}
-	f, err := fs.Mount(e.st, mp, fs.Options{MountID: name, Lowers: lowers})
+	f, err := fs.Mount(e.st, mp, fs.Options{MountID: name, Lowers: lowers, Passthrough: pt})
 	return f, mp, err
 }
 
@@ -152,7 +154,7 @@ func runBenchFS(cmd *cobra.Command, o benchFSOpts) error {
 		if err := fsMakeFiles(lower, n); err != nil {
 			return fmt.Errorf("bench fs: %w", err)
 		}
-		f, mp, err := env.mount(fmt.Sprintf("ckpt%d", n), []string{lower})
+		f, mp, err := env.mount(fmt.Sprintf("ckpt%d", n), []string{lower}, false)
 		if err != nil {
 			return fmt.Errorf("bench fs: %w", err)
 		}
@@ -190,7 +192,7 @@ func runBenchFS(cmd *cobra.Command, o benchFSOpts) error {
 			return fmt.Errorf("bench fs: %w", err)
 		}
 		for _, d := range o.deltas {
-			f, mp, err := env.mount(fmt.Sprintf("restore%d", d), []string{lower})
+			f, mp, err := env.mount(fmt.Sprintf("restore%d", d), []string{lower}, false)
 			if err != nil {
 				return fmt.Errorf("bench fs: %w", err)
 			}
@@ -286,7 +288,7 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 	plainW := filepath.Join(env.root, "plain-w")
 	os.MkdirAll(plainW, 0o755)
 	targets := []fsIOTarget{{name: "plain", dir: plainW, close: func() {}}}
-	f, mp, err := env.mount("io", []string{lower})
+	f, mp, err := env.mount("io", []string{lower}, o.pt)
 	if err != nil {
 		return nil, fmt.Errorf("bench fs: %w", err)
 	}
@@ -317,8 +319,11 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 		{fmt.Sprintf("seq write %d MiB", o.ioMiB), "<=1.1x", func(dir, _ string) error {
 			return fsWriteRandom(filepath.Join(dir, "seqw"), int64(o.ioMiB)<<20)
 		}},
-		{fmt.Sprintf("seq read %d MiB", o.ioMiB), "<=1.1x", func(_, rd string) error {
+		{fmt.Sprintf("seq read %d MiB (lower file)", o.ioMiB), "<=1.1x", func(_, rd string) error {
 			return fsReadAll(filepath.Join(rd, "big"))
+		}},
+		{fmt.Sprintf("seq read %d MiB (written in the view)", o.ioMiB), "<=1.1x", func(dir, _ string) error {
+			return fsReadAll(filepath.Join(dir, "seqw"))
 		}},
 		{fmt.Sprintf("create+write+close %d files", o.small), "<=1.3x", func(dir, _ string) error {
 			d := filepath.Join(dir, "small")
@@ -361,6 +366,7 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			}
 			if strings.HasPrefix(c.name, "seq read") {
 				_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
+				_ = fsReadAll(filepath.Join(tg.dir, "seqw"))
 			}
 			t0 := time.Now()
 			if err := c.run(tg.dir, readDir); err != nil {
