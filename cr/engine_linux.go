@@ -383,7 +383,33 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		e.add(c)
 		return &c.rec, nil
 	}
-	tmpls, frozen, err := e.makeTemplates(ctx, t, procs, opts.Barrier)
+	// A process that exits while being stopped fails the attempt; as long
+	// as the barrier has not run, list again and retry.
+	var tmpls []*template
+	var frozen time.Duration
+	for attempt := 0; ; attempt++ {
+		ran := false
+		barrier := func() error {
+			ran = true
+			if opts.Barrier != nil {
+				return opts.Barrier()
+			}
+			return nil
+		}
+		tmpls, frozen, err = e.makeTemplates(ctx, t, procs, barrier)
+		if err == nil || ran || attempt == 2 || ctx.Err() != nil {
+			break
+		}
+		e.log.Debug("checkpoint retry", "checkpoint", opts.ID, "err", err)
+		if procs, err = e.processes(t); err != nil {
+			break
+		}
+		rec.Procs = procs
+		if why := templatable(t.InitPID(), procs); why != "" || len(procs) == 0 {
+			err = fmt.Errorf("processes changed during the checkpoint (%s)", why)
+			break
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint %s: %w", opts.ID, err)
 	}

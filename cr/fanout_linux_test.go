@@ -154,3 +154,34 @@ func TestDropSandboxLeavesNoStoppedProcess(t *testing.T) {
 	}
 	_ = os.Getpid()
 }
+
+func TestCheckpointWhileProcessesComeAndGo(t *testing.T) {
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	e := newEngine(t, Config{})
+	// Short-lived children appear and vanish while checkpoints are taken
+	// (a process tree, and no ImagesDir for the CRIU path): every
+	// checkpoint must fail cleanly or succeed; the shell keeps working and
+	// nothing stays stopped.
+	bashChat(t, live, "(for i in $(seq 300); do /bin/true; done) & true")
+	ok := 0
+	for i := 0; i < 20; i++ {
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: fmt.Sprint(i)}); err == nil {
+			ok++
+		}
+	}
+	bashChat(t, live, "wait")
+	if got := bashChat(t, live, "echo alive"); got != "alive" {
+		t.Fatalf("shell: %q", got)
+	}
+	procs, _ := e.Processes(sb)
+	for _, p := range procs {
+		if st, _ := procState(p.PID); st == 'T' || st == 't' {
+			t.Fatalf("process %d (%s) left stopped", p.PID, p.Comm)
+		}
+	}
+	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "final"}); err != nil {
+		t.Fatalf("checkpoint of the quiet shell: %v", err)
+	}
+	t.Logf("%d of 20 checkpoints during churn succeeded", ok)
+}
