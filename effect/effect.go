@@ -71,6 +71,8 @@ type PathSample struct {
 type Proc struct {
 	Forked uint64 `json:"forked"`
 	Execs  uint64 `json:"execs"`
+	// Exited counts processes alive at turn start and gone at turn end;
+	// processes born and reaped within the turn are not counted.
 	Exited uint64 `json:"exited"`
 	// Alive is the number of sandbox processes alive at turn end.
 	Alive uint64 `json:"alive"`

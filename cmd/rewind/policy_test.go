@@ -42,7 +42,7 @@ func TestPolicyTestCommand(t *testing.T) {
 					t.Errorf("output lacks %q:\n%s", w, out.String())
 				}
 			}
-			if !strings.Contains(errOut.String(), "18 reports") {
+			if !strings.Contains(errOut.String(), "19 reports") {
 				t.Errorf("summary: %s", errOut.String())
 			}
 		})

@@ -45,7 +45,6 @@
     (i64.load (i32.add (local.get $p) (i32.add (i32.const 8) (i32.shl (local.get $i) (i32.const 3))))))
 
   (func (export "rewind_classify") (param $p i32) (param $n i32) (result i64)
-    (local $transient i64)
     ;; Header: at least 8 + 24*8 bytes, magic "RW", wire version 1, >= 24 counters.
     (if (i32.or
           (i32.or (i32.lt_u (local.get $n) (i32.const 200))
@@ -59,10 +58,9 @@
     ;; 14 Proc.NewLongLived
     (if (i64.ne (call $counter (local.get $p) (i32.const 14)) (i64.const 0))
       (then (return (call $out (i32.const 48) (i32.const 25)))))
-    ;; NewLongLived is 0 here, so every forked process (10) was transient;
-    ;; more exits (12) than that means a pre-existing process died.
-    (local.set $transient (call $counter (local.get $p) (i32.const 10)))
-    (if (i64.gt_u (call $counter (local.get $p) (i32.const 12)) (local.get $transient))
+    ;; 12 Proc.Exited: processes alive at turn start and gone at its end
+    ;; (processes born and reaped within the turn are not counted).
+    (if (i64.ne (call $counter (local.get $p) (i32.const 12)) (i64.const 0))
       (then (return (call $out (i32.const 80) (i32.const 30)))))
     ;; 17 Mem.PagesWritten
     (if (i64.ne (call $counter (local.get $p) (i32.const 17)) (i64.const 0))

@@ -76,19 +76,11 @@ func Effects(r *effect.Report) (guest.Decision, string) {
 }
 
 // PreexistingExited returns how many processes that existed before the turn
-// exited during it: exits beyond those of the processes born and reaped in
-// the turn (Forked - NewLongLived).
-func PreexistingExited(r *effect.Report) uint64 {
-	p := &r.Proc
-	transient := uint64(0)
-	if p.Forked > p.NewLongLived {
-		transient = p.Forked - p.NewLongLived
-	}
-	if p.Exited > transient {
-		return p.Exited - transient
-	}
-	return 0
-}
+// exited during it. Both probe backends count exactly that in Proc.Exited
+// (processes alive at turn start and gone at its end), so a process born
+// and reaped within the turn never counts, and a pre-existing one that died
+// always does, however many transient processes the turn also forked.
+func PreexistingExited(r *effect.Report) uint64 { return r.Proc.Exited }
 
 // Always takes a full checkpoint every turn: the safe baseline.
 func Always(*effect.Report) (guest.Decision, string) { return guest.Full, "always" }

@@ -12,11 +12,11 @@ func TestPreexistingExited(t *testing.T) {
 		forked, longLived, exited, want uint64
 	}{
 		{0, 0, 0, 0},
-		{1, 0, 1, 0}, // a transient child
-		{3, 1, 2, 0}, // two transient, one still running
+		{1, 0, 0, 0}, // a transient child: born and reaped, not in Exited
+		{3, 1, 0, 0}, // two transient, one still running
 		{0, 0, 1, 1}, // a pre-existing process died
-		{2, 0, 3, 1},
-		{1, 2, 0, 0}, // inconsistent counts never underflow
+		{1, 0, 1, 1}, // a pre-existing server killed by a turn that also forked once
+		{2, 0, 3, 3},
 	}
 	for _, tt := range tests {
 		r := effect.Report{Proc: effect.Proc{Forked: tt.forked, NewLongLived: tt.longLived, Exited: tt.exited}}
