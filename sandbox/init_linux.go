@@ -205,6 +205,12 @@ func dropCapsAllThreads() error {
 		if keptMask()&(1<<c) != 0 {
 			continue
 		}
+		// The init is started with a bounding set of keptCaps and
+		// setupCaps only (startReduced): most are gone already, and
+		// every all-thread syscall stops the world.
+		if in, err := unix.PrctlRetInt(unix.PR_CAPBSET_READ, c, 0, 0, 0); err == nil && in == 0 {
+			continue
+		}
 		if _, _, e := syscall.AllThreadsSyscall(unix.SYS_PRCTL, unix.PR_CAPBSET_DROP, c, 0); e != 0 {
 			if e == syscall.ENOTSUP {
 				return errNoAllThreads
@@ -291,11 +297,22 @@ func lastCap() int {
 	return 40
 }
 
+// setupCaps are the capabilities the init needs, on top of keptCaps, to
+// build the sandbox (mounts, pivot_root, sethostname; device nodes;
+// loopback up). The init is started with no others (startReduced).
+var setupCaps = []uintptr{unix.CAP_SYS_ADMIN, unix.CAP_MKNOD, unix.CAP_NET_ADMIN}
+
 // dropBoundingSet drops every capability but keptCaps from the calling
 // thread's bounding set.
 func dropBoundingSet() error {
+	return dropBoundingExcept(keptMask())
+}
+
+// dropBoundingExcept drops every capability not in keep from the calling
+// thread's bounding set.
+func dropBoundingExcept(keep uint64) error {
 	for c := uintptr(0); c <= uintptr(lastCap()); c++ {
-		if keptMask()&(1<<c) != 0 {
+		if keep&(1<<c) != 0 {
 			continue
 		}
 		if err := unix.Prctl(unix.PR_CAPBSET_DROP, c, 0, 0, 0); err != nil {

@@ -369,7 +369,7 @@ func spawnInit(initPath string, hostNet bool, cgroupFD int, log *slog.Logger) (*
 		cmd.SysProcAttr.UseCgroupFD = true
 		cmd.SysProcAttr.CgroupFD = cgroupFD
 	}
-	err = cmd.Start()
+	err = startReduced(cmd)
 	childEnd.Close()
 	if err != nil {
 		c.close()
@@ -381,6 +381,27 @@ func spawnInit(initPath string, hostNet bool, cgroupFD int, log *slog.Logger) (*
 		close(ip.done)
 	}()
 	return ip, nil
+}
+
+// startReduced starts cmd from a fresh OS thread whose capability bounding
+// set holds only what the init needs (keptCaps and setupCaps): the init
+// never has the others, so it drops few after its setup. The thread ends
+// with the goroutine (locked, never unlocked).
+func startReduced(cmd *exec.Cmd) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		keep := keptMask()
+		for _, c := range setupCaps {
+			keep |= 1 << c
+		}
+		if err := dropBoundingExcept(keep); err != nil {
+			errc <- fmt.Errorf("start init: %w", err)
+			return
+		}
+		errc <- cmd.Start()
+	}()
+	return <-errc
 }
 
 // kill ends an init that never became a sandbox.
