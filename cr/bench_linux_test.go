@@ -181,40 +181,42 @@ func waitSpare(e *Engine, id string) {
 }
 
 func BenchmarkCRIURestore(b *testing.B) {
-	for _, sz := range benchSizes {
-		b.Run(sz.name, func(b *testing.B) {
-			needCRIU(b)
-			sb, _ := benchTarget(b, sz.bytes)
-			e := newEngine(b, Config{ImagesDir: b.TempDir()})
-			if _, err := e.Checkpoint(ctxT(b), sb, CheckpointOptions{ID: "c"}); err != nil {
-				b.Fatal(err)
-			}
-			if err := e.WaitImage(ctxT(b), "c"); err != nil {
-				b.Fatal(err)
-			}
-			ls := newLastSession(b, sb)
-			var ds []time.Duration
-			var s session
-			for i := 0; i < b.N; i++ {
-				if err := e.Evict("c"); err != nil {
+	for _, lazy := range []bool{false, true} {
+		for _, sz := range benchSizes {
+			b.Run(fmt.Sprintf("lazy=%v/%s", lazy, sz.name), func(b *testing.B) {
+				needCRIU(b)
+				sb, _ := benchTarget(b, sz.bytes)
+				e := newEngine(b, Config{ImagesDir: b.TempDir(), LazyPages: lazy})
+				if _, err := e.Checkpoint(ctxT(b), sb, CheckpointOptions{ID: "c"}); err != nil {
 					b.Fatal(err)
 				}
-				t0 := time.Now()
-				res, err := e.Restore(ctxT(b), sb, "c", RestoreOptions{Stdio: ls.fn})
-				if err != nil {
+				if err := e.WaitImage(ctxT(b), "c"); err != nil {
 					b.Fatal(err)
 				}
-				ds = append(ds, time.Since(t0))
-				if res.Path != "criu" {
-					b.Fatalf("path %s", res.Path)
+				ls := newLastSession(b, sb)
+				var ds []time.Duration
+				var s session
+				for i := 0; i < b.N; i++ {
+					if err := e.Evict("c"); err != nil {
+						b.Fatal(err)
+					}
+					t0 := time.Now()
+					res, err := e.Restore(ctxT(b), sb, "c", RestoreOptions{Stdio: ls.fn})
+					if err != nil {
+						b.Fatal(err)
+					}
+					ds = append(ds, time.Since(t0))
+					if res.Path != e.imagePath() {
+						b.Fatalf("path %s", res.Path)
+					}
+					s = ls.take()
 				}
-				s = ls.take()
-			}
-			if got := pyChat(b, s, "print(len(buf))"); got != strconv.Itoa(sz.bytes) {
-				b.Fatalf("restored copy answers %q", got)
-			}
-			report(b, ds)
-		})
+				if got := pyChat(b, s, "print(len(buf))"); got != strconv.Itoa(sz.bytes) {
+					b.Fatalf("restored copy answers %q", got)
+				}
+				report(b, ds)
+			})
+		}
 	}
 }
 

@@ -67,12 +67,18 @@ func TestCRIURunnerInNamespace(t *testing.T) {
 }
 
 func TestTemplateMissRestoresFromImage(t *testing.T) {
+	for _, lazy := range []bool{false, true} {
+		t.Run(fmt.Sprintf("lazy=%v", lazy), func(t *testing.T) { testTemplateMiss(t, lazy) })
+	}
+}
+
+func testTemplateMiss(t *testing.T, lazy bool) {
 	needCRIU(t)
 	sb := startSandbox(t, "bash", "--norc", "--noprofile")
 	live := session{in: sb.in, out: sb.out}
 	x := t.TempDir()
 	bashChat(t, live, "cd "+x+"; export V=1; f() { echo fun-$1; }")
-	e := newEngine(t, Config{ImagesDir: t.TempDir(), Logger: testLogger()})
+	e := newEngine(t, Config{ImagesDir: t.TempDir(), LazyPages: lazy})
 	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +98,11 @@ func TestTemplateMissRestoresFromImage(t *testing.T) {
 	bashChat(t, live, "cd /; export V=2; f() { echo other; }")
 	want := x + " 1 fun-x"
 	stdio, sessions := freshStdio(t, sb)
-	for i, path := range []string{"criu", "template"} {
+	first := "criu"
+	if lazy {
+		first = "criu-lazy"
+	}
+	for i, path := range []string{first, "template"} {
 		res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{Stdio: stdio})
 		if err != nil {
 			t.Fatal(err)
@@ -272,5 +282,40 @@ func TestLoadImagesAfterRestart(t *testing.T) {
 	}
 	if got := bashChat(t, <-sessions, "echo $V"); got != "before-restart" {
 		t.Fatalf("restored: %q", got)
+	}
+}
+
+func TestPython200MBFromImage(t *testing.T) {
+	for _, lazy := range []bool{false, true} {
+		t.Run(fmt.Sprintf("lazy=%v", lazy), func(t *testing.T) {
+			needCRIU(t)
+			sb := startSandbox(t, "python3", "-u", "-c", pyLoop)
+			live := session{in: sb.in, out: sb.out}
+			pyChat(t, live, "a = [i * 7 for i in range(5_600_000)]; d = {str(i): i * i for i in range(100_000)}")
+			const probe = "print(sum(a), len(a), a[123456], len(d), d['777'], d.get('x'))"
+			want := pyChat(t, live, probe)
+			e := newEngine(t, Config{ImagesDir: t.TempDir(), LazyPages: lazy})
+			if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "py"}); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.WaitImage(ctxT(t), "py"); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Evict("py"); err != nil {
+				t.Fatal(err)
+			}
+			pyChat(t, live, "a[123456] = -1; del a[100:]; d['x'] = 1")
+			stdio, sessions := freshStdio(t, sb)
+			res, err := e.Restore(ctxT(t), sb, "py", RestoreOptions{Stdio: stdio})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.HasPrefix(res.Path, "criu") {
+				t.Fatalf("path %q", res.Path)
+			}
+			if got := pyChat(t, <-sessions, probe); got != want {
+				t.Fatalf("restored python: %q, want %q", got, want)
+			}
+		})
 	}
 }

@@ -50,6 +50,9 @@ type Config struct {
 	// so a restore only rewires stdio and the restored process meets no
 	// copy-on-write faults (async-warm).
 	Warm bool
+	// LazyPages restores images with CRIU lazy pages (userfaultfd): the
+	// restore returns before the memory is copied in.
+	LazyPages bool
 	// Logger receives engine logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -692,6 +695,9 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
 			}
 			res.Path = "criu"
+			if c.rec.Mode == ModeTemplate {
+				res.Path = e.imagePath()
+			}
 			res.Procs = procs
 		}
 		res.Duration = time.Since(start)
@@ -761,7 +767,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	if err := e.restoreTemplatesFromImage(ctx, c, t); err != nil {
 		return nil, fmt.Errorf("restore %s from image: %w", id, err)
 	}
-	res.Path = "criu"
+	res.Path = e.imagePath()
 	procs, err := e.spawn(c, opts, false)
 	if err != nil {
 		return nil, fmt.Errorf("restore %s: %w", id, err)
@@ -929,6 +935,14 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, err
 		}
 	}
 	return out, nil
+}
+
+// imagePath names the restore path taken from an image.
+func (e *Engine) imagePath() string {
+	if e.cfg.LazyPages {
+		return "criu-lazy"
+	}
+	return "criu"
 }
 
 // tmpls returns a snapshot of c's templates.

@@ -222,7 +222,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 		return nil, err
 	}
 	for _, im := range imgs {
-		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir})
+		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Lazy: e.cfg.LazyPages})
 		if err != nil {
 			return fail(err)
 		}

@@ -41,6 +41,7 @@ so that its RSS is about each --sizes value (MB), and measures N times each:
   restore template       Restore by forking the template (fresh stdio, session adopted)
   restore template+warm  the same with a pre-forked, pre-faulted spare (Config.Warm)
   restore criu           template evicted: CRIU restore of the image, then fork
+  restore criu lazy      the same with CRIU lazy pages (userfaultfd)
   checkpoint frozen      how long the agent is stopped per checkpoint (template path)
   first write            writing one byte per page after a restore (copy-on-write faults),
                          without and with warm; baseline: the same loop a second time
@@ -273,6 +274,33 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 					crl = append(crl, time.Since(t0))
 				}
 				row("restore criu (evicted)", crl, "fork()", forkL)
+				// The same with lazy pages (userfaultfd), from a second
+				// engine that loads the images (as after a restart).
+				if err := e.Evict("f0"); err != nil {
+					return err
+				}
+				el, err := cr.New(cr.Config{ImagesDir: images, LazyPages: true, Logger: quiet})
+				if err != nil {
+					return err
+				}
+				defer el.Close()
+				if _, err := el.LoadImages(); err != nil {
+					return err
+				}
+				var lazyL latencies
+				for i := 0; i < min(n, 10); i++ {
+					_ = el.Evict("f0")
+					t0 := time.Now()
+					res, err := el.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio})
+					if err != nil {
+						return err
+					}
+					if res.Path != "criu-lazy" {
+						return fmt.Errorf("restore took path %s", res.Path)
+					}
+					lazyL = append(lazyL, time.Since(t0))
+				}
+				row("restore criu lazy-pages", lazyL, "fork()", forkL)
 			} else {
 				row("restore template+warm", restore, "fork()", forkL)
 				row("first write (warm)", first, "second pass", second)

@@ -20,6 +20,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
@@ -160,10 +161,11 @@ type DumpOptions struct {
 	LeaveRunning bool
 }
 
-// LogName is the log file criu writes into an image directory.
+// Log files criu writes into an image directory.
 const (
 	DumpLog    = "dump.log"
 	RestoreLog = "restore.log"
+	LazyLog    = "lazy-pages.log"
 )
 
 func ptr[T any](v T) *T { return &v }
@@ -225,6 +227,11 @@ type RestoreOptions struct {
 	NSInit int
 	// Dir is the image directory.
 	Dir string
+	// Lazy restores memory on demand: a `criu lazy-pages` daemon (started
+	// here, in the same namespaces) serves the pages through userfaultfd
+	// and copies the rest in the background, so the restore returns before
+	// the memory is in.
+	Lazy bool
 	// Inherit maps CRIU file keys (e.g. "pipe:[12345]") to files the
 	// restored processes get in place of the dumped ones.
 	Inherit map[string]*os.File
@@ -260,11 +267,65 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	}
 	opts := baseOpts(RestoreLog)
 	opts.RstSibling = ptr(false)
+	if o.Lazy {
+		stop, err := r.startLazyPages(w, o.Dir)
+		if err != nil {
+			return 0, &Error{Op: "lazy-pages", Log: filepath.Join(o.Dir, LazyLog), Err: err}
+		}
+		defer stop()
+		opts.LazyPages = ptr(true)
+	}
 	n := &notify{}
 	if err := runCtx(ctx, c, func() error { return c.Restore(opts, n) }); err != nil {
 		return 0, &Error{Op: "restore", Log: filepath.Join(o.Dir, RestoreLog), Err: err}
 	}
 	return int(n.pid), nil
+}
+
+// startLazyPages starts `criu lazy-pages` for dir (through the same
+// namespace wrapper, with the binary as fd 3 and the image dir as fd 4) and
+// waits for its socket. go-criu has no request for this daemon, so it is
+// run as a command. The returned stop reaps the daemon in the background:
+// it exits by itself once every page is in, and must not be killed before
+// (the restored process would fault on missing pages).
+func (r *Runner) startLazyPages(wrapper, dir string) (func(), error) {
+	bin, err := os.Open(r.Path)
+	if err != nil {
+		return nil, err
+	}
+	defer bin.Close()
+	d, err := os.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	sock := filepath.Join(dir, "lazy-pages.socket")
+	_ = os.Remove(sock)
+	cmd := exec.Command(wrapper, "lazy-pages", "--images-dir", "/proc/self/fd/4", "-o", LazyLog, "-v4")
+	cmd.ExtraFiles = []*os.File{bin, d}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		select {
+		case err := <-done:
+			return nil, fmt.Errorf("lazy-pages exited early: %v", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			_ = cmd.Process.Kill()
+			<-done
+			return nil, errors.New("lazy-pages socket did not appear")
+		}
+		time.Sleep(200 * time.Microsecond)
+	}
+	return func() { go func() { <-done }() }, nil
 }
 
 // criu prepares a go-criu handle: the criu binary becomes fd 3 and the
