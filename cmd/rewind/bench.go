@@ -26,6 +26,7 @@ func newBenchCmd() *cobra.Command {
 	}
 	cmd.AddCommand(newBenchTurnCmd())
 	cmd.AddCommand(newBenchMCTSCmd())
+	cmd.AddCommand(newBenchFanoutCmd())
 	cmd.AddCommand(newBenchPolicyCmd())
 	cmd.AddCommand(newBenchSandboxCmd())
 	cmd.AddCommand(newBenchFSCmd())

@@ -138,3 +138,51 @@ func writeReport(dir string, rep *bench.Report) error {
 	}
 	return nil
 }
+
+func newBenchFanoutCmd() *cobra.Command {
+	var (
+		o      clientOpts
+		counts []int
+		step   float64
+	)
+	cmd := &cobra.Command{
+		Use:   "fanout",
+		Short: "Time until N forks of one checkpoint all run a first command, vs copying",
+		Long: `fanout checkpoints a sandbox holding the benchmark repository and a persistent
+bash, forks it into N live sandboxes (each with its own namespaces and upper layer
+over the shared frozen layers) and waits until every copy has run a first command.
+The baseline copies the repository N times with cp -a and starts a shell in each.
+With a simulated trainer step, it prints the fraction of time a trainer would wait
+for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms.`,
+		Example: "  rewind bench fanout -n 16,32,64\n  rewind bench fanout -n 64 --trainer-step-ms 2000 --json",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			rows, err := bench.RunFanout(cmd.Context(), bench.FanoutOptions{Counts: counts, Client: c, TrainerStepMS: step, Progress: cmd.ErrOrStderr()})
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"trainer_step_ms": step, "rows": rows})
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "| system | n | ready ms | fork/copy ms | trainer wait | GPU util | mem MiB | disk MiB |\n|---|---|---|---|---|---|---|---|\n")
+			for _, r := range rows {
+				if r.Error != "" {
+					fmt.Fprintf(w, "| %s | %d | error: %s | | | | | |\n", r.Name, r.N, r.Error)
+					continue
+				}
+				fmt.Fprintf(w, "| %s | %d | %.1f | %.1f | %.1f%% | %.1f%% | %.1f | %.1f |\n", r.Name, r.N, r.ReadyMS, r.ForkMS,
+					100*r.TrainerWait, 100*r.GPUUtil, float64(r.MemDeltaBytes)/(1<<20), float64(r.DiskBytes)/(1<<20))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().IntSliceVarP(&counts, "n", "n", []int{16, 32, 64}, "fan-out widths")
+	cmd.Flags().Float64Var(&step, "trainer-step-ms", 5000, "simulated trainer step the rollouts feed")
+	o.add(cmd)
+	return cmd
+}

@@ -1,0 +1,197 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/client"
+)
+
+// FanoutOptions configures RunFanout.
+type FanoutOptions struct {
+	// Counts of forks to make from one checkpoint (default 16, 32, 64).
+	Counts []int
+	// Client reaches the rewind daemon.
+	Client *client.Client
+	// TrainerStepMS is the simulated trainer step the rollouts feed
+	// (default 5000 ms): the trainer waits while forks come up.
+	TrainerStepMS float64
+	// Parent holds the baselines' copies (default: a temp dir).
+	Parent   string
+	Progress io.Writer
+}
+
+// FanoutRow is one system at one fan-out width.
+type FanoutRow struct {
+	Name string `json:"name"`
+	N    int    `json:"n"`
+	// ReadyMS is the time until all N copies run and have each executed a
+	// first command.
+	ReadyMS float64 `json:"ready_ms"`
+	// ForkMS is the fork call alone (rewind) or the copying (baselines).
+	ForkMS float64 `json:"fork_ms"`
+	// TrainerWait is ReadyMS/(ReadyMS+TrainerStepMS): the fraction of time
+	// a trainer would wait for its rollouts; GPUUtil is 1 - TrainerWait.
+	TrainerWait float64 `json:"trainer_wait"`
+	GPUUtil     float64 `json:"gpu_util"`
+	// MemDeltaBytes is the drop in MemAvailable while the copies exist.
+	MemDeltaBytes int64  `json:"mem_delta_bytes"`
+	DiskBytes     int64  `json:"disk_bytes"`
+	Error         string `json:"error,omitempty"`
+}
+
+func memAvailable() int64 {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == "MemAvailable:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb * 1024
+		}
+	}
+	return 0
+}
+
+// RunFanout measures rewind's fork of a running sandbox (a persistent bash
+// with the benchmark repository) into N live copies against copying the
+// repository N times (cp -a) and starting a shell in each.
+func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
+	if len(o.Counts) == 0 {
+		o.Counts = []int{16, 32, 64}
+	}
+	if o.TrainerStepMS <= 0 {
+		o.TrainerStepMS = 5000
+	}
+	setup := setupCommands()
+	var rows []FanoutRow
+	finishRow := func(r FanoutRow) FanoutRow {
+		r.TrainerWait = r.ReadyMS / (r.ReadyMS + o.TrainerStepMS)
+		r.GPUUtil = 1 - r.TrainerWait
+		if o.Progress != nil {
+			fmt.Fprintf(o.Progress, "fanout %s n=%d: ready in %.1f ms %s\n", r.Name, r.N, r.ReadyMS, r.Error)
+		}
+		return r
+	}
+	if o.Client != nil {
+		m := &rewindManager{c: o.Client, policy: "always"}
+		if err := m.Start(ctx, setup); err != nil {
+			return nil, fmt.Errorf("rewind: %w", err)
+		}
+		defer m.Close()
+		id, _, err := m.Checkpoint(ctx) // waits until durable
+		if err != nil {
+			return nil, fmt.Errorf("rewind: checkpoint: %w", err)
+		}
+		for _, n := range o.Counts {
+			rows = append(rows, finishRow(fanoutRewind(ctx, o.Client, id, n)))
+		}
+	}
+	for _, n := range o.Counts {
+		rows = append(rows, finishRow(fanoutCopy(ctx, o.Parent, setup, n)))
+	}
+	return rows, nil
+}
+
+func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) FanoutRow {
+	row := FanoutRow{Name: "rewind-fork", N: n}
+	mem0 := memAvailable()
+	start := time.Now()
+	res, err := c.Fork(ctx, ckpt, api.ForkRequest{Count: n, Prefix: fmt.Sprintf("fan%d-%d", n, time.Now().UnixNano()%1e6)})
+	if err != nil {
+		row.Error = err.Error()
+		return row
+	}
+	row.ForkMS = ms(time.Since(start))
+	defer func() {
+		for _, sb := range res.Sandboxes {
+			_ = c.Remove(context.WithoutCancel(ctx), sb)
+		}
+	}()
+	var wg sync.WaitGroup
+	errs := make(chan error, len(res.Sandboxes))
+	for _, sb := range res.Sandboxes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var out strings.Builder
+			code, err := c.Exec(ctx, sb, api.ExecRequest{Argv: []string{"sh", "-c", "cat /run/rewind/copy 2>/dev/null; ls " + RepoDir + " >/dev/null"}}, &out, io.Discard)
+			if err == nil && code != 0 {
+				err = fmt.Errorf("first command in %s exited %d", sb, code)
+			}
+			errs <- err
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	row.ReadyMS = ms(time.Since(start))
+	row.MemDeltaBytes = mem0 - memAvailable()
+	for err := range errs {
+		if err != nil && row.Error == "" {
+			row.Error = err.Error()
+		}
+	}
+	return row
+}
+
+func fanoutCopy(ctx context.Context, parent string, setup []string, n int) FanoutRow {
+	row := FanoutRow{Name: "cp-a", N: n}
+	b := &copyBaseline{dirBase: dirBase{name: "fanout-cp"}, mode: "cp", parent: parent}
+	if err := b.Start(ctx, setup); err != nil {
+		row.Error = err.Error()
+		return row
+	}
+	defer b.Close()
+	mem0 := memAvailable()
+	start := time.Now()
+	var shells []*shell
+	defer func() {
+		for _, s := range shells {
+			s.kill()
+		}
+	}()
+	for i := 0; i < n; i++ {
+		dst := filepath.Join(b.root, "snaps", strconv.Itoa(i))
+		if err := exec.CommandContext(ctx, "cp", "-a", b.repo, dst).Run(); err != nil {
+			row.Error = err.Error()
+			return row
+		}
+	}
+	row.ForkMS = ms(time.Since(start))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	for i := 0; i < n; i++ {
+		dst := filepath.Join(b.root, "snaps", strconv.Itoa(i))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := startShell(dst, dst)
+			if err == nil {
+				_, _, err = s.run(ctx, "ls $R >/dev/null")
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if s != nil {
+				shells = append(shells, s)
+			}
+			if err != nil && row.Error == "" {
+				row.Error = err.Error()
+			}
+		}()
+	}
+	wg.Wait()
+	row.ReadyMS = ms(time.Since(start))
+	row.MemDeltaBytes = mem0 - memAvailable()
+	row.DiskBytes = duBytes(filepath.Join(b.root, "snaps"))
+	return row
+}
