@@ -62,7 +62,19 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("cr: %w", err))
 	}
 	closers = append(closers, func() { eng.Close() })
-	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg)}
+	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}}
+	// Checkpoints whose CRIU images survived the previous daemon (or host)
+	// stay restorable: the engine re-registers them from ImagesDir.
+	if cks, err := eng.LoadImages(); err != nil {
+		log.Warn("process images from an earlier run not loaded", "err", err)
+	} else {
+		for _, ck := range cks {
+			pb.images[ck.ID] = true
+		}
+		if len(cks) > 0 {
+			log.Info("process images from an earlier run", "checkpoints", len(cks))
+		}
+	}
 
 	be := &backendSet{fs: fsb, proc: pb, names: map[string]string{"fs": "fuse", "proc": "sandbox+cr"}}
 	be.collectors = append(be.collectors,
@@ -249,9 +261,10 @@ func (m *fsMount) Unmount() error {
 
 // procBackend implements state.ProcBackend with sandbox and cr.
 type procBackend struct {
-	eng  *cr.Engine
-	log  *slog.Logger
-	hide []string
+	eng    *cr.Engine
+	log    *slog.Logger
+	hide   []string
+	images map[string]bool // cr checkpoints re-registered from disk at start
 }
 
 func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
@@ -269,13 +282,13 @@ func (b *procBackend) Release(_ context.Context, part *state.ProcPart) error {
 	return nil
 }
 
-// Recover: templates and the engine's records die with the daemon. A part
-// with no processes needs nothing to come back; others need cr to adopt
-// their images, which it cannot yet.
+// Recover: templates die with the daemon; a part with no processes needs
+// nothing to come back, and a part whose image the engine re-registered
+// from disk comes back through CRIU.
 func (b *procBackend) Recover(_ context.Context, part *state.ProcPart) *state.ProcPart {
 	np := *part
 	np.TemplateReady = false
-	np.ImageReady = part.Data["mode"] == string(cr.ModeEmpty)
+	np.ImageReady = part.Data["mode"] == string(cr.ModeEmpty) || b.images[part.Data["cr"]]
 	return &np
 }
 

@@ -102,6 +102,10 @@ func TestCrashRecovery(t *testing.T) {
 				}
 			}
 			write("durable")
+			if _, err := c.StartSession(ctx, "a", api.SessionRequest{ID: "sh", Argv: []string{"bash", "--norc", "--noprofile"}}); err != nil {
+				t.Fatal(err)
+			}
+			send(t, c, "a", "sh", "cd /work && export V=kept; echo @@done@@")
 			durable, err := c.Turn(ctx, "a", api.TurnRequest{Mode: "full", Wait: true})
 			if err != nil || !durable.Durable {
 				t.Fatalf("durable checkpoint: %+v %v", durable, err)
@@ -137,6 +141,10 @@ func TestCrashRecovery(t *testing.T) {
 			}
 			if got := strings.TrimSpace(out.String()); got != "durable" {
 				t.Fatalf("/work/f after restore = %q", got)
+			}
+			t.Logf("restored after the crash via %s in %d µs", r.Path, r.ElapsedUS)
+			if got := send(t, c2, "a", "sh", `echo "$PWD $V"; echo @@done@@`); got != "/work kept" {
+				t.Fatalf("shell after crash + restore (path %s): %q", r.Path, got)
 			}
 			// Work goes on.
 			write("after")
