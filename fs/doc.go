@@ -34,7 +34,29 @@
 // copies the file up into the current upper and reopens it there, so a
 // frozen layer is never written.
 //
-// Kernel caching is on (long entry/attr/negative timeouts, keep_cache);
-// correctness across a switch comes from explicit invalidation of exactly
-// the paths the layers above the common ancestor touch.
+// Kernel caching is on (long entry/attr/negative timeouts, keep_cache,
+// cached readdir); correctness across a switch comes from explicit
+// invalidation of exactly the paths the layers above the common ancestor
+// touch (directories that stay directories keep their dentry, so cwds and
+// mounts on top survive a switch).
+//
+// # Checkpoint cost
+//
+// Checkpoint takes the write barrier, swaps a pre-created empty upper in,
+// bumps the generation and appends one line to the mount's journal (the
+// commit point); the checkpoint record file, its fsync and the next spare
+// upper are written by a background worker. Frozen layers never change, so
+// their directory listings and entries are cached in memory: re-resolving
+// after a checkpoint, or looking up through hundreds of layers, costs map
+// lookups rather than system calls.
+//
+// # Passthrough (Options.Passthrough)
+//
+// The kernel fixes an inode's io mode while any file is open on it, and a
+// passthrough backing file cannot be re-targeted. Passthrough is therefore
+// only used for files whose data is in the writable upper, and the
+// checkpoint and switch paths move such a file's live inode into the new
+// upper (copying its content into the frozen layer, resp. the target's
+// content into it): descriptors behave exactly as without passthrough, at
+// a cost proportional to the size of the files held open that way.
 package fs

@@ -932,3 +932,24 @@ func TestTakeFSEffects(t *testing.T) {
 		t.Fatalf("after checkpoint: %+v", e)
 	}
 }
+
+func TestODirect(t *testing.T) {
+	fx := mountT(t, nil, Options{})
+	fd, err := unix.Open(fx.p("direct"), unix.O_CREAT|unix.O_RDWR|unix.O_DIRECT, 0o644)
+	if err != nil {
+		t.Fatalf("O_DIRECT open: %v", err)
+	}
+	defer unix.Close(fd)
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	copy(buf, "direct data")
+	if _, err := unix.Pwrite(fd, buf, 0); err != nil {
+		t.Fatalf("O_DIRECT write: %v", err)
+	}
+	if got := mustRead(t, fx.p("direct")); !strings.HasPrefix(got, "direct data") {
+		t.Fatalf("read back %q", got[:11])
+	}
+}
