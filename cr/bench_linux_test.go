@@ -291,3 +291,49 @@ func pyExec(t testing.TB, s session, code string) string {
 	t.Helper()
 	return pyChat(t, s, fmt.Sprintf("exec(%q)", code))
 }
+
+// BenchmarkFanOut: time until N copies of one checkpoint all run (Fork
+// returns once every copy is released), and the memory they add (private
+// dirty bytes of all copies right after the fork).
+func BenchmarkFanOut(b *testing.B) {
+	for _, n := range []int{16, 32, 64} {
+		b.Run(fmt.Sprintf("copies=%d/15MB", n), func(b *testing.B) {
+			sb, _ := benchTarget(b, 6<<20)
+			e := newEngine(b, Config{})
+			if _, err := e.Checkpoint(ctxT(b), sb, CheckpointOptions{ID: "c"}); err != nil {
+				b.Fatal(err)
+			}
+			var ds []time.Duration
+			var dirty int64
+			for i := 0; i < b.N; i++ {
+				// Every copy gets its own stdin pipe (kept open, so the
+				// copies wait for input like a real session).
+				var keep []*os.File
+				stdio := func(Proc) (*Stdio, error) {
+					r, w, err := os.Pipe()
+					if err != nil {
+						return nil, err
+					}
+					keep = append(keep, w)
+					return &Stdio{Stdin: fmt.Sprintf("%s/%d/fd/%d", sb.hostProc, os.Getpid(), r.Fd()), Started: func(int) error { return r.Close() }}, nil
+				}
+				t0 := time.Now()
+				cs, err := e.Fork(ctxT(b), sb, "c", n, RestoreOptions{Stdio: stdio})
+				if err != nil {
+					b.Fatal(err)
+				}
+				ds = append(ds, time.Since(t0))
+				dirty = 0
+				for _, c := range cs {
+					dirty += privateDirty(c[0].PID)
+					killPid(c[0].PID)
+				}
+				for _, w := range keep {
+					w.Close()
+				}
+			}
+			report(b, ds)
+			b.ReportMetric(float64(dirty)/float64(n)/1024, "KiB-private/copy")
+		})
+	}
+}
