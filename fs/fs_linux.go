@@ -273,8 +273,10 @@ func (f *FS) initialStack() (*stack, error) {
 func (f *FS) buildStack(lowers, frozen []string, upper, base string) (*stack, error) {
 	var fl, ll []*layerDir
 	for _, id := range frozen {
-		if err := f.store.CheckLayer(id); err != nil {
-			return nil, err
+		if !f.reg.has(id) {
+			if err := f.store.CheckLayer(id); err != nil {
+				return nil, err
+			}
 		}
 		l, err := f.reg.open(id, f.store.LayerPath(id))
 		if err != nil {

@@ -125,6 +125,12 @@ func (r *layers) open(id, p string) (*layerDir, error) {
 	return l, nil
 }
 
+func (r *layers) has(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.byID[id] != nil
+}
+
 func (r *layers) drop(l *layerDir) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
