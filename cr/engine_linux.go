@@ -185,6 +185,7 @@ type template struct {
 	orig    Proc
 	proc    *inject.Proc
 	spare   *inject.Proc // pre-forked warmed copy (Config.Warm)
+	warming *inject.Proc // spare being pre-faulted
 	aux     []int        // copies being dumped
 	dirty   int64
 }
@@ -258,6 +259,9 @@ func (e *Engine) templatePids(sb string) map[int]bool {
 			if t.spare != nil {
 				m[t.spare.Pid()] = true
 			}
+			if t.warming != nil {
+				m[t.warming.Pid()] = true
+			}
 			for _, p := range t.aux {
 				m[p] = true
 			}
@@ -286,7 +290,7 @@ func (e *Engine) IsTemplate(pid int) bool {
 	defer e.mu.Unlock()
 	for _, c := range e.ckpts {
 		for _, t := range c.templates {
-			if t.proc.Pid() == pid || (t.spare != nil && t.spare.Pid() == pid) {
+			if t.proc.Pid() == pid || (t.spare != nil && t.spare.Pid() == pid) || (t.warming != nil && t.warming.Pid() == pid) {
 				return true
 			}
 			for _, p := range t.aux {
@@ -429,7 +433,7 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 	if c.imageDone != nil {
 		go e.dumpTemplates(c, t)
 	}
-	e.enforceBounds()
+	go e.enforceBounds()
 	return &rec, nil
 }
 
@@ -527,34 +531,42 @@ func (e *Engine) prepareTemplate(tm *template) {
 		e.log.Debug("template stdio", "pid", tm.proc.Pid(), "err", err)
 	}
 	if e.cfg.Warm {
-		e.makeSpare(tm, true)
+		go e.makeSpare(tm) // waits for the sandbox lock Checkpoint holds
 	}
 }
 
 // makeSpare forks a copy of the template and pre-faults its private
 // writable memory while it is still stopped (no race with its own writes).
-func (e *Engine) makeSpare(tm *template, locked bool) {
-	if !locked {
+// The sandbox lock is held only for the fork; pre-faulting runs unlocked.
+func (e *Engine) makeSpare(tm *template) {
+	sp := func() *inject.Proc {
 		l := e.sandboxLock(tm.sandbox)
 		l.Lock()
 		defer l.Unlock()
-	}
-	e.mu.Lock()
-	have := tm.spare != nil || tm.dropped
-	e.mu.Unlock()
-	if have {
+		e.mu.Lock()
+		busy := tm.spare != nil || tm.warming != nil || tm.dropped
+		e.mu.Unlock()
+		if busy {
+			return nil
+		}
+		sp, err := tm.proc.Fork(true)
+		if err != nil {
+			e.log.Debug("spare fork", "pid", tm.proc.Pid(), "err", err)
+			return nil
+		}
+		e.mu.Lock()
+		tm.warming = sp
+		e.mu.Unlock()
+		return sp
+	}()
+	if sp == nil {
 		return
 	}
-	sp, err := tm.proc.Fork(true)
-	if err != nil {
-		e.log.Debug("spare fork", "pid", tm.proc.Pid(), "err", err)
-		return
-	}
-	// The spare is stopped, so pre-faulting races with nothing.
 	if err := Prefault(sp.Pid()); err != nil {
 		e.log.Debug("prefault spare", "pid", sp.Pid(), "err", err)
 	}
 	e.mu.Lock()
+	tm.warming = nil
 	dropped := tm.dropped
 	if !dropped {
 		tm.spare = sp
@@ -931,7 +943,7 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, err
 	}
 	if useSpare && e.cfg.Warm {
 		for _, tm := range e.tmpls(c) {
-			go e.makeSpare(tm, false)
+			go e.makeSpare(tm)
 		}
 	}
 	return out, nil
