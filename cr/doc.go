@@ -3,13 +3,31 @@
 // A checkpoint of a sandbox's processes is, on the fast path, a set of
 // templates: stopped copies of every process, made by injecting
 // clone(CLONE_PARENT|SIGCHLD) into the running process with ptrace (see
-// cr/inject). Templates share all pages with the live process until either
-// writes (copy-on-write). A restore kills the live processes and forks the
-// templates again: fork copies page tables only, so its cost hardly grows
-// with memory size. Restored copies get fresh stdio, opened inside the copy
-// from paths the caller supplies.
+// cr/inject), so each template is a sibling of its process and a child of
+// the sandbox's init. Templates share all pages with the live process until
+// either writes (copy-on-write); they stay ptrace-stopped, attached to the
+// engine's tracer thread, with /dev/null as stdio.
+//
+// A restore forks the templates again (the copies are made before the old
+// processes are killed, so the page-table copy does not compete with their
+// teardown), kills the live processes, runs the caller's file-system switch
+// and releases the copies with fresh stdio opened inside them from paths
+// the caller supplies. With Config.Warm a pre-forked, pre-faulted spare of
+// each template waits ready (async-warm): a restore then needs no fork and
+// the restored process meets no copy-on-write faults.
+//
+// With Config.ImagesDir every template checkpoint also gets a CRIU image,
+// written in the background from a stopped copy of each template (the agent
+// never waits), with a checkpoint.json describing it. The pool of templates
+// is bounded by count and private dirty memory; a template is evicted only
+// once its image exists (or the checkpoint was hinted unreachable). A
+// template miss restores the template from the image (optionally with
+// lazy pages) and forks it; images also restore into other sandboxes and
+// after a daemon restart (LoadImages).
 //
 // Multi-threaded processes and process trees cannot be rebuilt by template
-// fork; those checkpoints take the CRIU path (cr/criu) instead. Templates
-// live in a pool bounded by count and private dirty memory.
+// fork; their checkpoints take the CRIU path (Mode "criu"): every process is
+// stopped, dumped with --leave-running, and restored with exact pids, trees
+// and fresh stdio passed as inherited pipes. CRIU runs inside the sandbox's
+// namespaces and cgroups (cr/criu).
 package cr
