@@ -115,6 +115,20 @@ func TestRealSandboxBash(t *testing.T) {
 	if got := send(sb.Session("main"), `echo "$PWD $V $(f x)"`); got != want {
 		t.Fatalf("restored session: %q, want %q", got, want)
 	}
+	// A second checkpoint freezes the sandbox with c1's stopped template
+	// (and spare) in it; both checkpoints stay restorable.
+	send(sb.Session("main"), "export V=3")
+	if ck2, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "c2"}); err != nil || ck2.Mode != ModeTemplate {
+		t.Fatalf("second checkpoint %+v %v", ck2, err)
+	}
+	for _, c := range []struct{ id, want string }{{"c1", want}, {"c2", "/tmp/x 3 fn-x\n"}, {"c1", want}} {
+		if _, err := e.Restore(ctx, sb, c.id, RestoreOptions{Stdio: sessionStdio(ctx, sb, "main")}); err != nil {
+			t.Fatal(err)
+		}
+		if got := send(sb.Session("main"), `echo "$PWD $V $(f x)"`); got != c.want {
+			t.Fatalf("restore %s: %q, want %q", c.id, got, c.want)
+		}
+	}
 	if cfg.ImagesDir == "" {
 		return
 	}
