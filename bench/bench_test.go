@@ -107,9 +107,11 @@ func (f *fakeManager) Start(context.Context, []string) error {
 	return nil
 }
 func (f *fakeManager) Run(_ context.Context, cmd string) error { f.state += cmd; return nil }
-func (f *fakeManager) Digest(context.Context) (string, error)  { return f.state, nil }
-func (f *fakeManager) Usage() Usage                            { return Usage{DiskBytes: int64(f.n)} }
-func (f *fakeManager) Close() error                            { return nil }
+func (f *fakeManager) Digest(context.Context) (string, error) {
+	return "files=" + f.state + " cwd= step=", nil
+}
+func (f *fakeManager) Usage() Usage { return Usage{DiskBytes: int64(f.n)} }
+func (f *fakeManager) Close() error { return nil }
 func (f *fakeManager) Checkpoint(context.Context) (string, Cost, error) {
 	f.n++
 	id := fmt.Sprint(f.n)
@@ -164,5 +166,18 @@ func TestReplayAccounting(t *testing.T) {
 	}
 	if res.CrashCorrect != 0 || res.RecoveryCorrectness != 0 {
 		t.Errorf("a manager that loses state on restore scored %d/%d", res.CrashCorrect, res.CrashChecks)
+	}
+}
+
+func TestExpectedShellState(t *testing.T) {
+	s := shellState{}.
+		next(Node{Kind: "cd", Commands: []string{"cd $R/src/app"}}).
+		next(Node{Kind: "test", Commands: []string{"cd $R && python3 -m unittest; cd - >/dev/null"}}).
+		next(Node{Kind: "env", Commands: []string{"export AGENT_STEP=7"}})
+	if s.cwd != "/src/app" || s.step != "7" {
+		t.Fatalf("expected state %+v", s)
+	}
+	if got := s.next(Node{Kind: "cd", Commands: []string{"cd $R"}}); got.cwd != "" || got.step != "7" {
+		t.Fatalf("after cd $R: %+v", got)
 	}
 }

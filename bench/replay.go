@@ -6,13 +6,33 @@ import (
 	"io"
 	"math/rand/v2"
 	"sort"
+	"strings"
 	"time"
 )
 
 // digestScript prints what an agent's later turns depend on: a hash of
 // every file under $R, the shell's cwd, a variable the trace sets, and the
 // number of background jobs.
-const digestScript = `jobs >/dev/null; printf 'files=%s cwd=%s step=%s jobs=%s\n' "$(cd "$R" && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)" "$PWD" "${AGENT_STEP:-}" "$(jobs -p | wc -l)"`
+const digestScript = `jobs >/dev/null; printf 'files=%s jobs=%s cwd=%s step=%s\n' "$(cd "$R" && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)" "$(jobs -p | wc -l)" "${PWD#$R}" "${AGENT_STEP:-}"`
+
+// shellState is the part of the shell's state a trace determines: the cwd
+// relative to $R and the AGENT_STEP variable.
+type shellState struct{ cwd, step string }
+
+// next applies a node's commands to the expected shell state.
+func (s shellState) next(n Node) shellState {
+	for _, c := range n.Commands {
+		switch {
+		case n.Kind == "cd" && strings.HasPrefix(c, "cd $R"):
+			s.cwd = strings.TrimPrefix(c, "cd $R")
+		case n.Kind == "env" && strings.HasPrefix(c, "export AGENT_STEP="):
+			s.step = strings.TrimPrefix(c, "export AGENT_STEP=")
+		}
+	}
+	return s
+}
+
+func (s shellState) suffix() string { return " cwd=" + s.cwd + " step=" + s.step }
 
 // Cost is what one state-management call cost the harness.
 type Cost struct {
@@ -169,6 +189,7 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 	}
 
 	ckpt := map[int]string{}
+	expect := map[int]shellState{0: {}}
 	root, c, err := m.Checkpoint(ctx)
 	if err != nil {
 		return res, fmt.Errorf("%s: checkpoint of the root: %w", m.Name(), err)
@@ -212,9 +233,10 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 		}
 		res.Decisions[c.Decision]++
 		ckpt[n.ID], cur = id, n.ID
+		expect[n.ID] = expect[n.Parent].next(n)
 
 		if checks[n.ID] {
-			ok, err := crashCheck(ctx, m, id)
+			ok, err := crashCheck(ctx, m, id, expect[n.ID])
 			if err != nil {
 				return res, fmt.Errorf("%s: node %d: crash check: %w", m.Name(), n.ID, err)
 			}
@@ -249,9 +271,11 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 
 // crashCheck simulates a crash right after checkpoint id: the state a
 // recovery rebuilds (restore of the latest checkpoint) must equal the state
-// the agent had.
-func crashCheck(ctx context.Context, m Manager, id string) (bool, error) {
-	want, err := m.Digest(ctx)
+// of a run without a crash — the same files and background jobs as the live
+// sandbox had, and the cwd and variables the trace's commands set (a
+// baseline that restarted the shell has lost them even before the crash).
+func crashCheck(ctx context.Context, m Manager, id string, want shellState) (bool, error) {
+	live, err := m.Digest(ctx)
 	if err != nil {
 		return false, err
 	}
@@ -262,5 +286,6 @@ func crashCheck(ctx context.Context, m Manager, id string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return got == want, nil
+	liveFiles, _, _ := strings.Cut(live, " cwd=")
+	return got == liveFiles+want.suffix(), nil
 }
