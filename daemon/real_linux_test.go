@@ -230,14 +230,20 @@ func TestRealPythonHeapAndFork(t *testing.T) {
 		out = strings.ReplaceAll(out, ">>> ", "")
 		return strings.TrimSpace(strings.ReplaceAll(out, "@@done@@", ""))
 	}
-	py("py", "import random; heap = {i: str(i) * 100 for i in range(20000)}; heap['who'] = 'original'")
+	if got := py("py", "import random; heap = {i: str(i) * 100 for i in range(20000)}; heap['who'] = 'original'; print(len(heap))"); got != "20001" {
+		t.Fatalf("python setup: %q", got)
+	}
 	ck, err := c.Turn(ctx, "py", api.TurnRequest{Mode: "full", Wait: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	py("py", "heap.clear(); heap['who'] = 'changed'")
-	if _, err := c.Restore(ctx, "py", ck.ID, 0); err != nil {
+	r, err := c.Restore(ctx, "py", ck.ID, 0)
+	if err != nil {
 		t.Fatal(err)
+	}
+	if ckr, err := c.GetCheckpoint(ctx, ck.ID); err == nil && ckr.Proc != nil {
+		t.Logf("restored via %s; checkpoint: %d processes, mode %s, template %v, image %v", r.Path, ckr.Proc.Processes, ckr.Proc.Data["mode"], ckr.Proc.TemplateReady, ckr.Proc.ImageReady)
 	}
 	if got := py("py", "print(len(heap), heap['who'], heap[19999][:5])"); got != "20001 original 19999" {
 		t.Fatalf("python heap after restore: %q", got)

@@ -253,9 +253,14 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
-	idle := 300 * time.Millisecond
-	if req.IdleMS > 0 {
+	// Without --until the answer ends after 300 ms of quiet; with it, only
+	// the match (or an explicit idle_ms) ends it.
+	var idle time.Duration
+	switch {
+	case req.IdleMS > 0:
 		idle = time.Duration(req.IdleMS) * time.Millisecond
+	case req.Until == "":
+		idle = 300 * time.Millisecond
 	}
 	timeout := time.Minute
 	if req.TimeoutMS > 0 {

@@ -267,7 +267,9 @@ func newSessionCmd() *cobra.Command {
 				return err
 			}
 			sendReq.Text = args[2]
-			sendReq.IdleMS = int(idle.Milliseconds())
+			if sendReq.Until == "" || cmd.Flags().Changed("idle") {
+				sendReq.IdleMS = int(idle.Milliseconds())
+			}
 			sendReq.TimeoutMS = int(timeout.Milliseconds())
 			out, err := c.Send(cmd.Context(), args[0], args[1], sendReq)
 			if err != nil {
@@ -280,7 +282,7 @@ func newSessionCmd() *cobra.Command {
 			return nil
 		},
 	}
-	send.Flags().DurationVar(&idle, "idle", 300*time.Millisecond, "return once the output has been quiet this long")
+	send.Flags().DurationVar(&idle, "idle", 300*time.Millisecond, "return once the output has been quiet this long (with --until: only if given)")
 	send.Flags().StringVar(&sendReq.Until, "until", "", "return once the output matches this regular expression")
 	send.Flags().DurationVar(&timeout, "timeout", time.Minute, "give up after this long")
 	send.Flags().Uint64Var(&sendReq.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
