@@ -148,6 +148,7 @@ type procRecord struct {
 	states map[string]string // session -> state digest output
 	shape  string
 	tree   tree.Snapshot
+	mode   cr.Mode // how the engine took the checkpoint
 }
 
 // RunProcess executes a process workload (one with session steps) on the
@@ -316,15 +317,14 @@ func (r *procRun) run(ctx context.Context, dir, criuPath string) error {
 	if err != nil {
 		return err
 	}
-	cfg := cr.Config{CRIUPath: criuPath, Logger: r.log}
-	if r.procPath == "criu" {
-		if cr := criuRoot(criuPath); cr != "/" && cr != "/usr" {
-			if err := os.MkdirAll(filepath.Join(mp, cr), 0o755); err != nil {
-				return err
-			}
-			binds = append(binds, sandbox.Bind{Source: cr, Target: cr, ReadOnly: true})
+	// Images on every path, as in the daemon: a checkpoint of a process
+	// tree needs CRIU whatever the path.
+	cfg := cr.Config{CRIUPath: criuPath, ImagesDir: filepath.Join(dir, "images"), Logger: r.log}
+	if cr := criuRoot(criuPath); cr != "/" && cr != "/usr" {
+		if err := os.MkdirAll(filepath.Join(mp, cr), 0o755); err != nil {
+			return err
 		}
-		cfg.ImagesDir = filepath.Join(dir, "images")
+		binds = append(binds, sandbox.Bind{Source: cr, Target: cr, ReadOnly: true})
 	}
 	r.sb, err = sandbox.Start(ctx, sandbox.Config{ID: id, Root: mp, Binds: binds, Logger: r.log})
 	if err != nil {
@@ -503,16 +503,13 @@ func (r *procRun) shape() (string, error) {
 
 // criuKdat are the files CRIU writes into the sandbox's own /run (its
 // kernel-feature cache) whenever it runs inside the sandbox; they are not
-// the agent's state and appear only on the criu path. Reported to the cr
-// area; excluded from the criu path's tree comparison only.
+// the agent's state. Reported to the cr
+// area; excluded from the file-tree comparison of the process paths.
 var criuKdat = []string{"run/criu.kdat", "run/criu.kdat.tmp"}
 
-func (r *procRun) treeExclude() []string {
-	if r.procPath == "criu" {
-		return criuKdat
-	}
-	return nil
-}
+// treeExclude: CRIU runs on every path (images are written for every
+// checkpoint), so its cache files are excluded on every process path.
+func (r *procRun) treeExclude() []string { return criuKdat }
 
 func (r *procRun) record(ctx context.Context) (procRecord, error) {
 	rec := procRecord{states: map[string]string{}}
@@ -604,16 +601,26 @@ func (r *procRun) step(ctx context.Context, i int, s Step) error {
 		if err != nil {
 			return fmt.Errorf("checkpoint: %w", err)
 		}
-		if r.procPath == "criu" && ck.Mode != cr.ModeEmpty {
+		if ck.Mode == cr.ModeTemplate {
+			// The image of a template checkpoint is written in the
+			// background: wait for it on every path, so no dump copy runs
+			// inside a probe window. (A CRIU-mode checkpoint is an image
+			// already.)
 			wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 			err := r.eng.WaitImage(wctx, ckID)
 			cancel()
-			if err != nil {
+			switch {
+			case err != nil && r.procPath == "criu":
 				r.fail(r.procFail, i, s, "CRIU image of %s: %v", s.Label, err)
-			} else if err := r.eng.Evict(ckID); err != nil {
-				r.fail(r.procFail, i, s, "evict templates of %s: %v", s.Label, err)
+			case err != nil:
+				return fmt.Errorf("CRIU image of %s: %w", s.Label, err)
+			case r.procPath == "criu":
+				if err := r.eng.Evict(ckID); err != nil {
+					r.fail(r.procFail, i, s, "evict templates of %s: %v", s.Label, err)
+				}
 			}
 		}
+		rec.mode = ck.Mode
 		r.recs[s.Label], r.ckIDs[s.Label], r.fsIDs[s.Label], r.ckSess[s.Label] = rec, ckID, fsID, sessOf
 		return r.begin()
 	case "restore":
@@ -695,10 +702,17 @@ func (r *procRun) restore(ctx context.Context, i int, s Step) error {
 		r.fail(r.procFail, i, s, "restore: %v", err)
 		return nil
 	}
-	if r.procPath != "" {
+	if r.procPath != "" && rec.mode != cr.ModeEmpty {
+		// The template path restores template checkpoints from templates;
+		// a checkpoint the engine had to take with CRIU (a process tree,
+		// a multi-threaded process: ck.Reason) restores through CRIU on
+		// every path, by design.
 		want := r.procPath
-		if res.Path != want && !(want == "criu" && res.Path == "criu-lazy") && len(rec.states) > 0 {
-			r.fail(r.procFail, i, s, "restored through %s, not %s", res.Path, want)
+		if rec.mode == cr.ModeCRIU {
+			want = "criu"
+		}
+		if res.Path != want && !(want == "criu" && res.Path == "criu-lazy") {
+			r.fail(r.procFail, i, s, "restored through %s, not %s (checkpoint mode %s)", res.Path, want, rec.mode)
 			return nil
 		}
 	}

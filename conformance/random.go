@@ -111,8 +111,8 @@ func Minimize(ctx context.Context, w *Workload, fails func(*Workload) bool, maxT
 				return &cur
 			}
 			cand := cur
-			cand.Steps = append(append([]Step(nil), cur.Steps[:i]...), cur.Steps[i+chunk:]...)
-			if len(cand.Steps) == 0 || cand.Validate() != nil {
+			cand.Steps = repair(append(append([]Step(nil), cur.Steps[:i]...), cur.Steps[i+chunk:]...))
+			if len(cand.Steps) == 0 || len(cand.Steps) >= len(cur.Steps) || cand.Validate() != nil {
 				i += chunk
 				continue
 			}
@@ -126,4 +126,24 @@ func Minimize(ctx context.Context, w *Workload, fails func(*Workload) bool, maxT
 	}
 	cur.Description = fmt.Sprintf("minimized from %s (%d steps): %s", w.Name, len(w.Steps), w.Description)
 	return &cur
+}
+
+// repair drops restores and forks of labels no longer checkpointed before
+// them, so removing a checkpoint removes its dependants instead of making
+// the candidate invalid.
+func repair(steps []Step) []Step {
+	labels := map[string]bool{}
+	out := steps[:0]
+	for _, s := range steps {
+		switch s.Op {
+		case "checkpoint":
+			labels[s.Label] = true
+		case "restore", "fork":
+			if !labels[s.Label] {
+				continue
+			}
+		}
+		out = append(out, s)
+	}
+	return out
 }
