@@ -251,6 +251,21 @@ func TestRealPythonHeapAndFork(t *testing.T) {
 	// Fork: each rollout has its own copy of the interpreter.
 	f, err := c.Fork(ctx, ck.ID, api.ForkRequest{Count: 2, Prefix: "roll"})
 	if err != nil {
+		if ckr, gerr := c.GetCheckpoint(ctx, ck.ID); gerr == nil {
+			b, _ := os.ReadFile(filepath.Join(d.dir, "state", "layers", "meta", "checkpoints", ckr.FS+".json"))
+			t.Logf("fs checkpoint %s: %s", ckr.FS, b)
+			ents, _ := os.ReadDir(filepath.Join(d.dir, "state", "layers", "meta", "checkpoints"))
+			for _, e := range ents {
+				b, _ := os.ReadFile(filepath.Join(d.dir, "state", "layers", "meta", "checkpoints", e.Name()))
+				t.Logf("  %s", b)
+			}
+			b, _ = os.ReadFile(filepath.Join(d.dir, "state", "layers", "meta", "mounts", "journal"))
+			ents, _ = os.ReadDir(filepath.Join(d.dir, "state", "layers", "meta", "mounts"))
+			for _, e := range ents {
+				b, _ := os.ReadFile(filepath.Join(d.dir, "state", "layers", "meta", "mounts", e.Name()))
+				t.Logf("  mount %s: %s", e.Name(), b)
+			}
+		}
 		t.Fatalf("fork: %v", err)
 	}
 	for i, n := range f.Sandboxes {
