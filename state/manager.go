@@ -241,10 +241,21 @@ func (m *Manager) Close(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 	}
-	m.wg.Wait()
+	// Asynchronous work (durable phases, releases) gets until ctx ends; a
+	// back end stuck in it must not keep the daemon from stopping (the
+	// store is crash-safe either way).
+	waited := make(chan struct{})
+	go func() { m.wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-ctx.Done():
+		m.log.Warn("shutdown: asynchronous checkpoint work did not finish in time; leaving it")
+	}
 	for _, s := range sbs {
 		m.stopSandbox(s)
 	}
+	m.pmu.Lock() // no store write in flight
+	defer m.pmu.Unlock()
 	return m.st.close()
 }
 
