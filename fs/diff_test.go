@@ -366,6 +366,11 @@ func runDifferentialOpts(t *testing.T, seed int64, n int, opts Options) {
 		em := o.do(model)
 		ev := o.do(fx.mp)
 		log = append(log, fmt.Sprintf("%s -> %s/%s", o.desc, errKind(em), errKind(ev)))
+		if (em == nil) != (ev == nil) && os.Getenv("FS_DEBUG_DROP") != "" {
+			_ = os.WriteFile("/proc/sys/vm/drop_caches", []byte("2"), 0)
+			ev2 := o.do(fx.mp)
+			t.Logf("after drop_caches the view op gives %v", ev2)
+		}
 		if (em == nil) != (ev == nil) {
 			t.Fatalf("seed %d op %d %s: model %v, view %v (last ops: %s)", seed, i, o.desc, em, ev, tail(log))
 		}

@@ -559,12 +559,23 @@ func (f *FS) Switch(id string) error {
 	return nil
 }
 
-// touchedPaths lists the relative paths present in the given layers.
+// touchedPaths lists the relative paths present in the given layers; the
+// value is true for a path whose subtree may come from elsewhere on one
+// side (a whiteout, an opaque or a redirected directory).
 func touchedPaths(ls []*layerDir) (map[string]bool, error) {
 	t := map[string]bool{}
 	for _, l := range ls {
-		err := layer.Walk(l.path, func(rel string, _ os.DirEntry) error {
-			t[rel] = true
+		err := layer.Walk(l.path, func(rel string, d os.DirEntry) error {
+			special := false
+			switch {
+			case d.IsDir():
+				hp := l.path + "/" + rel
+				special = layer.IsOpaque(hp) || layer.Redirect(hp) != ""
+			case d.Type()&os.ModeCharDevice != 0:
+				var st unix.Stat_t
+				special = unix.Lstat(l.path+"/"+rel, &st) == nil && layer.IsWhiteout(&st)
+			}
+			t[rel] = t[rel] || special
 			return nil
 		})
 		if err != nil {
@@ -578,13 +589,14 @@ func touchedPaths(ls []*layerDir) (map[string]bool, error) {
 // given view paths. It must be called without f.mu held.
 func (f *FS) invalidate(paths map[string]bool) {
 	type inval struct {
-		parent *gofs.Inode
-		name   string
-		child  *gofs.Inode
+		parent  *gofs.Inode
+		name    string
+		child   *gofs.Inode
+		special bool
 	}
 	var list []inval
 	rootIn := f.root.EmbeddedInode()
-	for p := range paths {
+	for p, special := range paths {
 		dir, name := filepath.Split(p)
 		parent := rootIn
 		for _, c := range splitPath(dir) {
@@ -595,12 +607,12 @@ func (f *FS) invalidate(paths map[string]bool) {
 		if parent == nil {
 			continue
 		}
-		list = append(list, inval{parent, name, parent.GetChild(name)})
+		list = append(list, inval{parent, name, parent.GetChild(name), special})
 	}
 	// The root's attributes (mtime, nlink) may differ too.
 	_ = rootIn.NotifyContent(0, 0)
 	for _, iv := range list {
-		if iv.child != nil && iv.child.IsDir() && f.stillDir(iv.child) {
+		if iv.child != nil && iv.child.IsDir() && !iv.special && f.stillDir(iv.child) {
 			// Same directory on both sides: keep the dentry (it may be a
 			// cwd or a mount point), refresh its attributes only.
 			_ = iv.child.NotifyContent(0, 0)
