@@ -395,10 +395,9 @@ func startReduced(cmd *exec.Cmd) error {
 		for _, c := range setupCaps {
 			keep |= 1 << c
 		}
-		if err := dropBoundingExcept(keep); err != nil {
-			errc <- fmt.Errorf("start init: %w", err)
-			return
-		}
+		// Best effort (needs CAP_SETPCAP): the init drops whatever is
+		// left itself.
+		_ = dropBoundingExcept(keep)
 		errc <- cmd.Start()
 	}()
 	return <-errc
