@@ -181,10 +181,7 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		err = fmt.Errorf("sandbox %s is not running", s.rec.Name)
 	case mode == ModeFull:
 		var ferr error
-		part, err = proc.Checkpoint(context.Background(), func() error {
-			fsID, fsB, ferr = mount.Checkpoint(context.Background())
-			return ferr
-		})
+		part, fsID, fsB, ferr, err = m.fullCheckpoint(context.Background(), mount, proc)
 		switch {
 		case ferr != nil:
 			err = fmt.Errorf("fs checkpoint: %w", ferr)
@@ -244,6 +241,28 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		m.makeDurable(s, c, proc, perr == nil)
 	}()
 	m.maybeAutoGC()
+}
+
+// fullCheckpoint takes the process part with the fs checkpoint in its
+// freeze barrier. A process that exits while the processes are being
+// stopped fails an attempt; one retry follows (the fs checkpoint of the
+// failed attempt is dropped: its layer stays under the mount).
+func (m *Manager) fullCheckpoint(ctx context.Context, mount FSMount, proc ProcSandbox) (part *ProcPart, fsID string, fsB int64, ferr, err error) {
+	for attempt := 0; attempt < 2; attempt++ {
+		fsID, fsB, ferr = "", 0, nil
+		part, err = proc.Checkpoint(ctx, func() error {
+			fsID, fsB, ferr = mount.Checkpoint(ctx)
+			return ferr
+		})
+		if err == nil || ferr != nil {
+			return part, fsID, fsB, ferr, err
+		}
+		if fsID != "" {
+			m.cfg.FS.Delete(ctx, fsID)
+		}
+		m.log.Warn("process checkpoint failed; retrying once", "err", err)
+	}
+	return part, "", 0, ferr, err
 }
 
 // makeDurable runs outside the sandbox's order while the sandbox runs on.
@@ -418,12 +437,10 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	var path string
 	if mount != nil && proc != nil {
 		// The undo point: the current state, taken like any checkpoint.
-		var undoFS string
-		undo, err := proc.Checkpoint(bg, func() error {
-			var ferr error
-			undoFS, _, ferr = mount.Checkpoint(bg)
-			return ferr
-		})
+		undo, undoFS, _, ferr, err := m.fullCheckpoint(bg, mount, proc)
+		if err == nil {
+			err = ferr
+		}
 		if err != nil {
 			if undoFS != "" {
 				m.cfg.FS.Delete(bg, undoFS)
