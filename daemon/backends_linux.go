@@ -22,6 +22,7 @@ import (
 	"github.com/rewind-sandbox/rewind/cr"
 	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/layer"
 	"github.com/rewind-sandbox/rewind/policy"
 	"github.com/rewind-sandbox/rewind/probe"
@@ -158,9 +159,6 @@ func (b *fsBackend) lowers(spec state.FSSpec) []string {
 }
 
 func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMount, error) {
-	if spec.Kind == "kernel" {
-		return nil, errors.New("--fs kernel is not wired into the daemon yet; use fuse or auto")
-	}
 	mp := filepath.Join(b.mnt, id)
 	if err := os.MkdirAll(mp, 0o700); err != nil {
 		return nil, err
@@ -170,9 +168,28 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 	if _, err := b.st.Mount(id); err == nil {
 		b.st.RemoveMount(id)
 	}
+	if spec.Kind == "kernel" {
+		return b.mountKernel(id, mp, spec, from)
+	}
 	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log})
 	if err != nil {
 		return nil, err
+	}
+	return &fsMount{f: f, b: b}, nil
+}
+
+// mountKernel mounts the native overlayfs path. A sandbox's processes see
+// its root through their own mount namespace, so Switch must change the
+// mounted overlay in place: only the patched kernel's switch ioctl does.
+// On a stock kernel the daemon refuses --fs kernel (auto means FUSE).
+func (b *fsBackend) mountKernel(id, mp string, spec state.FSSpec, from string) (state.FSMount, error) {
+	f, err := kernelpath.Mount(b.st, mp, kernelpath.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log})
+	if err != nil {
+		return nil, err
+	}
+	if mode := f.FreezeMode(); mode != "ioctl" {
+		f.Unmount()
+		return nil, fmt.Errorf("--fs kernel needs overlayfs with the layer-switch ioctl (this kernel offers %q checkpoints, which cannot switch a running sandbox's root in place): use --fs fuse", mode)
 	}
 	return &fsMount{f: f, b: b}, nil
 }
@@ -240,7 +257,7 @@ func (b *fsBackend) Cleanup(_ context.Context, id string) error {
 }
 
 type fsMount struct {
-	f *fs.FS
+	f layer.FS
 	b *fsBackend
 }
 

@@ -378,3 +378,33 @@ func TestRealGC(t *testing.T) {
 		t.Fatalf("metrics after gc: %v", err)
 	}
 }
+
+// TestRealKernelPathChoice: --fs kernel either works (patched kernel) or
+// is refused with a clear error and leaves nothing behind.
+func TestRealKernelPathChoice(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	_, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: "kernel"})
+	if err != nil {
+		if !strings.Contains(err.Error(), "--fs fuse") {
+			t.Fatalf("kernel path refused without a clear reason: %v", err)
+		}
+		if _, gerr := c.Get(ctx, "k"); !errors.Is(gerr, state.ErrNotFound) {
+			t.Fatalf("a refused create left a sandbox: %v", gerr)
+		}
+		t.Logf("kernel path refused here: %v", err)
+		return
+	}
+	sh(t, c, "k", "echo x > /f")
+	ck, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, c, "k", "echo y > /f")
+	if _, err := c.Restore(ctx, "k", ck.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := sh(t, c, "k", "cat /f"); got != "x" {
+		t.Fatalf("kernel path restore: %q", got)
+	}
+}
