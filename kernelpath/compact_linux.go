@@ -21,62 +21,78 @@ import (
 // directory). Nothing is changed then.
 var errComplex = errors.New("layout too complex to merge safely")
 
-// compactLocked merges the frozen store layers under the live upper (the
-// stack of the checkpoint the view was mounted from or switched to) into
-// one layer, and rewrites every checkpoint record whose stack starts with
-// that run to use the merged layer: their content is unchanged. The live
+// compactLocked merges (1) the frozen store layers under the live upper
+// (the stack of the checkpoint the view was mounted from or switched to)
+// into one layer, and (2) the chain of delta layers frozen from the live
+// upper since into one layer, and rewrites every checkpoint record whose
+// stack starts with a merged run: their content is unchanged. The live
 // overlay keeps its layers (the mount record still references them, so GC
 // cannot free them under it) until the next Switch.
 func (f *FS) compactLocked() error {
 	if f.freeze == FreezeIoctl {
 		return nil // the ioctl path keeps the kernel's stack; not merged here
 	}
-	// The run is the base of the live upper: the live upper (and the
-	// delta chain frozen from it) is relative to exactly these layers, so
-	// they can be replaced by an equivalent single layer. The chain itself
-	// is bounded by maxChain.
-	run := append([]string(nil), f.layers...)
-	if len(run) < 2 {
-		return nil
+	if len(f.layers) >= 2 {
+		id, err := f.mergeRun(nil, f.layers)
+		if err != nil {
+			return fmt.Errorf("compact %s: %w", f.id, err)
+		}
+		if id != "" {
+			f.layers = []string{id}
+		}
 	}
+	if len(f.chain) >= 2 {
+		id, err := f.mergeRun(f.layers, f.chain)
+		if err != nil {
+			return fmt.Errorf("compact %s: %w", f.id, err)
+		}
+		if id != "" {
+			f.chain = []string{id}
+		}
+	}
+	return nil
+}
+
+// mergeRun merges run (bottom first, stacked on below) into a new layer and
+// rewrites the checkpoint records whose stack starts with below+run. It
+// returns "" when the merge was skipped (errComplex).
+func (f *FS) mergeRun(below, run []string) (string, error) {
 	id := layer.NewID()
 	tmp := filepath.Join(f.st.WorkDir(), "kp-compact-"+id)
 	if err := os.Mkdir(tmp, 0o755); err != nil {
-		return fmt.Errorf("compact %s: %w", f.id, err)
+		return "", err
 	}
 	err := mergeLayers(f.st, run, tmp, f.freeze == FreezeReflink, f.fstype)
 	if errors.Is(err, errComplex) {
 		_ = os.RemoveAll(tmp)
 		f.log.Info("kernelpath: compaction skipped", "mount", f.id, "reason", err)
-		return nil
+		return "", nil
 	}
 	if err != nil {
 		_ = os.RemoveAll(tmp)
-		return fmt.Errorf("compact %s: %w", f.id, err)
+		return "", err
 	}
 	size, _ := layer.DirSize(tmp)
 	if err := f.st.AdoptLayer(id, tmp, layer.LayerMeta{ID: id, Created: time.Now().UTC(), Size: size}); err != nil {
 		_ = os.RemoveAll(tmp)
-		return fmt.Errorf("compact %s: %w", f.id, err)
+		return "", err
 	}
+	prefix := append(append([]string(nil), below...), run...)
 	cps, err := f.st.Checkpoints()
 	if err != nil {
-		return fmt.Errorf("compact %s: %w", f.id, err)
+		return "", err
 	}
 	for _, c := range cps {
-		if len(c.Layers) < len(run) || !slices.Equal(c.Layers[:len(run)], run) {
+		if len(c.Layers) < len(prefix) || !slices.Equal(c.Layers[:len(prefix)], prefix) {
 			continue
 		}
-		c.Layers = append([]string{id}, c.Layers[len(run):]...)
+		c.Layers = append(append(append([]string(nil), below...), id), c.Layers[len(prefix):]...)
 		if err := f.st.SaveCheckpoint(c); err != nil {
-			return fmt.Errorf("compact %s: %w", f.id, err)
+			return "", err
 		}
 	}
-	// New checkpoints stack on the merged layer (same content as the run
-	// the live overlay uses).
-	f.layers = []string{id}
 	f.log.Info("kernelpath: compacted", "mount", f.id, "layers", len(run), "into", id)
-	return nil
+	return id, nil
 }
 
 // merger writes one layer equivalent to a run of layers over anything

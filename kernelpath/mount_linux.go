@@ -43,8 +43,9 @@ type FS struct {
 	takenFP map[string]entryFP
 }
 
-// maxChain bounds the delta layers stacked by consecutive checkpoints
-// between two full freezes of the upper (stack depth vs. checkpoint cost).
+// maxChain bounds the delta layers stacked by consecutive checkpoints: at
+// the bound the chain is merged into one layer (a full freeze of the upper
+// if the merge is skipped or fails).
 const maxChain = 16
 
 var _ layer.FS = (*FS)(nil)
@@ -253,6 +254,15 @@ func (f *FS) Checkpoint() (string, error) {
 	}
 	if f.freeze == FreezeIoctl {
 		return f.checkpointIoctl()
+	}
+	if f.ckptFP != nil && len(f.chain) >= maxChain {
+		// Bound the chain by merging it (cost: the entries in the chain)
+		// rather than by a full freeze (cost: the whole upper).
+		if id, err := f.mergeRun(f.layers, f.chain); err != nil {
+			f.log.Warn("kernelpath: merging the delta chain failed; full freeze instead", "mount", f.id, "err", err)
+		} else if id != "" {
+			f.chain = []string{id}
+		}
 	}
 	incremental := f.ckptFP != nil && len(f.chain) > 0 && len(f.chain) < maxChain
 	parent := ""
