@@ -631,6 +631,8 @@ func (r *procRun) step(ctx context.Context, i int, s Step) error {
 		return r.begin()
 	case "fork", "view":
 		return fmt.Errorf("%s is not supported in process workloads", s.Op)
+	case "compact":
+		return r.fsys.Compact()
 	case "compare", "expect":
 		if s.Op == "expect" {
 			_, err := r.ops.apply(ctx, s)

@@ -257,7 +257,7 @@ func Run(ctx context.Context, w *Workload, opts Options) (*Result, error) {
 
 func isComparePoint(s Step) bool {
 	switch s.Op {
-	case "checkpoint", "restore", "fork", "view", "compare":
+	case "checkpoint", "restore", "fork", "view", "compact", "compare":
 		return true
 	}
 	return false
@@ -315,6 +315,8 @@ func doStep(ctx context.Context, t target, s Step) (string, error) {
 		return "", t.fork(s.Label, s.View)
 	case "view":
 		return "", t.setView(s.View)
+	case "compact":
+		return "", t.compact()
 	case "turn", "compare":
 		return "", nil
 	}

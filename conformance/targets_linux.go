@@ -23,6 +23,8 @@ type target interface {
 	restore(label string, s Step) error
 	fork(label, view string) error
 	setView(view string) error
+	// compact merges layers without changing any checkpoint's content.
+	compact() error
 	// applies reports whether exception ex changes this target's
 	// behaviour (a model variant reproduces it; a real path exhibits it).
 	applies(ex string) bool
@@ -135,6 +137,8 @@ func (m *model) fork(label, view string) error {
 	m.cur = view
 	return nil
 }
+
+func (m *model) compact() error { return nil }
 
 func (m *model) setView(view string) error {
 	if _, ok := m.views[view]; !ok {
@@ -285,6 +289,8 @@ func (t *fsTarget) fork(label, view string) error {
 	t.cur = view
 	return nil
 }
+
+func (t *fsTarget) compact() error { return t.views[t.cur].fs.Compact() }
 
 func (t *fsTarget) setView(view string) error {
 	if _, ok := t.views[view]; !ok {

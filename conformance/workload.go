@@ -92,7 +92,7 @@ var Ops = []string{
 	"write", "append", "truncate", "mkdir", "rm", "rmtree", "rename", "link", "symlink",
 	"chmod", "chown", "setxattr", "rmxattr", "mknod", "sparse", "mmap",
 	"open", "fdwrite", "fdread", "close", "sh", "session", "send",
-	"checkpoint", "restore", "fork", "view", "turn", "compare", "expect", "repeat",
+	"checkpoint", "restore", "fork", "view", "compact", "turn", "compare", "expect", "repeat",
 }
 
 // Load reads a workload file.
@@ -350,7 +350,7 @@ func (s Step) validate(labels map[string]bool) error {
 				return fmt.Errorf("turn expect must be skip, fs or full")
 			}
 		}
-	case "compare":
+	case "compare", "compact":
 	case "expect":
 		if !s.Absent && s.Expect == nil {
 			return fmt.Errorf("expect needs expect or absent")
