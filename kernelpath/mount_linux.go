@@ -256,12 +256,14 @@ func (f *FS) Checkpoint() (string, error) {
 		return f.checkpointIoctl()
 	}
 	if f.ckptFP != nil && len(f.chain) >= maxChain {
-		// Bound the chain by merging it (cost: the entries in the chain)
-		// rather than by a full freeze (cost: the whole upper).
-		if id, err := f.mergeRun(f.layers, f.chain); err != nil {
+		// Bound the chain by merging its deltas (cost: the entries changed
+		// since the chain's first, full freeze) rather than by a new full
+		// freeze (cost: the whole upper).
+		below := append(append([]string(nil), f.layers...), f.chain[0])
+		if id, err := f.mergeRun(below, f.chain[1:]); err != nil {
 			f.log.Warn("kernelpath: merging the delta chain failed; full freeze instead", "mount", f.id, "err", err)
 		} else if id != "" {
-			f.chain = []string{id}
+			f.chain = []string{f.chain[0], id}
 		}
 	}
 	incremental := f.ckptFP != nil && len(f.chain) > 0 && len(f.chain) < maxChain
