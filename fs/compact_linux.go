@@ -173,6 +173,7 @@ type runResult struct {
 func lookupRun(top []*layerDir, srcs []src, below, name string) (runResult, error) {
 	var r runResult
 	redirect, relRedirect := "", ""
+	stopNext := false
 	pi := 0
 	for _, l := range top {
 		var pp string
@@ -181,10 +182,17 @@ func lookupRun(top []*layerDir, srcs []src, below, name string) (runResult, erro
 			pp = srcs[pi].path
 			pi++
 		}
+		if stopNext {
+			// The descent ends inside the run.
+			r.stopped = r.found
+			r.whiteout = !r.found
+			return r, nil
+		}
 		var p string
 		switch {
 		case redirect != "":
 			p = redirect
+			redirect, stopNext = mapAncestors(l, p, false)
 		case !hasParent:
 			continue
 		case relRedirect != "":

@@ -214,6 +214,7 @@ func lookupEntry(st *stack, psrcs []src, pvpath, name string, skipUpper bool) (e
 	found := false
 	redirect := ""    // absolute path (relative to the layer root) in lower layers
 	relRedirect := "" // a same-directory rename: the name in lower layers
+	stopNext := false
 	pi := 0
 	for _, l := range st.top {
 		var pp string
@@ -228,10 +229,16 @@ func lookupEntry(st *stack, psrcs []src, pvpath, name string, skipUpper bool) (e
 		if skipUpper && l == st.upper {
 			continue
 		}
+		if stopNext {
+			break
+		}
 		var p string
 		switch {
 		case redirect != "":
 			p = redirect
+			// Redirects and opaque directories on the way to p in this
+			// layer apply to the layers below it, as in overlayfs.
+			redirect, stopNext = mapAncestors(l, p, l != st.upper)
 		case !hasParent:
 			continue
 		case relRedirect != "":
@@ -427,4 +434,35 @@ func openBeneath(dirfd int, p string, flags int, mode uint32) (int, error) {
 		}
 		return fd, err
 	}
+}
+
+// mapAncestors returns where path p of layer l continues in the layers
+// below l: a redirect on an ancestor directory of p in l rewrites the
+// prefix (the deepest one wins); an opaque ancestor or a whiteout on the
+// way stops the descent.
+func mapAncestors(l *layerDir, p string, frozen bool) (string, bool) {
+	comps := splitPath(p)
+	orig, mapped := "", ""
+	for i, c := range comps {
+		orig, mapped = join(orig, c), join(mapped, c)
+		if i == len(comps)-1 {
+			break
+		}
+		le := l.stat(orig, frozen)
+		if le.err != nil {
+			// Not in this layer: deeper components are not either.
+			return join(mapped, strings.Join(comps[i+1:], "/")), false
+		}
+		if layer.IsWhiteout(&le.st) || le.st.Mode&unix.S_IFMT != unix.S_IFDIR || le.opaque {
+			return p, true
+		}
+		if r := le.redirect; r != "" {
+			if strings.HasPrefix(r, "/") {
+				mapped = path.Clean(strings.TrimPrefix(r, "/"))
+			} else if !strings.Contains(r, "/") {
+				mapped = join(path.Dir(mapped), r)
+			}
+		}
+	}
+	return mapped, false
 }
