@@ -104,6 +104,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 		mode, reason = ModeFull, reason+"; the parent's processes are not restorable, so full"
 	}
 	if mode == ModeSkip {
+		s.dirty = false // the state is the head's
 		defer m.beginWindow(ctx, s)
 		res := &TurnResult{ID: head.rec.ID, Decision: ModeSkip, Reason: reason, Epoch: s.rec.Epoch, Status: head.rec.Status, Durable: head.rec.Durable, Report: rep}
 		m.mu.Unlock()
@@ -221,6 +222,9 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		c.rec.ProcFrom, c.rec.Proc = c.rec.ID, part
 	}
 	c.rec.Status, c.rec.Restorable = CkptReady, true
+	if s.rec.Head == c.rec.ID {
+		s.dirty = false // later operations are ordered after this point
+	}
 	m.mu.Unlock()
 
 	perr := m.persist(func(b *batch) {
@@ -414,6 +418,26 @@ func (m *Manager) procPartFor(c *ckpt) (*ProcPart, error) {
 	return &p, nil
 }
 
+// cleanHead returns the head checkpoint's parts when the sandbox is known
+// to be exactly its head: no operation ran since the head was taken or
+// restored, and the probe window that just ended saw no effect.
+func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (*ProcPart, string, bool) {
+	if rep == nil || rep.LostEvents > 0 || rep.FSChanged() || rep.ProcChanged() || rep.NetChanged() {
+		return nil, "", false
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	head := m.ckpts[s.rec.Head]
+	if s.dirty || head == nil || head.rec.Status != CkptReady || head.rec.FS == "" {
+		return nil, "", false
+	}
+	part, err := m.procPartFor(head)
+	if err != nil {
+		return nil, "", false
+	}
+	return part, head.rec.FS, true
+}
+
 func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResult, error) {
 	m.gcMu.RLock()
 	defer m.gcMu.RUnlock()
@@ -432,33 +456,40 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	}
 	bg := context.Background() // a restore, once started, is not abandoned half way
 	// The restore's own process work is not an effect of any turn.
-	m.endWindow(bg, s)
+	rep := m.endWindow(bg, s)
 	defer m.beginWindow(bg, s)
 	var path string
 	if mount != nil && proc != nil {
-		// The undo point: the current state, taken like any checkpoint.
-		undo, undoFS, _, ferr, err := m.fullCheckpoint(bg, mount, proc)
-		if err == nil {
-			err = ferr
-		}
-		if err != nil {
-			if undoFS != "" {
-				m.cfg.FS.Delete(bg, undoFS)
+		// The undo point. When the sandbox is exactly its head checkpoint
+		// (no operation since it was taken or restored, and the probe saw
+		// no effect), the head is the undo point; otherwise the current
+		// state is saved like any checkpoint.
+		undo, undoFS, headUndo := m.cleanHead(s, rep)
+		if !headUndo {
+			var ferr error
+			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc)
+			if err == nil {
+				err = ferr
 			}
-			m.obs.Restored("", time.Since(start), err)
-			return nil, fmt.Errorf("restore %s: save the current state: %w", c.rec.ID, err)
+			if err != nil {
+				if undoFS != "" {
+					m.cfg.FS.Delete(bg, undoFS)
+				}
+				m.obs.Restored("", time.Since(start), err)
+				return nil, fmt.Errorf("restore %s: save the current state: %w", c.rec.ID, err)
+			}
+			defer func() {
+				// Off the caller's path: releasing may wait for the back
+				// end's asynchronous work on the undo point (an image dump).
+				m.wg.Add(1)
+				go func() {
+					defer m.wg.Done()
+					m.cfg.FS.Delete(bg, undoFS)
+					m.cfg.Proc.Release(bg, undo)
+				}()
+			}()
 		}
 		undoTook := time.Since(start)
-		defer func() {
-			// Off the caller's path: releasing may wait for the back
-			// end's asynchronous work on the undo point (an image dump).
-			m.wg.Add(1)
-			go func() {
-				defer m.wg.Done()
-				m.cfg.FS.Delete(bg, undoFS)
-				m.cfg.Proc.Release(bg, undo)
-			}()
-		}()
 		var switchTook time.Duration
 		path, err = proc.Restore(bg, part, func() error {
 			t := time.Now()
@@ -517,6 +548,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	m.mu.Lock()
 	s.rec.Epoch++
 	s.rec.Head = c.rec.ID
+	s.dirty = false
 	s.rec.Status, s.rec.Note = StatusRunning, ""
 	res := &RestoreResult{ID: c.rec.ID, Path: path, Epoch: s.rec.Epoch}
 	m.mu.Unlock()

@@ -87,6 +87,7 @@ type sbox struct {
 	proc    ProcSandbox
 	win     ProbeWindow
 	winOpen bool       // a probe window is open (guarded by m.mu)
+	dirty   bool       // an operation ran since the head was taken or restored (m.mu)
 	turnMu  sync.Mutex // serializes the synchronous part of turns
 	policy  Policy
 	removed bool
@@ -374,6 +375,13 @@ func (m *Manager) beginWindow(ctx context.Context, s *sbox) {
 	m.mu.Unlock()
 }
 
+// touch marks s as changed since its head (an agent operation runs).
+func (m *Manager) touch(s *sbox) {
+	m.mu.Lock()
+	s.dirty = true
+	m.mu.Unlock()
+}
+
 func (m *Manager) running(s *sbox) error {
 	if s.rec.Status != StatusRunning || s.proc == nil {
 		msg := "sandbox " + s.rec.Name + " is " + s.rec.Status
@@ -574,6 +582,7 @@ func (m *Manager) Exec(ctx context.Context, name string, epoch uint64, req ExecR
 		if err := m.running(s); err != nil {
 			return err
 		}
+		m.touch(s)
 		c, err := s.proc.Exec(ctx, req)
 		code = c
 		return err
@@ -601,6 +610,7 @@ func (m *Manager) StartSession(ctx context.Context, name string, epoch uint64, s
 				return errf(CodeExists, "session "+session+" already exists", nil)
 			}
 		}
+		m.touch(s)
 		return s.proc.StartSession(ctx, session, argv, env)
 	})
 	return session, err
@@ -625,6 +635,7 @@ func (m *Manager) Send(ctx context.Context, name string, epoch uint64, req SendR
 		if !found {
 			return errf(CodeNotFound, "no session "+strconv.Quote(req.Session)+" in sandbox "+s.rec.Name, nil)
 		}
+		m.touch(s)
 		o, err := s.proc.Send(ctx, req)
 		out = o
 		return err

@@ -563,3 +563,40 @@ func TestCrashRecovery(t *testing.T) {
 		})
 	}
 }
+
+// TestRestoreFromCleanHead: right after a turn nothing changed, so the
+// head is the undo point (no extra checkpoint is taken); a failing restore
+// still leaves the sandbox exactly at its head.
+func TestRestoreFromCleanHead(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "write", "/f", "one")
+	e.run("a", "set", "v", "one")
+	c1 := e.turn("a", state.ModeFull, true)
+	e.run("a", "write", "/f", "two")
+	e.run("a", "set", "v", "two")
+	c2 := e.turn("a", state.ModeFull, true)
+
+	layers := e.b.Disk.Layers()
+	e.restore("a", c1.ID) // clean: c2 is the current state
+	if got := e.b.Disk.Layers(); got != layers {
+		t.Fatalf("a restore from a clean head took %d extra fs checkpoints", got-layers)
+	}
+	e.b.Faults.FailRestore.Store(1)
+	if _, err := e.m.Restore(e.ctx, "a", c2.ID, 0); err == nil {
+		t.Fatal("restore with an injected failure succeeded")
+	}
+	if got := e.run("a", "cat", "/f") + " " + e.run("a", "get", "v"); got != "one one" {
+		t.Fatalf("after a failed restore from a clean head: %q, want the head's state", got)
+	}
+	// Dirty: an operation since the head forces a real undo point.
+	e.run("a", "write", "/f", "dirty")
+	layers = e.b.Disk.Layers()
+	e.restore("a", c2.ID)
+	if got := e.b.Disk.Layers(); got != layers+1 {
+		t.Fatalf("a restore of a dirty sandbox took %d fs checkpoints, want 1 (the undo point)", got-layers)
+	}
+	if got := e.run("a", "cat", "/f"); got != "two" {
+		t.Fatalf("/f = %q", got)
+	}
+}

@@ -55,6 +55,13 @@ func (d *Disk) next(prefix string) string {
 	return prefix + strconv.Itoa(d.n)
 }
 
+// Layers returns how many fs checkpoints were ever taken.
+func (d *Disk) Layers() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.layers) + len(d.Deleted)
+}
+
 // HasLayer reports whether fs checkpoint id exists.
 func (d *Disk) HasLayer(id string) bool {
 	d.mu.Lock()
