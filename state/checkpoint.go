@@ -660,6 +660,10 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 			sem <- struct{}{}
 			defer func() { <-sem }()
 			children[i], errs[i] = m.forkOne(ctx, &base, c, part, names[i], i+1, pol)
+			if errs[i] != nil { // a transient back-end failure gets one more try
+				m.log.Warn("fork child failed; retrying once", "child", names[i], "err", errs[i])
+				children[i], errs[i] = m.forkOne(ctx, &base, c, part, names[i], i+1, pol)
+			}
 		}()
 	}
 	wg.Wait()
