@@ -58,14 +58,16 @@ func TestDemoTrajectory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The trajectory has read-only steps: with the probe and the effects
-	// policy some turns must be skipped and some fs-only.
+	// The trajectory has read-only and file-only steps: with the probe and
+	// the effects policy they must not all be full checkpoints.
 	count := map[string]int{}
 	for _, r := range d.rows {
-		count[r.decision]++
+		if r.step != "R" {
+			count[r.decision]++
+		}
 	}
-	if count["skip"] == 0 || count["fs"] == 0 || count["full"] == 0 {
-		t.Errorf("decisions %v: want skip, fs and full turns", count)
+	if count["skip"]+count["fs"] < 3 || count["full"] == 0 {
+		t.Errorf("decisions %v: want at least 3 skip or fs-only turns and some full ones", count)
 	}
 	if !strings.Contains(out.String(), "0 problem(s)") {
 		t.Errorf("demo reported problems")
