@@ -266,6 +266,7 @@ func TestLoadImagesAfterRestart(t *testing.T) {
 	if err := e1.Close(); err != nil { // the daemon goes away: templates die, images stay
 		t.Fatal(err)
 	}
+
 	bashChat(t, live, "export V=after")
 	e2 := newEngine(t, Config{ImagesDir: images})
 	loaded, err := e2.LoadImages()

@@ -199,6 +199,8 @@ type ckpt struct {
 	imageDone chan struct{}
 	images    []image
 	stoppedNS map[int]bool // ModeCRIU: ns pids stopped before the checkpoint
+	// removeWhenDone: Drop came while the image was being written.
+	removeWhenDone bool
 	// busy counts restores/forks in progress using the templates.
 	busy int
 }
@@ -233,9 +235,6 @@ func (e *Engine) Close() error {
 	}
 	e.mu.Unlock()
 	for _, c := range cs {
-		if c.imageDone != nil {
-			<-c.imageDone
-		}
 		e.dropTemplates(c)
 	}
 	e.tracer.Close()
@@ -894,6 +893,11 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 			e.mu.Lock()
 			cp, tm.spare = tm.spare, nil
 			e.mu.Unlock()
+			if cp != nil && exiting(cp.Pid()) {
+				// Killed from inside the sandbox: reap it, fork anew.
+				_ = cp.Kill()
+				cp = nil
+			}
 		}
 		if cp == nil {
 			var err error

@@ -39,6 +39,7 @@ func testInit() {
 	// so tests can hand pipes to restored processes.
 	if hp := os.Getenv("CR_TEST_HOSTPROC"); hp != "" {
 		must(unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""))
+		detachForeignMounts()
 		must(unix.Mount("/proc", hp, "", unix.MS_BIND|unix.MS_REC, ""))
 		must(unix.Mount("proc", "/proc", "proc", 0, ""))
 	}
@@ -63,6 +64,34 @@ func testInit() {
 			time.Sleep(10 * time.Millisecond)
 		}
 	}
+}
+
+// detachForeignMounts drops the overlay and FUSE mounts other tests (run in
+// parallel) have on the host from this private mount namespace: CRIU parses
+// every mount of the namespace and fails on some of them.
+func detachForeignMounts() {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		pre, post, ok := strings.Cut(l, " - ")
+		if !ok {
+			continue
+		}
+		pf, qf := strings.Fields(pre), strings.Fields(post)
+		if len(pf) < 5 || len(qf) < 1 {
+			continue
+		}
+		if qf[0] == "overlay" || strings.HasPrefix(qf[0], "fuse") {
+			_ = unix.Unmount(unescapeMount(pf[4]), unix.MNT_DETACH)
+		}
+	}
+}
+
+func unescapeMount(s string) string {
+	r := strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
+	return r.Replace(s)
 }
 
 func must(err error) {
@@ -100,7 +129,10 @@ func startSandbox(t testing.TB, argv ...string) *testSandbox {
 	hostProc := t.TempDir()
 	cmd.Env = append(os.Environ(), "CR_TEST_INIT=1", "CR_TEST_HOSTPROC="+hostProc)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = inR, outW, os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWPID | unix.CLONE_NEWNS, Pdeathsig: unix.SIGKILL}
+	// No Pdeathsig: it fires when the forking *thread* exits, and that OS
+	// thread may later become an engine's tracer thread, which exits on
+	// Engine.Close.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: unix.CLONE_NEWPID | unix.CLONE_NEWNS}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

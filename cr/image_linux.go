@@ -78,7 +78,12 @@ func (e *Engine) dumpTemplates(c *ckpt, t Target) {
 		}
 	}
 	close(c.imageDone)
+	remove := c.removeWhenDone
 	e.mu.Unlock()
+	if remove {
+		e.removeImage(c)
+		return
+	}
 	if err == nil {
 		e.enforceBounds()
 	}
@@ -105,7 +110,9 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 			return fmt.Errorf("dump copy %d: %w", cp, err)
 		}
 		dir := e.imageDir(c, i)
-		derr := r.Dump(context.Background(), criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir})
+		dctx, cancel := context.WithTimeout(context.Background(), dumpTimeout)
+		derr := r.Dump(dctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir})
+		cancel()
 		if derr != nil {
 			_ = unix.Kill(cp, unix.SIGKILL)
 		}
@@ -122,6 +129,9 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 }
 
 var errDropped = errors.New("template dropped")
+
+// dumpTimeout bounds one background dump: nothing may wait on criu forever.
+const dumpTimeout = 5 * time.Minute
 
 // dumpCopy forks a copy of tm and leaves it in a SIGSTOP stop, detached, for
 // criu to seize. The pid is registered so restores never mistake it for a
@@ -290,10 +300,18 @@ func hostPID(init, nspid int) (int, error) {
 
 // removeImage deletes the image directory of c, if any.
 func (e *Engine) removeImage(c *ckpt) {
-	if c.imageDone != nil {
-		<-c.imageDone
-	}
 	e.mu.Lock()
+	if c.imageDone != nil {
+		select {
+		case <-c.imageDone:
+		default:
+			// A dump is still running: it removes the image when done
+			// (never block the caller on criu).
+			c.removeWhenDone = true
+			e.mu.Unlock()
+			return
+		}
+	}
 	dir := c.image.ImageDir
 	if dir == "" && e.cfg.ImagesDir != "" {
 		dir = filepath.Join(e.cfg.ImagesDir, safeName(c.rec.Sandbox), safeName(c.rec.ID))

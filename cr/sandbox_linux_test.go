@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -163,5 +164,99 @@ func TestRealSandboxBash(t *testing.T) {
 	}
 	if s.ExitCode() != 3 {
 		t.Fatalf("exit code %d", s.ExitCode())
+	}
+}
+
+// Regression (deadlock seen with the daemon): an image being written while
+// the next checkpoint freezes the sandbox, and a restore and a drop right
+// behind it, all complete.
+func TestRealSandboxCheckpointDuringImageDump(t *testing.T) {
+	sb := startReal(t)
+	ctx := ctxT(t)
+	needCRIU(t)
+	e := newEngine(t, Config{Warm: true, ImagesDir: t.TempDir()})
+	sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+	ss, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "py", Argv: []string{"python3", "-u", "-c", pyLoop}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ss.Send(ctx, "buf = bytearray(b'\\x01') * (100 << 20); n = 1", sandbox.SendOptions{Until: regexp.MustCompile("__END__")}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		for i := 0; i < 3; i++ {
+			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: fmt.Sprint("d", i)}); err != nil {
+				done <- err
+				return
+			}
+		}
+		if _, err := e.Restore(ctx, sb, "d0", RestoreOptions{Stdio: sessionStdio(ctx, sb, "py")}); err != nil {
+			done <- err
+			return
+		}
+		e.Drop("d1")
+		done <- e.WaitImage(ctx, "d2")
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(90 * time.Second):
+		t.Fatal("checkpoint/restore/drop while images are written did not complete")
+	}
+	out, err := sb.Session("py").Send(ctx, "print(n, len(buf))", sandbox.SendOptions{Until: regexp.MustCompile("__END__")})
+	if err != nil || !strings.Contains(out, fmt.Sprintf("1 %d\n", 100<<20)) {
+		t.Fatalf("restored python: %q %v", out, err)
+	}
+}
+
+// A sandbox process killing the templates (pkill matches them too) must not
+// make a restore silently drop a process: the image path takes over.
+func TestRealSandboxTemplatesKilledFromInside(t *testing.T) {
+	sb := startReal(t)
+	ctx := ctxT(t)
+	needCRIU(t)
+	e := newEngine(t, Config{Warm: true, ImagesDir: t.TempDir()})
+	sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+	if _, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "main", Argv: []string{"bash", "--norc", "--noprofile"}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "srv", Argv: []string{"python3", "-u", "-c", "import sys, time\nsys.stdin.read()\n# marker-srv-xyz"}}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "c"})
+	if err != nil || len(ck.Procs) != 2 {
+		t.Fatalf("checkpoint %+v %v", ck, err)
+	}
+	if err := e.WaitImage(ctx, "c"); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(ctx, 30*time.Second, func() bool { return e.SparesReady(sb.ID()) })
+	if _, err := sb.Session("main").Send(ctx, "pkill -9 -f marker-srv-xyz; echo done", sandbox.SendOptions{Until: regexp.MustCompile("done")}); err != nil {
+		t.Fatal(err)
+	}
+	stdio := func(p Proc) (*Stdio, error) {
+		id := map[string]string{"bash": "main", "python3": "srv"}[p.Comm]
+		return sessionStdio(ctx, sb, id)(p)
+	}
+	res, err := e.Restore(ctx, sb, "c", RestoreOptions{Stdio: stdio})
+	if err != nil {
+		t.Fatal(err) // the image exists: the restore must take it
+	}
+	if res.Path != "criu" {
+		t.Fatalf("path %q, want criu (templates were killed)", res.Path)
+	}
+	procs, err := e.Processes(sb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var comms []string
+	for _, p := range procs {
+		comms = append(comms, p.Comm)
+	}
+	if len(procs) != 2 || len(res.Procs) != 2 {
+		t.Fatalf("restore (path %s) brought back %v (%d reported)", res.Path, comms, len(res.Procs))
 	}
 }

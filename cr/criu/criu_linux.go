@@ -77,12 +77,33 @@ func NewRunner(explicit string) (*Runner, error) {
 func (r *Runner) Close() error { return os.RemoveAll(r.WrapDir) }
 
 // wrapper returns a script that execs criu inside the PID and mount
-// namespaces of nsPID (host pid), or criu itself when nsPID is 0.
-func (r *Runner) wrapper(nsPID int) (string, error) {
+// namespaces of nsPID (host pid), or criu itself when nsPID is 0. With
+// joinCgroups the script first moves itself into the cgroups of nsPID.
+//
+// Inside the sandbox's mount namespace criu's path may not exist: it is
+// exec'd through the inherited descriptor 3. Its shared libraries come from
+// the sandbox root (a host-root based root has them). All namespaces but
+// the user one are entered, so criu sees nothing foreign to dump.
+//
+// Only restores join the sandbox's cgroups (restored processes are then born
+// in its freezer, pids, memory and v2 cgroups). Dumps and the lazy-pages
+// daemon never do: a later freeze of the sandbox would freeze criu in the
+// middle of its work.
+func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 	if nsPID == 0 {
 		return r.Path, nil
 	}
-	p := filepath.Join(r.WrapDir, "ns-"+strconv.Itoa(nsPID))
+	// Key by pid and start time: a pid reused by a later sandbox's init
+	// must not pick up a stale script.
+	st, err := startTime(nsPID)
+	if err != nil {
+		return "", err
+	}
+	name := fmt.Sprintf("ns-%d-%s", nsPID, st)
+	if joinCgroups {
+		name += "-cg"
+	}
+	p := filepath.Join(r.WrapDir, name)
 	if _, err := os.Stat(p); err == nil {
 		return p, nil
 	}
@@ -90,31 +111,40 @@ func (r *Runner) wrapper(nsPID int) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	// Inside the sandbox's mount namespace criu's path may not exist: it
-	// is exec'd through the inherited descriptor 3 (see run). Its shared
-	// libraries come from the sandbox root (a host-root based root has
-	// them). All namespaces but the user one are entered, so criu sees
-	// nothing foreign to dump.
-	// criu first joins the cgroups of the sandbox's init, so restored
-	// processes are born inside the sandbox's cgroups (freezer, pids,
-	// memory, the v2 directory of its eBPF id); criu's own cgroup
-	// management stays off.
-	files, err := cgroupProcsFiles(nsPID)
-	if err != nil {
-		return "", err
-	}
 	var b strings.Builder
 	b.WriteString("#!/bin/sh\n")
-	for _, f := range files {
-		fmt.Fprintf(&b, "echo $$ > '%s' || exit 97\n", f)
+	if joinCgroups {
+		files, err := cgroupProcsFiles(nsPID)
+		if err != nil {
+			return "", err
+		}
+		for _, f := range files {
+			fmt.Fprintf(&b, "echo $$ > '%s' || exit 97\n", f)
+		}
 	}
 	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- /proc/self/fd/3 \"$@\"\n", nsenter, nsPID)
-	script := b.String()
 	tmp := p + ".tmp"
-	if err := os.WriteFile(tmp, []byte(script), 0o700); err != nil {
+	if err := os.WriteFile(tmp, []byte(b.String()), 0o700); err != nil {
 		return "", err
 	}
 	return p, os.Rename(tmp, p)
+}
+
+// startTime returns field 22 of /proc/pid/stat (start time in ticks).
+func startTime(pid int) (string, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return "", err
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return "", fmt.Errorf("bad stat of %d", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return "", fmt.Errorf("bad stat of %d", pid)
+	}
+	return f[19], nil
 }
 
 // Error is a failed CRIU operation with the path of its log.
@@ -203,7 +233,7 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 		return fmt.Errorf("criu dump: %w", err)
 	}
 	defer dir.Close()
-	w, err := r.wrapper(o.NSInit)
+	w, err := r.wrapper(o.NSInit, false)
 	if err != nil {
 		return fmt.Errorf("criu dump: %w", err)
 	}
@@ -253,7 +283,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
 	defer dir.Close()
-	w, err := r.wrapper(o.NSInit)
+	w, err := r.wrapper(o.NSInit, true)
 	if err != nil {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
@@ -268,7 +298,11 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	opts := baseOpts(RestoreLog)
 	opts.RstSibling = ptr(false)
 	if o.Lazy {
-		stop, err := r.startLazyPages(w, o.Dir)
+		lw, err := r.wrapper(o.NSInit, false)
+		if err != nil {
+			return 0, fmt.Errorf("criu restore: %w", err)
+		}
+		stop, err := r.startLazyPages(lw, o.Dir)
 		if err != nil {
 			return 0, &Error{Op: "lazy-pages", Log: filepath.Join(o.Dir, LazyLog), Err: err}
 		}
