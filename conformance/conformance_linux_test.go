@@ -179,6 +179,7 @@ var knownIssues = map[string]string{
 	"proc-redump/criu":             "cr: the CRIU image of a CRIU-restored bash fails (criu dump: operation failed)",
 	"proc-tree-after-restore/criu": "cr: a bash restored by CRIU from a template copy's image keeps a session id whose leader is outside the pid namespace; the next CRIU dump refuses it",
 	"dot-entries/fuse":             "fs: readdir omits the '.' and '..' entries",
+	"fuse-flaky-restore/fuse":      "fs: under load a directory is sometimes missing from the view after a restore (race; fails about 1 run in 8 with 8 in parallel)",
 }
 
 func TestKnownIssues(t *testing.T) {
