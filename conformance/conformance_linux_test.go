@@ -208,7 +208,7 @@ func TestKnownIssues(t *testing.T) {
 				why, known := knownIssues[w.Name+"/"+p.Path]
 				switch {
 				case known && p.Status == "pass":
-					t.Logf("%s on %s passes now: the known issue (%s) looks fixed; move the workload into the corpus", w.Name, p.Path, why)
+					t.Logf("%s on %s passed this run: if it keeps passing, the known issue (%s) is fixed; move the workload into the corpus", w.Name, p.Path, why)
 				case known:
 					t.Logf("%s on %s: known issue (%s): %s", w.Name, p.Path, why, p.Detail)
 				case p.Status == "fail":
