@@ -260,6 +260,7 @@ func TestRealPythonHeapAndFork(t *testing.T) {
 				t.Logf("  %s", b)
 			}
 			b, _ = os.ReadFile(filepath.Join(d.dir, "state", "layers", "meta", "mounts", "journal"))
+			t.Logf("mount journal: %s", b)
 			ents, _ = os.ReadDir(filepath.Join(d.dir, "state", "layers", "meta", "mounts"))
 			for _, e := range ents {
 				b, _ := os.ReadFile(filepath.Join(d.dir, "state", "layers", "meta", "mounts", e.Name()))

@@ -125,10 +125,6 @@ type diffRun struct {
 	rareSwitch bool
 }
 
-func runDifferential(t *testing.T, f layer.FS, model string, seed uint64, ops int) {
-	runDifferentialMode(t, f, model, seed, ops, false)
-}
-
 func runDifferentialMode(t *testing.T, f layer.FS, model string, seed uint64, ops int, rareSwitch bool) {
 	r := &diffRun{t: t, f: f, model: model, rng: rand.New(rand.NewPCG(seed, 0x5eed)), saved: map[string]string{}, rareSwitch: rareSwitch}
 	for i := range ops {

@@ -256,16 +256,6 @@ func parseHexAddr(s string) ([]byte, uint16, bool) {
 	return ip, uint16(port), true
 }
 
-// pidAlive reports whether a process with this pid and start time exists.
-func pidAlive(pid int, start uint64) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return false
-	}
-	var p procInfo
-	return parseStat(b, &p) == nil && p.StartTime == start
-}
-
 // CgroupID returns the cgroup v2 id of dir: its inode number, which is what
 // bpf_get_current_cgroup_id reports for processes in it.
 func CgroupID(dir string) (uint64, error) {

@@ -26,8 +26,7 @@ type model struct {
 
 func (md *model) reachable() map[string]bool {
 	r := map[string]bool{}
-	var mark func(id string)
-	mark = func(id string) {
+	mark := func(id string) {
 		for id != "" && !r[id] {
 			r[id] = true
 			id = md.parent[id]
