@@ -46,7 +46,7 @@ func probeHost(ctx context.Context, opts Options) *Report {
 		"kernel":    func() []Check { return probeKernel() },
 		"fuse":      func() []Check { return probeFUSE(kv) },
 		"overlayfs": func() []Check { return probeOverlay() },
-		"statedir":  func() []Check { return probeStateDir(r.StateDir, opts.SkipLoopXFS) },
+		"statedir":  func() []Check { return append(probeStateDir(r.StateDir, opts.SkipLoopXFS), probeKernelPath(r.StateDir)) },
 		"ebpf":      func() []Check { return probeEBPF() },
 		"criu":      func() []Check { return probeCRIU(ctx, opts.CRIUPath) },
 	}
@@ -493,6 +493,21 @@ func loopXFSSelfTest() Check {
 		return missing(name, "FICLONE on loop-mounted XFS: "+errnoDetail(err))
 	}
 	return ok(name, "a loop-mounted XFS with reflink=1 reflinks files (rewind init-store --xfs-image)")
+}
+
+// probeKernelPath runs the kernel path's self-test on the state dir's file
+// system: a scratch overlay, a 100-entry checkpoint and a switch, timed.
+func probeKernelPath(stateDir string) Check {
+	const name = "kernel-path"
+	rep, err := kernelpath.SelfTest(existingParent(stateDir))
+	if err != nil {
+		return missing(name, "kernel path self-test: "+errnoDetail(err))
+	}
+	detail := "self-test: " + rep.Detail
+	if !rep.LiveFDsFollow {
+		return degraded(name, detail+" (open fds of live processes stay on the old view: not a live-sandbox checkpoint without the ioctl)")
+	}
+	return ok(name, detail)
 }
 
 // ---- eBPF ----
