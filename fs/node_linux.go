@@ -490,13 +490,17 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	return 0
 }
 
-// dirHandle is an open directory: a snapshot of the merged listing, which
-// the kernel may cache (FOPEN_CACHE_DIR); a switch invalidates it with
-// NotifyContent on the directory, local changes by the kernel itself.
+// dirHandle is an open directory: a snapshot of the merged listing, taken
+// at the first read (so an opendir answered from the kernel's readdir
+// cache costs nothing). The kernel may cache it (FOPEN_CACHE_DIR); a switch
+// invalidates it with NotifyContent on the directory, local changes are
+// seen by the kernel itself.
 type dirHandle struct {
-	mu   sync.Mutex
-	ents []fuse.DirEntry
-	pos  int
+	n      *node
+	mu     sync.Mutex
+	loaded bool
+	ents   []fuse.DirEntry
+	pos    int
 }
 
 var (
@@ -505,29 +509,41 @@ var (
 	_ gofs.FileSeekdirer      = (*dirHandle)(nil)
 )
 
-// OpendirHandle snapshots the merged directory and lets the kernel cache
-// it.
+// OpendirHandle opens the directory and lets the kernel cache its listing.
 func (n *node) OpendirHandle(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	return &dirHandle{n: n}, fuse.FOPEN_CACHE_DIR | fuse.FOPEN_KEEP_CACHE, 0
+}
+
+// load snapshots the merged listing; the caller holds d.mu.
+func (d *dirHandle) load() syscall.Errno {
+	if d.loaded {
+		return 0
+	}
+	n := d.n
 	st, done, errno := n.begin(false)
 	if errno != 0 {
-		return nil, 0, errno
+		return errno
 	}
 	defer done()
 	ents, err := readMerged(st, n.getSrcs(), n.vpath())
 	if err != nil {
-		return nil, 0, errnoOf(err)
+		return errnoOf(err)
 	}
-	list := make([]fuse.DirEntry, 0, len(ents))
+	d.ents = make([]fuse.DirEntry, 0, len(ents))
 	for i, e := range ents {
-		list = append(list, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino), Off: uint64(i + 1)})
+		d.ents = append(d.ents, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino), Off: uint64(i + 1)})
 	}
-	return &dirHandle{ents: list}, fuse.FOPEN_CACHE_DIR | fuse.FOPEN_KEEP_CACHE, 0
+	d.loaded = true
+	return 0
 }
 
 // Readdirent returns the next entry.
 func (d *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Errno) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if errno := d.load(); errno != 0 {
+		return nil, errno
+	}
 	if d.pos >= len(d.ents) {
 		return nil, 0
 	}
@@ -540,6 +556,9 @@ func (d *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Err
 func (d *dirHandle) Seekdir(ctx context.Context, off uint64) syscall.Errno {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if errno := d.load(); errno != 0 {
+		return errno
+	}
 	d.pos = int(min(off, uint64(len(d.ents))))
 	return 0
 }
