@@ -910,6 +910,13 @@ func (f *FS) retargetPassthrough(old, next *stack) {
 			if err == nil {
 				_ = unix.Fchown(out, int(e.st.Uid), int(e.st.Gid))
 				_ = unix.Fchmod(out, e.st.Mode&07777)
+				// The target's xattrs replace the live file's.
+				if names, lerr := listXattrs(old.upper.path + "/" + p); lerr == nil {
+					for _, a := range names {
+						_ = unix.Fremovexattr(out, a)
+					}
+				}
+				_ = copyXattrsFd(s.l.path+"/"+s.path, out)
 				_ = unix.UtimesNanoAt(out, "", []unix.Timespec{e.st.Atim, e.st.Mtim}, unix.AT_EMPTY_PATH)
 			}
 			unix.Close(out)

@@ -84,10 +84,12 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 	if err != nil {
 		return nil, nil, 0, errnoOf(err)
 	}
-	uid, gid, _ := n.owner(ctx, st)
-	if err := unix.Fchown(fd, uid, gid); err != nil {
-		unix.Close(fd)
-		return nil, nil, 0, errnoOf(err)
+	// The server runs as root: a new entry is already root-owned.
+	if uid, gid, _ := n.owner(ctx, st); uid != 0 || gid != 0 {
+		if err := unix.Fchown(fd, uid, gid); err != nil {
+			unix.Close(fd)
+			return nil, nil, 0, errnoOf(err)
+		}
 	}
 	if err := unix.Fchmod(fd, mode&07777); err != nil {
 		unix.Close(fd)
@@ -141,8 +143,10 @@ func (n *node) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.En
 	if sg {
 		m |= unix.S_ISGID
 	}
-	if err := unix.Fchownat(st.upper.fd, p, uid, gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return nil, errnoOf(err)
+	if uid != 0 || gid != 0 {
+		if err := unix.Fchownat(st.upper.fd, p, uid, gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return nil, errnoOf(err)
+		}
 	}
 	if err := unix.Fchmodat(st.upper.fd, p, m, 0); err != nil {
 		return nil, errnoOf(err)
