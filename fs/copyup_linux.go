@@ -5,6 +5,7 @@ import (
 	"fmt"
 	iofs "io/fs"
 	"path"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -290,19 +291,65 @@ func (f *FS) copyUpLinks(st *stack, s src, dst string) {
 		return
 	}
 	others := f.linkNames(s.l, ss.Ino, ss.Nlink)
+	var redirects [][2]string // (view dir, lower path) of renamed dirs above s.l
 	for _, o := range others {
 		if o == s.path {
 			continue
 		}
-		e, ok := f.resolvePath(st, o)
-		if !ok || e.srcs[0].l != s.l || e.srcs[0].path != o {
-			continue
+		// A name under a renamed directory shows at another view path:
+		// try the layer path, then the paths redirects map it to.
+		cands := []string{o}
+		if redirects == nil {
+			redirects = f.redirectsAbove(st, s.l)
 		}
-		if err := f.copyUpDirs(st, path.Dir(o)); err != nil {
-			continue
+		for round := 0; round < 4; round++ {
+			for _, c := range cands {
+				for _, r := range redirects {
+					if rest, ok := strings.CutPrefix(c, r[1]+"/"); ok && !slices.Contains(cands, join(r[0], rest)) {
+						cands = append(cands, join(r[0], rest))
+					}
+				}
+			}
 		}
-		_ = unix.Linkat(st.upper.fd, dst, st.upper.fd, o, 0)
+		for _, v := range cands {
+			if v == dst {
+				continue
+			}
+			e, ok := f.resolvePath(st, v)
+			if !ok || e.srcs[0].l != s.l || e.srcs[0].path != o {
+				continue
+			}
+			if err := f.copyUpDirs(st, path.Dir(v)); err != nil {
+				continue
+			}
+			_ = unix.Linkat(st.upper.fd, dst, st.upper.fd, v, 0)
+		}
 	}
+}
+
+// redirectsAbove lists the redirected directories of the layers above l
+// in stack st as (path in that layer, redirect target) pairs.
+func (f *FS) redirectsAbove(st *stack, l *layerDir) [][2]string {
+	out := [][2]string{}
+	for _, a := range st.top {
+		if a == l {
+			break
+		}
+		_ = layer.Walk(a.path, func(rel string, d interfaceDirEntry) error {
+			if !d.IsDir() {
+				return nil
+			}
+			if r := layer.Redirect(a.path + "/" + rel); r != "" {
+				if strings.HasPrefix(r, "/") {
+					out = append(out, [2]string{rel, path.Clean(strings.TrimPrefix(r, "/"))})
+				} else {
+					out = append(out, [2]string{rel, join(path.Dir(rel), r)})
+				}
+			}
+			return nil
+		})
+	}
+	return out
 }
 
 // linkNames finds the names of inode ino in layer l (a walk of the layer;
