@@ -19,7 +19,8 @@
 // forks every sandbox process, so PID 1 is no more privileged than what it
 // runs. The daemon talks to the init over a SOCK_SEQPACKET socket; file
 // descriptors travel with SCM_RIGHTS. Nothing the daemon inherited leaks
-// in, and sandbox processes start with default signal dispositions.
+// in, and sandbox processes start with default signal dispositions and an
+// empty signal mask, whatever the daemon inherited.
 //
 // # Driving a sandbox
 //

@@ -63,6 +63,9 @@ func MaybeRunInit() {
 func runInit() error {
 	// Nothing the daemon inherited may leak into the sandbox.
 	_ = unix.CloseRange(ctlFD+1, ^uint(0), unix.CLOSE_RANGE_CLOEXEC)
+	if err := resetSignalState(); err != nil {
+		return err
+	}
 	// Catch and drop every signal a sandbox process could send us (PID 1
 	// only gets signals it handles, and the Go runtime handles them all,
 	// dying on most by default). Catch, not ignore: ignored dispositions
@@ -153,6 +156,49 @@ func runInit() error {
 		st.spawn(r.m, r.fds)
 	}
 	return errors.New("unreachable")
+}
+
+// resetSignalState clears what the daemon's own environment (a shell, a CI
+// runner) may have passed down to the init, which would otherwise reach
+// every sandbox process: exec keeps ignored dispositions and the signal
+// mask, and syscall.ForkExec offers no way to reset them in the child.
+//
+//   - Dispositions: the child of a fork resets only the signals the Go
+//     runtime handles. It never handles signal 32 (glibc's SIGCANCEL) or 34
+//     (musl's SIGSYNCCALL) without cgo, so an inherited SIG_IGN for them
+//     survived into the sandbox. Every signal still ignored here is set to
+//     SIG_DFL (Go's handlers and glibc's are left alone).
+//   - Mask: a forked child starts with the forking thread's current mask,
+//     and the runtime keeps the signals the init's process started with
+//     blocked (the daemon's inherited mask) on its threads. Spawns run on
+//     this thread (the main thread, locked for good): unblock everything.
+func resetSignalState() error {
+	// struct kernel_sigaction on Linux: handler, flags, restorer, mask.
+	type sigaction struct {
+		handler, flags, restorer uintptr
+		mask                     uint64
+	}
+	const sigIgn, sigDfl = 1, 0
+	for sig := uintptr(1); sig <= 64; sig++ {
+		if sig == uintptr(unix.SIGKILL) || sig == uintptr(unix.SIGSTOP) {
+			continue
+		}
+		var old sigaction
+		if _, _, e := unix.RawSyscall6(unix.SYS_RT_SIGACTION, sig, 0, uintptr(unsafe.Pointer(&old)), 8, 0, 0); e != 0 {
+			return fmt.Errorf("read disposition of signal %d: %w", sig, e)
+		}
+		if old.handler != sigIgn {
+			continue
+		}
+		act := sigaction{handler: sigDfl}
+		if _, _, e := unix.RawSyscall6(unix.SYS_RT_SIGACTION, sig, uintptr(unsafe.Pointer(&act)), 0, 8, 0, 0); e != 0 {
+			return fmt.Errorf("reset disposition of signal %d: %w", sig, e)
+		}
+	}
+	if err := unix.PthreadSigmask(unix.SIG_SETMASK, &unix.Sigset_t{}, nil); err != nil {
+		return fmt.Errorf("clear signal mask: %w", err)
+	}
+	return nil
 }
 
 // prewarmThreads makes the Go runtime start the OS threads the init will

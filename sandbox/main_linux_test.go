@@ -16,6 +16,7 @@ import (
 
 func TestMain(m *testing.M) {
 	MaybeRunInit()
+	maybeDirtySignals()
 	os.Exit(m.Run())
 }
 
