@@ -72,6 +72,23 @@ type Engine struct {
 	sbMu map[string]*sync.Mutex
 	// runner is the CRIU runner, made on first use.
 	runner *criu.Runner
+	// bg tracks background spare creation; closing stops new ones.
+	bg      sync.WaitGroup
+	closing bool
+}
+
+// goSpare starts makeSpare in the background unless the engine is closing.
+func (e *Engine) goSpare(tm *template) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closing {
+		return
+	}
+	e.bg.Add(1)
+	go func() {
+		defer e.bg.Done()
+		e.makeSpare(tm)
+	}()
 }
 
 func (e *Engine) sandboxLock(id string) *sync.Mutex {
@@ -228,6 +245,12 @@ func New(cfg Config) (*Engine, error) {
 // Close kills every template and stops the tracer. Images stay on disk
 // (Drop removes them); another engine can pick them up with LoadImages.
 func (e *Engine) Close() error {
+	e.mu.Lock()
+	e.closing = true
+	e.mu.Unlock()
+	// Spares being made finish first (their fork and pre-fault), so no
+	// traced process is left behind when the tracer thread goes.
+	e.bg.Wait()
 	e.mu.Lock()
 	cs := make([]*ckpt, 0, len(e.ckpts))
 	for _, c := range e.ckpts {
@@ -530,7 +553,7 @@ func (e *Engine) prepareTemplate(tm *template) {
 		e.log.Debug("template stdio", "pid", tm.proc.Pid(), "err", err)
 	}
 	if e.cfg.Warm {
-		go e.makeSpare(tm) // waits for the sandbox lock Checkpoint holds
+		e.goSpare(tm) // waits for the sandbox lock Checkpoint holds
 	}
 }
 
@@ -947,7 +970,7 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, err
 	}
 	if useSpare && e.cfg.Warm {
 		for _, tm := range e.tmpls(c) {
-			go e.makeSpare(tm)
+			e.goSpare(tm)
 		}
 	}
 	return out, nil
