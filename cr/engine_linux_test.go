@@ -47,10 +47,9 @@ func TestTemplateBash(t *testing.T) {
 			if !switched || res.Path != "template" || len(res.Procs) != 1 {
 				t.Fatalf("restore result %+v switched=%v", res, switched)
 			}
-			if _, err := os.Stat(fmt.Sprintf("/proc/%d", ck.Procs[0].PID)); err == nil {
-				if st, _ := procState(ck.Procs[0].PID); st != 'Z' {
-					t.Fatalf("old shell %d still alive (state %c)", ck.Procs[0].PID, st)
-				}
+			if !exiting(ck.Procs[0].PID) {
+				st, _ := procState(ck.Procs[0].PID)
+				t.Fatalf("old shell %d still alive (state %c)", ck.Procs[0].PID, st)
 			}
 			s := <-sessions
 			want := fmt.Sprintf("%s 1 fun-x", x)
