@@ -75,6 +75,9 @@ type Engine struct {
 	// bg tracks background spare creation; closing stops new ones.
 	bg      sync.WaitGroup
 	closing bool
+	// aux are copies being dumped (pid -> sandbox id); they outlive a
+	// dropped checkpoint until criu is done with them.
+	aux map[int]string
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.
@@ -203,7 +206,6 @@ type template struct {
 	proc    *inject.Proc
 	spare   *inject.Proc // pre-forked warmed copy (Config.Warm)
 	warming *inject.Proc // spare being pre-faulted
-	aux     []int        // copies being dumped
 	dirty   int64
 }
 
@@ -239,6 +241,7 @@ func New(cfg Config) (*Engine, error) {
 		tracer: inject.NewTracer(),
 		ckpts:  map[string]*ckpt{},
 		sbMu:   map[string]*sync.Mutex{},
+		aux:    map[int]string{},
 	}, nil
 }
 
@@ -284,9 +287,11 @@ func (e *Engine) templatePids(sb string) map[int]bool {
 			if t.warming != nil {
 				m[t.warming.Pid()] = true
 			}
-			for _, p := range t.aux {
-				m[p] = true
-			}
+		}
+	}
+	for p, sbID := range e.aux {
+		if sbID == sb {
+			m[p] = true
 		}
 	}
 	return m
@@ -310,16 +315,15 @@ func (e *Engine) TemplatePIDs(sb string) []int {
 func (e *Engine) IsTemplate(pid int) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if _, ok := e.aux[pid]; ok {
+		return true
+	}
 	for _, c := range e.ckpts {
 		for _, t := range c.templates {
 			if t.proc.Pid() == pid || (t.spare != nil && t.spare.Pid() == pid) || (t.warming != nil && t.warming.Pid() == pid) {
 				return true
 			}
-			for _, p := range t.aux {
-				if p == pid {
-					return true
-				}
-			}
+
 		}
 	}
 	return false

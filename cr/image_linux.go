@@ -158,7 +158,7 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 		return 0, err
 	}
 	e.mu.Lock()
-	tm.aux = append(tm.aux, cp.Pid())
+	e.aux[cp.Pid()] = tm.sandbox
 	e.mu.Unlock()
 	if err := cp.DetachStopped(); err != nil {
 		_ = cp.Kill()
@@ -173,12 +173,7 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 func (e *Engine) forgetAux(tm *template, pid int) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for i, p := range tm.aux {
-		if p == pid {
-			tm.aux = append(tm.aux[:i], tm.aux[i+1:]...)
-			return
-		}
-	}
+	delete(e.aux, pid)
 }
 
 // WaitImage blocks until checkpoint id's image is written or failed.

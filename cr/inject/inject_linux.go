@@ -164,7 +164,7 @@ func (t *Tracer) Seize(pid int) (*Proc, error) {
 	p := &Proc{t: t, pid: pid}
 	err := t.Do(func() error {
 		if err := ptrace(unix.PTRACE_SEIZE, pid, 0, traceOpts); err != nil {
-			return fmt.Errorf("seize %d: %w", pid, err)
+			return fmt.Errorf("seize %d%s: %w", pid, describe(pid), err)
 		}
 		return nil
 	})
@@ -715,4 +715,22 @@ func (p *Proc) setStdio(paths [3]string, flags [3]int) error {
 		}
 	}
 	return nil
+}
+
+// describe names pid and its tracer for error messages.
+func describe(pid int) string {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return ""
+	}
+	var name, tracer string
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "Name:"); ok {
+			name = strings.TrimSpace(v)
+		}
+		if v, ok := strings.CutPrefix(l, "TracerPid:"); ok {
+			tracer = strings.TrimSpace(v)
+		}
+	}
+	return fmt.Sprintf(" (%s, traced by %s)", name, tracer)
 }
