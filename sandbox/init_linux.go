@@ -136,6 +136,10 @@ func runInit() error {
 	// stdin becomes the sandbox's own /dev/null (it was the host's).
 	_ = unix.Dup3(devNull, 0, 0)
 	st := &initState{c: c, devNull: devNull, held: map[int]bool{}, spawns: make(chan spawnReq)}
+	// No sandbox process exists before opReady: start every OS thread the
+	// init will need now, while the pids limit has room (after the caps
+	// drop, so the check below covers these threads too).
+	prewarmThreads()
 	if !keepCaps {
 		// Every thread of PID 1 must be as powerless as the sandbox's
 		// processes: they can open /proc/1/mem.
@@ -146,8 +150,6 @@ func runInit() error {
 	if err := c.send(&msg{Op: opReady, PID: os.Getpid()}); err != nil {
 		return err
 	}
-	// Threads started from now on are copies of reduced ones.
-	go prewarmThreads()
 	go st.reaper(chld)
 	go st.serve(buf, oob)
 	// Spawns run here, on the main thread, so that children inherit its
@@ -201,28 +203,55 @@ func resetSignalState() error {
 	return nil
 }
 
-// prewarmThreads makes the Go runtime start the OS threads the init will
-// ever need while it still can: the init shares the sandbox's pids limit,
-// and a runtime that fails to create a thread later (a fork bomb filled
-// the limit) aborts.
+// prewarmThreads starts, once and for all, the OS threads the init's Go
+// runtime will ever need. The init shares the sandbox's v1 pids cgroup (the
+// limit plus initThreadAllowance), and a Go runtime that fails to create a
+// thread aborts ("failed to create new OS thread"): before this, a fork bomb
+// that filled the limit killed PID 1 (about 1 sandbox in 18 under load), and
+// with it the sandbox's control channel.
+//
+// The runtime never frees an idle thread (an M), and starts a new one only
+// when no idle one is left. So the init fixes GOMAXPROCS (an explicit value
+// also stops the runtime's automatic updates) and makes initSpareThreads
+// threads exist at once, by locking that many goroutines to threads at the
+// same time, then releasing them: the threads stay parked in the runtime's
+// idle list. What the init can need at a time is far below that: one thread
+// per P, the main thread (locked; spawns block in it), sysmon, the template
+// thread, the os/signal receiver, and the few goroutines in a blocking
+// syscall (the control socket and timers use the netpoller instead).
+//
+// (Moving the init out of the limited cgroup would need every spawn to
+// reach the limited child cgroup before it can fork, which v1 offers no
+// atomic way to do from an unprivileged init; preallocating is enough.)
 func prewarmThreads() {
-	var wg sync.WaitGroup
+	runtime.GOMAXPROCS(initMaxProcs)
+	var locked, release sync.WaitGroup
+	release.Add(1)
+	var done sync.WaitGroup
 	for i := 0; i < initSpareThreads; i++ {
-		wg.Add(1)
+		locked.Add(1)
+		done.Add(1)
 		go func() {
-			defer wg.Done()
-			// A blocking syscall pins an OS thread until it returns.
-			_ = unix.Nanosleep(&unix.Timespec{Nsec: 2e6}, nil)
+			defer done.Done()
+			runtime.LockOSThread()
+			locked.Done()
+			release.Wait()
+			// Unlocked before returning: the thread goes idle, not away.
+			runtime.UnlockOSThread()
 		}()
 	}
-	wg.Wait()
+	locked.Wait()
+	release.Done()
+	done.Wait()
 }
 
-// initSpareThreads is how many blocking syscalls prewarmThreads runs at
-// once; initThreadAllowance is added to the sandbox's pids limit for the
-// init's own threads.
+// initMaxProcs is the init's GOMAXPROCS; initSpareThreads is how many OS
+// threads prewarmThreads makes exist (besides the main one);
+// initThreadAllowance is added to the sandbox's pids limit for the init's
+// own threads, and must exceed initSpareThreads plus the runtime's own few.
 const (
-	initSpareThreads    = 4
+	initMaxProcs        = 2
+	initSpareThreads    = 16
 	initThreadAllowance = 32
 )
 
