@@ -174,13 +174,13 @@ func RunProcess(ctx context.Context, w *Workload, opts ProcOptions) (*Result, er
 		}
 		return res, nil
 	}
-	var procs, probes []string
+	var procs []string
 	for _, p := range opts.Paths {
 		switch {
 		case slices.Contains(ProcPaths, p):
 			procs = append(procs, p)
 		case slices.Contains(ProbePaths, p):
-			probes = append(probes, p)
+			// Probe paths run alongside every process run; nothing to collect.
 		default:
 			return nil, fmt.Errorf("conformance: %q is not a process or probe path", p)
 		}

@@ -19,7 +19,7 @@ func IsWhiteout(st *unix.Stat_t) bool {
 
 // MakeWhiteout creates a whiteout named name in directory dirfd.
 func MakeWhiteout(dirfd int, name string) error {
-	return unix.Mknodat(dirfd, name, unix.S_IFCHR|0o000, 0)
+	return unix.Mknodat(dirfd, name, unix.S_IFCHR, 0) // mode 0000, device 0:0
 }
 
 // IsOpaque reports whether the directory at path (on the host) is opaque.

@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -280,7 +279,11 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 		return nil, fmt.Errorf("bench fs: %w", err)
 	}
 	tarball := filepath.Join(env.root, "src.tar")
-	if b, err := exec.Command("tar", "-C", filepath.Join(runtime.GOROOT(), "src"), "-cf", tarball, "net", "crypto").CombinedOutput(); err != nil {
+	goroot, err := exec.Command("go", "env", "GOROOT").Output()
+	if err != nil {
+		return nil, fmt.Errorf("bench fs: the untar row needs the Go toolchain's sources: go env GOROOT: %w", err)
+	}
+	if b, err := exec.Command("tar", "-C", filepath.Join(strings.TrimSpace(string(goroot)), "src"), "-cf", tarball, "net", "crypto").CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("bench fs: make tarball: %v: %s", err, b)
 	}
 	// Plain: a copy-free view of the same files is the lower itself, plus
