@@ -181,3 +181,15 @@ func TestExpectedShellState(t *testing.T) {
 		t.Fatalf("after cd $R: %+v", got)
 	}
 }
+
+func TestGenerateExclude(t *testing.T) {
+	tr := Generate(5, GenOptions{Exclude: []string{"server", "kill"}})
+	for _, n := range tr.Nodes {
+		if n.Kind == "server" || n.Kind == "kill" {
+			t.Fatalf("excluded kind generated: %+v", n)
+		}
+	}
+	if !strings.HasSuffix(tr.Name, "-no-server-kill") {
+		t.Errorf("trace name %q does not say what it excludes", tr.Name)
+	}
+}

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
+	"strings"
 )
 
 // GenOptions shapes a generated trace.
@@ -18,6 +20,8 @@ type GenOptions struct {
 	MedianLLMMS float64
 	// ZeroLLM sets every llm_ms to 0.
 	ZeroLLM bool
+	// Exclude lists action kinds not to generate (e.g. "server", "kill").
+	Exclude []string
 }
 
 // kinds of actions with their weights: read-only actions are the majority,
@@ -46,8 +50,17 @@ func Generate(seed int64, o GenOptions) *Trace {
 	}
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x72657769))
 	t := &Trace{Name: fmt.Sprintf("swe-%d", seed), Seed: seed, Setup: setupCommands()}
-	total := 0
+	if len(o.Exclude) > 0 {
+		t.Name += "-no-" + strings.Join(o.Exclude, "-")
+	}
+	ks := kinds[:0:0]
 	for _, k := range kinds {
+		if !slices.Contains(o.Exclude, k.kind) {
+			ks = append(ks, k)
+		}
+	}
+	total := 0
+	for _, k := range ks {
 		total += k.weight
 	}
 	pRollback := float64(o.Rollbacks) / float64(o.Expansions)
@@ -61,8 +74,8 @@ func Generate(seed int64, o GenOptions) *Trace {
 			}
 		}
 		w := rng.IntN(total)
-		kind := kinds[0].kind
-		for _, k := range kinds {
+		kind := ks[0].kind
+		for _, k := range ks {
 			if w < k.weight {
 				kind = k.kind
 				break

@@ -24,6 +24,7 @@ func newBenchMCTSCmd() *cobra.Command {
 		outDir     string
 		writeTrace string
 		crash      int
+		exclude    []string
 	)
 	cmd := &cobra.Command{
 		Use:   "mcts",
@@ -60,7 +61,7 @@ correctness (crashes injected at random turns, recovery from the latest checkpoi
 					n = 5
 				}
 				for i := 0; i < n; i++ {
-					ts = append(ts, bench.Generate(seed+int64(i), bench.GenOptions{Expansions: expansions}))
+					ts = append(ts, bench.Generate(seed+int64(i), bench.GenOptions{Expansions: expansions, Exclude: exclude}))
 				}
 			}
 			if writeTrace != "" {
@@ -117,6 +118,7 @@ correctness (crashes injected at random turns, recovery from the latest checkpoi
 	cmd.Flags().StringVar(&outDir, "out", "", "write results.json, results.md and chart.svg into this directory")
 	cmd.Flags().StringVar(&writeTrace, "write-trace", "", "also write the traces replayed to this JSON Lines file")
 	cmd.Flags().IntVar(&crash, "crash-checks", 10, "crash-recovery checks per trace and system")
+	cmd.Flags().StringSliceVar(&exclude, "exclude-kinds", nil, "action kinds the generator leaves out (read, edit, test, cd, env, install, server, kill)")
 	o.add(cmd)
 	return cmd
 }
