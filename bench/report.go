@@ -103,8 +103,11 @@ func (rep *Report) Markdown(w io.Writer) {
 			s.Name, s.OverheadRatio, s.OverheadRatioZeroLLM, s.StateMS, s.P50MS, s.P99MS, s.Restore.P50MS, s.FrozenMS,
 			mb(s.Usage.DiskBytes), s.Decisions["skip"], s.Decisions["fs"], s.Decisions["full"], s.CrashCorrect, s.CrashChecks)
 	}
-	if rep.BestBaseline != "" {
-		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the best baseline (%s).\n", rep.Speedup, rep.BestBaseline)
+	switch {
+	case rep.BestBaseline != "" && rep.Speedup >= 1:
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s).\n", rep.Speedup, rep.BestBaseline)
+	case rep.BestBaseline != "":
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx more time on state management than the fastest baseline (%s).\n", 1/rep.Speedup, rep.BestBaseline)
 	}
 	for _, n := range rep.Notes {
 		fmt.Fprintf(w, "\n%s\n", n)
