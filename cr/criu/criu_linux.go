@@ -20,6 +20,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
@@ -124,7 +125,13 @@ func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 	}
 	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- /proc/self/fd/3 \"$@\"\n", nsenter, nsPID)
 	tmp := p + ".tmp"
-	if err := os.WriteFile(tmp, []byte(b.String()), 0o700); err != nil {
+	// Hold ForkLock while the script is open for writing: a child forked
+	// meanwhile (any goroutine's os/exec) would inherit the write fd until
+	// its exec, and exec'ing the script then fails with ETXTBSY.
+	syscall.ForkLock.Lock()
+	err = os.WriteFile(tmp, []byte(b.String()), 0o700)
+	syscall.ForkLock.Unlock()
+	if err != nil {
 		return "", err
 	}
 	return p, os.Rename(tmp, p)
