@@ -46,9 +46,11 @@ func probeHost(ctx context.Context, opts Options) *Report {
 		"kernel":    func() []Check { return probeKernel() },
 		"fuse":      func() []Check { return probeFUSE(kv) },
 		"overlayfs": func() []Check { return probeOverlay() },
-		"statedir":  func() []Check { return append(probeStateDir(r.StateDir, opts.SkipLoopXFS), probeKernelPath(r.StateDir)) },
-		"ebpf":      func() []Check { return probeEBPF() },
-		"criu":      func() []Check { return probeCRIU(ctx, opts.CRIUPath) },
+		"statedir": func() []Check {
+			return append(probeStateDir(r.StateDir, opts.SkipLoopXFS), probeKernelPath(r.StateDir))
+		},
+		"ebpf": func() []Check { return probeEBPF() },
+		"criu": func() []Check { return probeCRIU(ctx, opts.CRIUPath) },
 	}
 	results := make(map[string][]Check, len(probes))
 	var mu sync.Mutex
