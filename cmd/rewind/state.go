@@ -571,44 +571,29 @@ func newRmCmd() *cobra.Command {
 }
 
 func newPinCmd() *cobra.Command {
-	var o clientOpts
-	cmd := &cobra.Command{
-		Use:     "pin CKPT...",
-		Short:   "Pin checkpoints: GC keeps them and all their ancestors",
-		Example: "  rewind pin ck-3f2a9b1c0d4e ck-77aa01bb02cc",
-		Args:    cobra.MinimumNArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			c, err := o.connect(cmd)
-			if err != nil {
-				return err
-			}
-			pins, err := c.Pin(cmd.Context(), args)
-			if err != nil {
-				return err
-			}
-			if o.json {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"pins": pins})
-			}
-			return nil
-		},
-	}
-	o.add(cmd)
-	return cmd
+	return pinCmd("pin CKPT...", "Pin checkpoints: GC keeps them and all their ancestors",
+		"  rewind pin ck-3f2a9b1c0d4e ck-77aa01bb02cc", (*client.Client).Pin)
 }
 
 func newUnpinCmd() *cobra.Command {
+	return pinCmd("unpin CKPT...", "Unpin checkpoints (GC may then free them if nothing else reaches them)",
+		"  rewind unpin ck-3f2a9b1c0d4e", (*client.Client).Unpin)
+}
+
+// pinCmd builds pin and unpin: both take checkpoint ids and print the pins.
+func pinCmd(use, short, example string, call func(*client.Client, context.Context, []string) ([]string, error)) *cobra.Command {
 	var o clientOpts
 	cmd := &cobra.Command{
-		Use:     "unpin CKPT...",
-		Short:   "Unpin checkpoints (GC may then free them if nothing else reaches them)",
-		Example: "  rewind unpin ck-3f2a9b1c0d4e",
+		Use:     use,
+		Short:   short,
+		Example: example,
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := o.connect(cmd)
 			if err != nil {
 				return err
 			}
-			pins, err := c.Unpin(cmd.Context(), args)
+			pins, err := call(c, cmd.Context(), args)
 			if err != nil {
 				return err
 			}
