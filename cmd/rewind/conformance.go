@@ -32,6 +32,7 @@ func newConformanceCmd() *cobra.Command {
 restores, forks) on every path rewind offers on this host and on a reference
 model, and checks that all reach the same state at every checkpoint and
 restore. See conformance/FORMAT.md for the workload format.`,
+		Example: "  sudo rewind conformance run\n  sudo rewind conformance run --paths fuse,kernel --workload my.json",
 	}
 	cmd.AddCommand(newConformanceRunCmd())
 	return cmd
