@@ -177,40 +177,35 @@ func (w *walker) keep(name string) bool {
 }
 
 func (w *walker) xattrs(fd int, e *Entry) error {
-	names, err := listxattr(func(b []byte) (int, error) { return unix.Flistxattr(fd, b) })
-	if err != nil {
-		return fmt.Errorf("listxattr %q: %w", e.Path, err)
-	}
-	for _, n := range names {
-		if !w.keep(n) {
-			continue
-		}
-		v, err := getxattr(func(b []byte) (int, error) { return unix.Fgetxattr(fd, n, b) })
-		if err != nil {
-			return fmt.Errorf("getxattr %q %s: %w", e.Path, n, err)
-		}
-		if e.Xattrs == nil {
-			e.Xattrs = map[string]string{}
-		}
-		e.Xattrs[n] = v
-	}
-	return nil
+	return w.readXattrs(e,
+		func(b []byte) (int, error) { return unix.Flistxattr(fd, b) },
+		func(n string, b []byte) (int, error) { return unix.Fgetxattr(fd, n, b) })
 }
 
+// lxattrs reads the xattrs of a special file through its parent's fd,
+// never following a symlink; file systems that refuse them yield none.
 func (w *walker) lxattrs(dirfd int, name string, e *Entry) error {
 	p := fmt.Sprintf("/proc/self/fd/%d/%s", dirfd, name)
-	names, err := listxattr(func(b []byte) (int, error) { return unix.Llistxattr(p, b) })
+	err := w.readXattrs(e,
+		func(b []byte) (int, error) { return unix.Llistxattr(p, b) },
+		func(n string, b []byte) (int, error) { return unix.Lgetxattr(p, n, b) })
+	if errors.Is(err, unix.EPERM) || errors.Is(err, unix.ENOTSUP) {
+		return nil
+	}
+	return err
+}
+
+// readXattrs records into e the xattrs selected by the options.
+func (w *walker) readXattrs(e *Entry, list func([]byte) (int, error), get func(string, []byte) (int, error)) error {
+	names, err := listxattr(list)
 	if err != nil {
-		if errors.Is(err, unix.EPERM) || errors.Is(err, unix.ENOTSUP) {
-			return nil
-		}
 		return fmt.Errorf("listxattr %q: %w", e.Path, err)
 	}
 	for _, n := range names {
 		if !w.keep(n) {
 			continue
 		}
-		v, err := getxattr(func(b []byte) (int, error) { return unix.Lgetxattr(p, n, b) })
+		v, err := getxattr(func(b []byte) (int, error) { return get(n, b) })
 		if err != nil {
 			return fmt.Errorf("getxattr %q %s: %w", e.Path, n, err)
 		}
