@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -54,7 +55,10 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("host root: %w", err))
 	}
 	closers = append(closers, func() { unix.Unmount(hostRoot, unix.MNT_DETACH) })
-	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log}
+	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log, compactDepth: cfg.CompactDepth}
+	if fsb.compactDepth == 0 {
+		fsb.compactDepth = DefaultCompactDepth
+	}
 	fsb.startGC()
 	closers = append(closers, fsb.stopGC)
 
@@ -142,6 +146,9 @@ type fsBackend struct {
 	mnt      string
 	hostRoot string
 	log      *slog.Logger
+	// compactDepth: frozen layers that start a background compaction
+	// (<= 0: never).
+	compactDepth int
 
 	mu    sync.Mutex
 	dirty bool
@@ -259,18 +266,51 @@ func (b *fsBackend) Cleanup(_ context.Context, id string) error {
 type fsMount struct {
 	f layer.FS
 	b *fsBackend
+
+	compacting atomic.Bool
+	wg         sync.WaitGroup // a running compaction
 }
+
+// depther is implemented by back ends whose stack depth grows with every
+// checkpoint (the FUSE path; the kernel path merges its own delta layers).
+type depther interface{ Depth() int }
 
 func (m *fsMount) Root() string { return m.f.Mountpoint() }
 
 func (m *fsMount) Checkpoint(context.Context) (string, int64, error) {
 	id, err := m.f.Checkpoint()
+	if err == nil {
+		m.maybeCompact()
+	}
 	return id, 0, err
+}
+
+// maybeCompact merges the mount's frozen layers into one in the background
+// once the stack is compactDepth deep, one compaction at a time per mount.
+// It runs outside the sandbox's freeze window; the view and every
+// checkpoint keep their content, so the sandbox never waits for it.
+func (m *fsMount) maybeCompact() {
+	d, ok := m.f.(depther)
+	if !ok || m.b.compactDepth <= 0 || d.Depth() < m.b.compactDepth || !m.compacting.CompareAndSwap(false, true) {
+		return
+	}
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		defer m.compacting.Store(false)
+		start, before := time.Now(), d.Depth()
+		if err := m.f.Compact(); err != nil {
+			m.b.log.Warn("compaction", "mount", m.f.MountID(), "depth", before, "err", err)
+			return
+		}
+		m.b.log.Info("compacted", "mount", m.f.MountID(), "depth_before", before, "depth_after", d.Depth(), "took", time.Since(start))
+	}()
 }
 
 func (m *fsMount) Switch(_ context.Context, ckpt string) error { return m.f.Switch(ckpt) }
 
 func (m *fsMount) Unmount() error {
+	m.wg.Wait()
 	err := m.f.Unmount()
 	os.Remove(m.f.Mountpoint())
 	return err

@@ -39,12 +39,23 @@ type Config struct {
 	DefaultPolicy string
 	// Budget triggers automatic GC.
 	Budget state.Budget
+	// CompactDepth: when a sandbox's file system has this many frozen
+	// layers after a checkpoint, they are merged into one in the
+	// background (no checkpoint's content changes). 0 means
+	// DefaultCompactDepth; a negative value never compacts.
+	CompactDepth int
 	// Version is reported by GET /v1/version.
 	Version string
 	Logger  *slog.Logger
 	// Ready, if set, is called once the socket accepts connections.
 	Ready func()
 }
+
+// DefaultCompactDepth is Config.CompactDepth's default: deep enough that
+// compaction is rare (a tree search of 100 expansions triggers it about
+// once per sandbox), shallow enough that a long session's stack, its
+// in-memory layer caches and its journal stay small.
+const DefaultCompactDepth = 64
 
 // backendSet is what a daemon runs on.
 type backendSet struct {

@@ -30,6 +30,12 @@ type realDaemon struct {
 
 func startReal(t *testing.T, dir string) *realDaemon {
 	t.Helper()
+	return startRealWith(t, dir, nil)
+}
+
+// startRealWith is startReal with a hook to change the daemon's config.
+func startRealWith(t *testing.T, dir string, edit func(*daemon.Config)) *realDaemon {
+	t.Helper()
 	testenv.RequireRoot(t)
 	_, err := os.Stat("/dev/fuse")
 	testenv.Require(t, err == nil, "/dev/fuse")
@@ -38,12 +44,14 @@ func startReal(t *testing.T, dir string) *realDaemon {
 	d.cancel = cancel
 	ready := make(chan struct{})
 	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	go func() {
-		d.done <- daemon.Run(ctx, daemon.Config{
-			StateDir: filepath.Join(dir, "state"), Socket: d.sock, Backend: "real", DefaultPolicy: "effects",
-			Logger: log, Ready: func() { close(ready) },
-		})
-	}()
+	cfg := daemon.Config{
+		StateDir: filepath.Join(dir, "state"), Socket: d.sock, Backend: "real", DefaultPolicy: "effects",
+		Logger: log, Ready: func() { close(ready) },
+	}
+	if edit != nil {
+		edit(&cfg)
+	}
+	go func() { d.done <- daemon.Run(ctx, cfg) }()
 	select {
 	case <-ready:
 	case err := <-d.done:

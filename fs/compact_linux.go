@@ -45,18 +45,11 @@ func (f *FS) Compact() error {
 		_ = os.RemoveAll(tmp)
 		return fmt.Errorf("compact: %w", err)
 	}
-	cps, err := f.store.Checkpoints()
-	if err != nil {
-		return fmt.Errorf("compact: %w", err)
-	}
-	for _, c := range cps {
-		if len(c.Layers) < len(runIDs) || !slices.Equal(c.Layers[:len(runIDs)], runIDs) {
-			continue
-		}
-		c.Layers = append([]string{id}, c.Layers[len(runIDs):]...)
-		if err := f.store.SaveCheckpoint(c); err != nil {
-			return fmt.Errorf("compact: %w", err)
-		}
+	// Records of checkpoints taken before now may still be queued for the
+	// background writer: write them first so the rewrite sees them.
+	f.flushBG()
+	if err := f.rewriteRun(runIDs, id); err != nil {
+		return err
 	}
 	m, err := f.reg.open(id, f.store.LayerPath(id))
 	if err != nil {
@@ -77,10 +70,44 @@ func (f *FS) Compact() error {
 		}
 	}
 	f.mu.Unlock()
+	// A checkpoint taken while the run was being merged still names the
+	// old layers, and its record may have been queued only now: rewrite
+	// once more after it is written, or GC would free layers it needs.
+	f.flushBG()
+	if err := f.rewriteRun(runIDs, id); err != nil {
+		return err
+	}
 	if _, err := f.store.GC(time.Minute); err != nil {
 		f.log.Warn("gc after compaction", "err", err)
 	}
 	return nil
+}
+
+// rewriteRun makes every checkpoint record whose stack starts with the
+// layers runIDs start with the merged layer id instead.
+func (f *FS) rewriteRun(runIDs []string, id string) error {
+	cps, err := f.store.Checkpoints()
+	if err != nil {
+		return fmt.Errorf("compact: %w", err)
+	}
+	for _, c := range cps {
+		if len(c.Layers) < len(runIDs) || !slices.Equal(c.Layers[:len(runIDs)], runIDs) {
+			continue
+		}
+		c.Layers = append([]string{id}, c.Layers[len(runIDs):]...)
+		if err := f.store.SaveCheckpoint(c); err != nil {
+			return fmt.Errorf("compact: %w", err)
+		}
+	}
+	return nil
+}
+
+// flushBG waits until the background worker has run everything queued so
+// far (checkpoint records, spare uppers). The mount must be serving.
+func (f *FS) flushBG() {
+	done := make(chan struct{})
+	f.bg <- func() { close(done) }
+	<-done
 }
 
 // mergeRun writes into dst one layer equivalent to the run of layers top
