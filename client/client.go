@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/rewind-sandbox/rewind/api"
@@ -245,6 +246,23 @@ func (c *Client) Restore(ctx context.Context, name, ckpt string, epoch uint64) (
 func (c *Client) Log(ctx context.Context, name string) (*api.Log, error) {
 	var l api.Log
 	return &l, c.do(ctx, "GET", "/v1/sandboxes/"+esc(name)+"/log", nil, &l)
+}
+
+// Reports returns the sandbox's recent turn reports with a Seq after the
+// cursor after (0: every report the daemon still holds). With wait > 0 and
+// nothing newer yet, the daemon holds the call up to wait (at most 5
+// minutes) for the next turn. Pass the answer's Last as the next cursor.
+func (c *Client) Reports(ctx context.Context, name string, after uint64, wait time.Duration) (*state.ReportPage, error) {
+	q := url.Values{}
+	q.Set("after", strconv.FormatUint(after, 10))
+	if wait > 0 {
+		q.Set("wait_ms", strconv.FormatInt(max(wait.Milliseconds(), 1), 10))
+	}
+	var p state.ReportPage
+	if err := c.do(ctx, "GET", "/v1/sandboxes/"+esc(name)+"/reports?"+q.Encode(), nil, &p); err != nil {
+		return nil, err
+	}
+	return &p, nil
 }
 
 // GetCheckpoint returns one checkpoint.

@@ -688,5 +688,5 @@ func (a policyAdapter) Decide(ctx context.Context, r *effect.Report) (state.Deci
 	if err != nil {
 		return state.Decision{}, err
 	}
-	return state.Decision{Mode: state.Mode(d.Mode.String()), Reason: d.Reason}, nil
+	return state.Decision{Mode: state.Mode(d.Mode.String()), Reason: d.Reason, Fallback: d.Fallback}, nil
 }

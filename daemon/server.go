@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -46,6 +47,7 @@ func newServer(m *state.Manager, met *metrics, reg *prometheus.Registry, log *sl
 	route("POST /v1/sandboxes/{name}/checkpoint", s.checkpoint)
 	route("POST /v1/sandboxes/{name}/restore", s.restore)
 	route("GET /v1/sandboxes/{name}/log", s.logTree)
+	route("GET /v1/sandboxes/{name}/reports", s.reports)
 	route("GET /v1/checkpoints/{id}", s.getCheckpoint)
 	route("POST /v1/checkpoints/{id}/wait", s.wait)
 	route("POST /v1/checkpoints/{id}/fork", s.fork)
@@ -336,6 +338,36 @@ func (s *server) logTree(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, api.Log{Sandbox: sb, Checkpoints: cks, Pins: s.m.Pins()})
+}
+
+// maxReportWait bounds the long poll of GET .../reports.
+const maxReportWait = 5 * time.Minute
+
+func (s *server) reports(w http.ResponseWriter, r *http.Request) {
+	q := r.URL.Query()
+	var after uint64
+	var waitMS int64
+	for _, p := range []struct {
+		name string
+		set  func(string) error
+	}{
+		{"after", func(v string) (err error) { after, err = strconv.ParseUint(v, 10, 64); return err }},
+		{"wait_ms", func(v string) (err error) { waitMS, err = strconv.ParseInt(v, 10, 64); return err }},
+	} {
+		if v := q.Get(p.name); v != "" {
+			if err := p.set(v); err != nil {
+				writeErr(w, &state.Error{Code: state.CodeBadRequest, Msg: "bad " + p.name + " " + strconv.Quote(v), Err: err})
+				return
+			}
+		}
+	}
+	wait := min(time.Duration(max(waitMS, 0))*time.Millisecond, maxReportWait)
+	page, err := s.m.Reports(r.Context(), r.PathValue("name"), after, wait)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, page)
 }
 
 func (s *server) getCheckpoint(w http.ResponseWriter, r *http.Request) {

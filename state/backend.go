@@ -142,6 +142,9 @@ type ProbeWindow interface {
 type Decision struct {
 	Mode   Mode
 	Reason string
+	// Fallback is set when the policy failed and Mode is the safe full
+	// decision taken in its place.
+	Fallback bool
 }
 
 // Policy decides what a turn saves from its effect report.

@@ -55,6 +55,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 
 	mode, reason := req.Mode, "requested"
 	var rep *effect.Report
+	tr := TurnReport{Requested: req.Mode}
 	if win != nil {
 		if !open {
 			// The previous turn's checkpoint is still running; its
@@ -66,6 +67,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 			}
 		}
 		rep = m.endWindow(ctx, s)
+		tr.Report = rep
 	}
 	if mode == ModeAuto || mode == "" {
 		switch {
@@ -81,10 +83,14 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 				mode, reason = ModeFull, "auto: policy error ("+err.Error()+"), so full"
 			} else {
 				mode, reason = d.Mode, d.Reason
+				tr.Decision, tr.Reason, tr.Fallback = d.Mode, d.Reason, d.Fallback
 				if rep.LostEvents > 0 && mode == ModeSkip {
 					mode, reason = ModeFull, "probe lost events, so full"
 				}
 			}
+		}
+		if tr.Decision == "" {
+			tr.Reason = reason // why no policy decided
 		}
 		m.obs.Decided(polName, mode)
 	} else {
@@ -105,6 +111,8 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	}
 	if mode == ModeSkip {
 		s.dirty = false // the state is the head's
+		tr.Applied, tr.Checkpoint = mode, head.rec.ID
+		m.recordTurn(s, tr)
 		defer m.beginWindow(ctx, s)
 		res := &TurnResult{ID: head.rec.ID, Decision: ModeSkip, Reason: reason, Epoch: s.rec.Epoch, Status: head.rec.Status, Durable: head.rec.Durable, Report: rep}
 		m.mu.Unlock()
@@ -120,6 +128,8 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	})
 	m.ckpts[c.rec.ID] = c
 	s.rec.Head = c.rec.ID
+	tr.Applied, tr.Checkpoint = mode, c.rec.ID
+	m.recordTurn(s, tr)
 	res := &TurnResult{ID: c.rec.ID, Decision: mode, Reason: reason, Epoch: s.rec.Epoch, Status: CkptPending, Report: rep}
 	m.mu.Unlock()
 	s.q.async(&m.wg, func() { m.doCheckpoint(s, c) })

@@ -51,6 +51,9 @@ type Config struct {
 	// NoSync skips fsync on metadata writes (tests only: a crash may then
 	// lose recent records).
 	NoSync bool
+	// ReportRing is the number of recent turn reports kept per sandbox
+	// for Reports (0: DefaultReportRing; negative: none).
+	ReportRing int
 }
 
 // Manager owns sandboxes and the checkpoint tree. It is safe for
@@ -91,6 +94,7 @@ type sbox struct {
 	turnMu  sync.Mutex // serializes the synchronous part of turns
 	policy  Policy
 	removed bool
+	reports reportRing // recent turn reports (m.mu)
 }
 
 type ckpt struct {
