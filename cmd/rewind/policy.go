@@ -26,9 +26,10 @@ func newPolicyCmd() *cobra.Command {
 (file system only) or full. Policies are WASM modules (see policy/ABI.md);
 the built-in ones are listed by "rewind policy list".`,
 		Example: `  rewind policy list
+  rewind policy record agent1 --out reports.jsonl --expect expect.jsonl
   rewind policy test effects --reports reports.jsonl --expect expect.jsonl`,
 	}
-	cmd.AddCommand(newPolicyListCmd(), newPolicyTestCmd())
+	cmd.AddCommand(newPolicyListCmd(), newPolicyTestCmd(), newPolicyRecordCmd())
 	return cmd
 }
 
