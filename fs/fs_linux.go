@@ -612,11 +612,21 @@ func (f *FS) invalidate(paths map[string]bool) {
 	// The root's attributes (mtime, nlink) may differ too.
 	_ = rootIn.NotifyContent(0, 0)
 	for _, iv := range list {
-		if iv.child != nil && iv.child.IsDir() && !iv.special && f.stillDir(iv.child) {
-			// Same directory on both sides: keep the dentry (it may be a
-			// cwd or a mount point), refresh its attributes only.
+		var cn *node
+		if iv.child != nil {
+			cn, _ = iv.child.Operations().(*node)
+		}
+		if cn != nil && iv.child.IsDir() && !iv.special && !cn.isUnlinked() && f.stillDir(iv.child) {
+			// Same directory on both sides, and the kernel's dentry is
+			// this node: keep it (it may be a cwd or a mount point) and
+			// refresh its attributes and listing only.
 			_ = iv.child.NotifyContent(0, 0)
 			continue
+		}
+		if cn != nil {
+			// Before the notification, so a lookup racing with it and
+			// handing the node out again wins.
+			cn.setUnlinked(true)
 		}
 		_ = iv.parent.NotifyEntry(iv.name)
 		if iv.child != nil {
@@ -656,6 +666,9 @@ func (f *FS) invalidateAll() {
 	var walk func(in *gofs.Inode)
 	walk = func(in *gofs.Inode) {
 		for name, ch := range in.Children() {
+			if cn, ok := ch.Operations().(*node); ok {
+				cn.setUnlinked(true)
+			}
 			_ = in.NotifyEntry(name)
 			_ = ch.NotifyContent(0, 0)
 			if ch.IsDir() {

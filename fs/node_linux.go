@@ -25,6 +25,14 @@ type node struct {
 	srcs []src // top-down
 	gone bool  // does not exist in the view of generation gen
 
+	// unlinked is set when the kernel may no longer hold a positive
+	// dentry for this node under its name (a switch invalidated the
+	// entry, or a lookup of the name failed since): the next switch must
+	// invalidate the name again, even if the node is a directory on both
+	// sides, or a negative dentry cached in between would hide it. Cleared
+	// when a lookup hands the node to the kernel again.
+	unlinked bool
+
 	// Passthrough bookkeeping: the kernel registers one backing file per
 	// inode and reuses it for every passthrough open while one is open, so
 	// a new passthrough handle is only handed out when the registered
@@ -123,6 +131,19 @@ func (n *node) setSrcs(srcs []src, gen uint64) {
 	n.mu.Unlock()
 }
 
+// setUnlinked records whether the kernel may have dropped n's dentry.
+func (n *node) setUnlinked(v bool) {
+	n.mu.Lock()
+	n.unlinked = v
+	n.mu.Unlock()
+}
+
+func (n *node) isUnlinked() bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.unlinked
+}
+
 // top returns the layer and host-relative path of the entry's top source.
 func (n *node) top(st *stack) (*layerDir, string) {
 	s := n.getSrcs()[0]
@@ -181,6 +202,7 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 		if ch := n.GetChild(name); ch != nil && ch.StableAttr().Mode == mode {
 			if cn, ok := ch.Operations().(*node); ok && !cn.pinnedElsewhere(e) {
 				cn.setSrcs(e.srcs, gen)
+				cn.setUnlinked(false)
 				f.aliasIno(e.srcs[0].l, e.st.Ino, ch.StableAttr().Ino)
 				return ch
 			}
@@ -200,6 +222,7 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 		if mode != unix.S_IFDIR && cn.StableAttr().Mode == mode && e.st.Nlink > 1 && !cn.pinnedElsewhere(e) {
 			f.inoMu.Unlock()
 			cn.setSrcs(e.srcs, gen)
+			cn.setUnlinked(false)
 			return cn.EmbeddedInode()
 		}
 		f.inoMu.Unlock()
@@ -236,6 +259,13 @@ func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*go
 		return nil, errnoOf(err)
 	}
 	if !found {
+		// The kernel caches the miss (a negative dentry) while a node
+		// of the name may live on (held open): see node.unlinked.
+		if ch := n.GetChild(name); ch != nil {
+			if cn, ok := ch.Operations().(*node); ok {
+				cn.setUnlinked(true)
+			}
+		}
 		return nil, syscall.ENOENT
 	}
 	ch := n.child(ctx, name, &e, gen, false)
@@ -353,11 +383,29 @@ func (n *node) Readdir(ctx context.Context) (gofs.DirStream, syscall.Errno) {
 	if err != nil {
 		return nil, errnoOf(err)
 	}
-	list := make([]fuse.DirEntry, 0, len(ents))
+	list := n.dots(len(ents))
 	for _, e := range ents {
 		list = append(list, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino)})
 	}
 	return gofs.NewListDirStream(list), 0
+}
+
+// dots starts a listing of n with "." and "..", as overlayfs and plain
+// directories list them (ls -a, fts). They also keep a listing the kernel
+// caches from being empty: the kernel notices an invalidation of a cached
+// listing by its missing first page, and an empty listing has no page, so
+// after a switch it would be served again whenever the directory's mtime
+// is the same on both sides (coarse timestamps make that common).
+func (n *node) dots(extra int) []fuse.DirEntry {
+	ino := n.StableAttr().Ino
+	pino := ino
+	if _, p := n.Parent(); p != nil {
+		pino = p.StableAttr().Ino
+	}
+	list := make([]fuse.DirEntry, 0, extra+2)
+	return append(list,
+		fuse.DirEntry{Name: ".", Mode: unix.S_IFDIR, Ino: ino},
+		fuse.DirEntry{Name: "..", Mode: unix.S_IFDIR, Ino: pino})
 }
 
 // Readlink reads a symlink's target.
@@ -529,9 +577,12 @@ func (d *dirHandle) load() syscall.Errno {
 	if err != nil {
 		return errnoOf(err)
 	}
-	d.ents = make([]fuse.DirEntry, 0, len(ents))
-	for i, e := range ents {
-		d.ents = append(d.ents, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino), Off: uint64(i + 1)})
+	d.ents = n.dots(len(ents))
+	for _, e := range ents {
+		d.ents = append(d.ents, fuse.DirEntry{Name: e.name, Mode: e.mode, Ino: n.f.inoFor(e.l, e.ino)})
+	}
+	for i := range d.ents {
+		d.ents[i].Off = uint64(i + 1)
 	}
 	d.loaded = true
 	return 0
