@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -41,34 +40,10 @@ func loopXFS(t testing.TB) string {
 	return mp
 }
 
-// knownFlake reports whether a failure is the open FUSE race of
-// knownIssues["fuse-flaky-restore/fuse"]: on the fuse path, right after a
-// restore, entries MISSING from the view and nothing else. Any other
-// difference still fails. Delete this when the fs bug is fixed.
-func knownFlake(p PathResult) bool {
-	if p.Path != "fuse" || p.Op != "restore" || p.Status != "fail" {
-		return false
-	}
-	_, diff, ok := strings.Cut(p.Detail, "tree differs from model:\n")
-	if !ok {
-		return false
-	}
-	for _, l := range strings.Split(diff, "\n") {
-		if l = strings.TrimSpace(l); l != "" && !strings.HasPrefix(l, "missing:") {
-			return false
-		}
-	}
-	return true
-}
-
-// checkPath fails t for a failed path, except the known FUSE race, which
-// is logged.
+// checkPath fails t for a failed path.
 func checkPath(t *testing.T, name string, p PathResult, extra string) {
 	t.Helper()
-	switch {
-	case knownFlake(p):
-		t.Logf("%s on fuse: known issue fuse-flaky-restore (not failing the test): step %d: %s%s", name, p.Step, p.Detail, extra)
-	case p.Status != "pass":
+	if p.Status != "pass" {
 		t.Errorf("%s on %s: %s at step %d: %s%s", name, p.Path, p.Status, p.Step, p.Detail, extra)
 	}
 }
@@ -105,7 +80,7 @@ func TestCorpusFS(t *testing.T) {
 		t.Run(w.Name, func(t *testing.T) {
 			res := runWorkload(t, w, kdir)
 			for _, p := range res.Paths {
-				if p.Compares == 0 && !knownFlake(p) {
+				if p.Compares == 0 {
 					t.Errorf("%s: no state compared", p.Path)
 				}
 				t.Logf("%s: %s, %d digests compared, exceptions %v", p.Path, p.Status, p.Compares, p.Exceptions)
@@ -207,8 +182,6 @@ func requireProc(t testing.TB, paths []string) {
 var knownIssues = map[string]string{
 	"proc-redump/criu":             "cr: the CRIU image of a CRIU-restored bash fails (criu dump: operation failed)",
 	"proc-tree-after-restore/criu": "cr: a bash restored by CRIU from a template copy's image keeps a session id whose leader is outside the pid namespace; the next CRIU dump refuses it",
-	"dot-entries/fuse":             "fs: readdir omits the '.' and '..' entries",
-	"fuse-flaky-restore/fuse":      "fs: under load a directory is sometimes missing from the view after a restore (race; fails about 1 run in 8 with 8 in parallel)",
 }
 
 func TestKnownIssues(t *testing.T) {
@@ -302,24 +275,5 @@ func TestRandomFUSELinks(t *testing.T) {
 				checkPath(t, fmt.Sprintf("seed %d", seed), p, "\nminimized reproducer: "+file)
 			}
 		})
-	}
-}
-
-func TestKnownFlakeIsNarrow(t *testing.T) {
-	missing := "restore label=k5: tree differs from model:\n  missing: \"s0\" dir 0755 0:0"
-	cases := []struct {
-		p    PathResult
-		want bool
-	}{
-		{PathResult{Path: "fuse", Status: "fail", Op: "restore", Detail: missing}, true},
-		{PathResult{Path: "kernel", Status: "fail", Op: "restore", Detail: missing}, false},
-		{PathResult{Path: "fuse", Status: "fail", Op: "checkpoint", Detail: missing}, false},
-		{PathResult{Path: "fuse", Status: "fail", Op: "restore", Detail: missing + "\n  extra:   \"x\" file"}, false},
-		{PathResult{Path: "fuse", Status: "fail", Op: "restore", Detail: "restore: model ok, fuse EIO"}, false},
-	}
-	for i, c := range cases {
-		if got := knownFlake(c.p); got != c.want {
-			t.Errorf("case %d: knownFlake = %v, want %v", i, got, c.want)
-		}
 	}
 }
