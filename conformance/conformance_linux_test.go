@@ -179,10 +179,7 @@ func requireProc(t testing.TB, paths []string) {
 // area's notes). TestKnownIssues checks that every other path passes them
 // and logs when a listed path starts passing (then move the workload into
 // the corpus and delete the entry). They are not in the embedded corpus.
-var knownIssues = map[string]string{
-	"proc-redump/criu":             "cr: the CRIU image of a CRIU-restored bash fails (criu dump: operation failed)",
-	"proc-tree-after-restore/criu": "cr: a bash restored by CRIU from a template copy's image keeps a session id whose leader is outside the pid namespace; the next CRIU dump refuses it",
-}
+var knownIssues = map[string]string{}
 
 func TestKnownIssues(t *testing.T) {
 	all := append(append([]string(nil), ProcPaths...), ProbePaths...)

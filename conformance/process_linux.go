@@ -717,6 +717,15 @@ func (r *procRun) restore(ctx context.Context, i int, s Step) error {
 			r.fail(r.procFail, i, s, "restored through %s, not %s (checkpoint mode %s)", res.Path, want, rec.mode)
 			return nil
 		}
+		if r.procPath == "criu" && rec.mode == cr.ModeTemplate {
+			// A restore from the image leaves the templates it recreated
+			// in the pool: evict them again, so that the next restore of
+			// this checkpoint also goes through its image.
+			if err := r.eng.Evict(ckID); err != nil {
+				r.fail(r.procFail, i, s, "evict templates of %s: %v", s.Label, err)
+				return nil
+			}
+		}
 	}
 	got, err := r.record(ctx)
 	if err != nil {

@@ -553,6 +553,11 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 // prepareTemplate gives the template /dev/null as stdio (so it holds no
 // session pipe open) and, with Config.Warm, forks its warmed spare.
 func (e *Engine) prepareTemplate(tm *template) {
+	// Its own session: the template must not keep the pid of the process
+	// it copies allocated as a session and group id (see inject.Setsid).
+	if err := tm.proc.Setsid(); err != nil {
+		e.log.Debug("template session", "pid", tm.proc.Pid(), "err", err)
+	}
 	if err := tm.proc.SetStdio([3]string{"/dev/null", "/dev/null", "/dev/null"}, [3]int{unix.O_RDWR, unix.O_RDWR, unix.O_RDWR}); err != nil {
 		e.log.Debug("template stdio", "pid", tm.proc.Pid(), "err", err)
 	}
@@ -578,6 +583,11 @@ func (e *Engine) makeSpare(tm *template) {
 		sp, err := tm.proc.Fork(true)
 		if err != nil {
 			e.log.Debug("spare fork", "pid", tm.proc.Pid(), "err", err)
+			return nil
+		}
+		if err := sp.Setsid(); err != nil {
+			e.log.Debug("spare session", "pid", sp.Pid(), "err", err)
+			_ = sp.Kill()
 			return nil
 		}
 		e.mu.Lock()
@@ -932,8 +942,16 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 			if err != nil {
 				return fail(fmt.Errorf("fork template %d of %d: %w", tm.proc.Pid(), tm.orig.PID, err))
 			}
+			ms = append(ms, made{tm: tm, p: cp})
+			// Every copy leads its own session, as the sandbox's
+			// sessions do: nothing it holds refers to a pid a later
+			// CRIU restore may need, and CRIU can dump it again.
+			if err := cp.Setsid(); err != nil {
+				return fail(err)
+			}
+		} else {
+			ms = append(ms, made{tm: tm, p: cp})
 		}
-		ms = append(ms, made{tm: tm, p: cp})
 		if opts.Stdio == nil {
 			continue
 		}

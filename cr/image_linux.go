@@ -98,6 +98,10 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 	for i, tm := range e.tmpls(c) {
 		cp, err := e.dumpCopy(tm, t.InitPID())
 		if err != nil {
+			if cp > 0 {
+				_ = unix.Kill(cp, unix.SIGKILL)
+				e.forgetAux(tm, cp)
+			}
 			return err
 		}
 		p, err := readProc(cp)
@@ -160,8 +164,18 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	e.mu.Lock()
 	e.aux[cp.Pid()] = tm.sandbox
 	e.mu.Unlock()
+	// A session leader: the image then holds its whole session, and the
+	// process restored from it has its session inside the sandbox's PID
+	// namespace (CRIU's shell-job mode would otherwise put it into criu's
+	// own session, outside, and refuse to dump it or its copies again).
+	if err := cp.Setsid(); err != nil {
+		_ = cp.Kill()
+		e.forgetAux(tm, cp.Pid())
+		return 0, err
+	}
 	if err := cp.DetachStopped(); err != nil {
 		_ = cp.Kill()
+		e.forgetAux(tm, cp.Pid())
 		return 0, err
 	}
 	if !waitUntil(context.Background(), 10*time.Second, func() bool { st, _ := procState(cp.Pid()); return st == 'T' }) {
@@ -227,6 +241,9 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 		return nil, err
 	}
 	for _, im := range imgs {
+		if err := e.imagePidsFree(ctx, t, im.dir); err != nil {
+			return fail(err)
+		}
 		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Lazy: e.cfg.LazyPages})
 		if err != nil {
 			return fail(err)
@@ -242,6 +259,12 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 		ip, err := e.tracer.Attach(pid)
 		if err != nil {
 			_ = unix.Kill(pid, unix.SIGKILL)
+			return fail(err)
+		}
+		// Images written before dump copies led their own session
+		// restore into criu's session: give the template its own.
+		if err := ip.Setsid(); err != nil {
+			_ = ip.Kill()
 			return fail(err)
 		}
 		tmpls = append(tmpls, &template{sandbox: t.ID(), orig: im.orig, proc: ip})
@@ -324,8 +347,11 @@ func (e *Engine) removeImage(c *ckpt) {
 var _ = inject.ErrMultiThreaded
 
 // setLastPID moves the next pid of init's PID namespace to a random value in
-// the upper half of pid_max (ns_last_pid can only be written from inside the
-// namespace, hence nsenter).
+// the upper half of pid_max, unless it is there already (ns_last_pid can
+// only be written from inside the namespace, hence nsenter). It never moves
+// the counter back: pids are then handed out in increasing order, so a pid
+// an image holds is not given to a later process of the sandbox (a later
+// template, spare or server), which would make the image unrestorable there.
 func setLastPID(init int) error {
 	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
 	if err != nil {
@@ -335,8 +361,10 @@ func setLastPID(init int) error {
 	if err != nil || pidMax < 1024 {
 		return fmt.Errorf("pid_max %q", b)
 	}
-	last := pidMax/2 + rand.IntN(pidMax/4)
-	cmd := exec.Command("nsenter", "-t", strconv.Itoa(init), "-p", "--", "sh", "-c", "echo "+strconv.Itoa(last)+" > /proc/sys/kernel/ns_last_pid")
+	low := pidMax / 2
+	last := low + rand.IntN(pidMax/4)
+	script := fmt.Sprintf(`l=$(cat /proc/sys/kernel/ns_last_pid) && [ "$l" -ge %d ] || echo %d > /proc/sys/kernel/ns_last_pid`, low, last)
+	cmd := exec.Command("nsenter", "-t", strconv.Itoa(init), "-p", "--", "sh", "-c", script)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("set ns_last_pid: %v: %s", err, out)
 	}

@@ -175,13 +175,10 @@ func TestRealPersistentBash(t *testing.T) {
 	}{
 		{"template", `mkdir -p /proj && cd /proj && export V=42 && greet() { echo "hi $1"; }; echo @@done@@`,
 			`cd / && V=0 && unset -f greet; echo @@done@@`, `echo "$PWD $V"; greet you; echo @@done@@`, "/proj 42\nhi you"},
-		{"criu with a background job", `mkdir -p /proj && cd /proj && export V=42 && greet() { echo "hi $1"; } && sleep 1000 & echo @@done@@`,
+		{"criu with a background job", `mkdir -p /proj && cd /proj && export V=42 && greet() { echo "hi $1"; }; sleep 1000 & echo @@done@@`,
 			`cd / && V=0 && unset -f greet && kill %1; wait; echo @@done@@`, `echo "$PWD $V"; greet you; jobs | grep -c sleep; echo @@done@@`, "/proj 42\nhi you\n1"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if strings.HasPrefix(tc.name, "criu") && os.Getenv("REWIND_TEST_CRIU_SESSIONS") == "" {
-				t.Skip("waiting for cr: CRIU dump of a session tree in a sandbox fails (files-reg: can't lookup mount for /dev/null)")
-			}
 			persistentBash(t, tc.setup, tc.undo, tc.check, tc.want)
 		})
 	}

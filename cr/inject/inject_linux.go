@@ -621,6 +621,23 @@ func findSyscall(pid int) (uint64, error) {
 	return addr, nil
 }
 
+// Setsid makes the stopped process the leader of a new session and process
+// group (setsid(2)), so it no longer refers to the session and group of the
+// process it was forked from: a session or group id keeps its pid allocated
+// while any process uses it, and a restore that needs that exact pid back
+// (CRIU) would fail. A process that already leads a process group is left
+// as it is (setsid returns EPERM for it).
+func (p *Proc) Setsid() error {
+	_, err := p.Syscall(unix.SYS_SETSID)
+	if errors.Is(err, unix.EPERM) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("setsid in %d: %w", p.pid, err)
+	}
+	return nil
+}
+
 // ReplaceFd opens path inside the stopped process (with the process's own
 // view of the file system) and installs the result as descriptor fd,
 // closing whatever fd was. It is how a forked copy gets fresh stdio.

@@ -1,0 +1,265 @@
+package cr
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/checkpoint-restore/go-criu/v8/crit/images/pstree"
+	"google.golang.org/protobuf/proto"
+)
+
+// CRIU image magics (criu/include/magic.h): a pstree image starts with the
+// common magic, then its own.
+const (
+	imgCommonMagic  = 0x54564319
+	imgServiceMagic = 0x55105940
+	pstreeMagic     = 0x50273030
+)
+
+// imagePids returns every pid and thread id (as seen in the sandbox's PID
+// namespace) that a CRIU restore of the image in dir recreates exactly.
+func imagePids(dir string) ([]int, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "pstree.img"))
+	if err != nil {
+		return nil, fmt.Errorf("read process tree of image: %w", err)
+	}
+	bad := func(why string) ([]int, error) {
+		return nil, fmt.Errorf("process tree of image %s: %s", dir, why)
+	}
+	if len(b) < 8 {
+		return bad("too short")
+	}
+	m := binary.LittleEndian.Uint32(b)
+	if m == imgCommonMagic || m == imgServiceMagic {
+		b = b[4:]
+		m = binary.LittleEndian.Uint32(b)
+	}
+	if m != pstreeMagic {
+		return bad(fmt.Sprintf("magic %#x is not a pstree image", m))
+	}
+	b = b[4:]
+	seen := map[int]bool{}
+	for len(b) > 0 {
+		if len(b) < 4 {
+			return bad("truncated entry")
+		}
+		n := int(binary.LittleEndian.Uint32(b))
+		b = b[4:]
+		if n > len(b) {
+			return bad("truncated entry")
+		}
+		var e pstree.PstreeEntry
+		if err := proto.Unmarshal(b[:n], &e); err != nil {
+			return bad(err.Error())
+		}
+		b = b[n:]
+		seen[int(e.GetPid())] = true
+		for _, t := range e.GetThreads() {
+			seen[int(t)] = true
+		}
+	}
+	out := make([]int, 0, len(seen))
+	for p := range seen {
+		out = append(out, p)
+	}
+	sort.Ints(out)
+	return out, nil
+}
+
+// nsIDs are a process's ids in the sandbox's PID namespace.
+type nsIDs struct {
+	host           int
+	pid, pgid, sid int
+	tids           []int
+	zombie         bool
+}
+
+// nsProcesses lists every process below init, zombies and the engine's
+// helpers included, with the ids it holds in init's PID namespace: its pid,
+// its threads' ids, and the group and session ids that keep those pids
+// allocated while it lives.
+func nsProcesses(init int) ([]nsIDs, error) {
+	var out []nsIDs
+	queue := []int{init}
+	seen := map[int]bool{init: true}
+	for len(queue) > 0 {
+		pid := queue[0]
+		queue = queue[1:]
+		kids, err := children(pid)
+		if err != nil {
+			if pid == init {
+				return nil, fmt.Errorf("list children of init %d: %w", init, err)
+			}
+			continue
+		}
+		for _, c := range kids {
+			if seen[c] {
+				continue
+			}
+			seen[c] = true
+			queue = append(queue, c)
+			ids, err := readNSIDs(c)
+			if err != nil {
+				continue // gone meanwhile: it holds nothing any more
+			}
+			out = append(out, ids)
+		}
+	}
+	return out, nil
+}
+
+// readNSIDs reads pid's innermost-namespace ids from /proc/<pid>/status and
+// its threads' ids from /proc/<pid>/task/*/status.
+func readNSIDs(pid int) (nsIDs, error) {
+	ids := nsIDs{host: pid}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return ids, err
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(l, ":")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(v)
+		if len(f) == 0 {
+			continue
+		}
+		last, _ := strconv.Atoi(f[len(f)-1])
+		switch k {
+		case "State":
+			ids.zombie = f[0] == "Z" || f[0] == "X"
+		case "NSpid":
+			ids.pid = last
+		case "NSpgid":
+			ids.pgid = last
+		case "NSsid":
+			ids.sid = last
+		}
+	}
+	tasks, err := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/task")
+	if err != nil {
+		return ids, nil
+	}
+	for _, t := range tasks {
+		if t.Name() == strconv.Itoa(pid) {
+			continue
+		}
+		tb, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/task/" + t.Name() + "/status")
+		if err != nil {
+			continue
+		}
+		for _, l := range strings.Split(string(tb), "\n") {
+			if v, ok := strings.CutPrefix(l, "NSpid:"); ok {
+				if f := strings.Fields(v); len(f) > 0 {
+					if tid, err := strconv.Atoi(f[len(f)-1]); err == nil {
+						ids.tids = append(ids.tids, tid)
+					}
+				}
+			}
+		}
+	}
+	return ids, nil
+}
+
+// pidHolder says why a pid of init's namespace is still taken.
+type pidHolder struct {
+	nspid  int
+	host   int
+	how    string // "pid", "thread", "group" or "session"
+	helper bool
+	zombie bool
+}
+
+func (h pidHolder) String() string {
+	who := "process"
+	switch {
+	case h.helper:
+		who = "cr helper (template, spare or dump copy)"
+	case h.zombie:
+		who = "zombie"
+	}
+	return fmt.Sprintf("pid %d is the %s of %s %d", h.nspid, h.how, who, h.host)
+}
+
+// pidHolders returns, for the pids in need, the processes below init that
+// still hold them (as their pid, a thread id, or their group or session id).
+func pidHolders(init int, need []int, helpers map[int]bool) ([]pidHolder, error) {
+	want := map[int]bool{}
+	for _, p := range need {
+		want[p] = true
+	}
+	procs, err := nsProcesses(init)
+	if err != nil {
+		return nil, err
+	}
+	var out []pidHolder
+	for _, p := range procs {
+		add := func(id int, how string) {
+			if id > 0 && want[id] {
+				out = append(out, pidHolder{nspid: id, host: p.host, how: how, helper: helpers[p.host], zombie: p.zombie})
+			}
+		}
+		add(p.pid, "pid")
+		for _, t := range p.tids {
+			add(t, "thread")
+		}
+		if p.pgid != p.pid {
+			add(p.pgid, "group")
+		}
+		if p.sid != p.pid && p.sid != p.pgid {
+			add(p.sid, "session")
+		}
+	}
+	return out, nil
+}
+
+// waitPidsFree waits until no process of init's PID namespace holds any
+// pid of need any more (killed processes being reaped, their children
+// reparented to init and reaped in turn). CRIU restores exact pids, and a
+// pid stays allocated while it is any process's pid, thread id, group id or
+// session id. A pid held by one of the engine's helpers never frees by
+// itself: that fails at once. The error names every holder.
+func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]bool) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		hs, err := pidHolders(init, need, helpers)
+		if err != nil {
+			return err
+		}
+		if len(hs) == 0 {
+			return nil
+		}
+		stuck := false
+		for _, h := range hs {
+			if h.helper {
+				stuck = true
+			}
+		}
+		if stuck || time.Now().After(deadline) || ctx.Err() != nil {
+			var s []string
+			for _, h := range hs {
+				s = append(s, h.String())
+			}
+			return fmt.Errorf("pids the image needs are taken: %s", strings.Join(s, "; "))
+		}
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+// imagePidsFree waits until every pid the image in dir recreates is free in
+// t's PID namespace (see waitPidsFree).
+func (e *Engine) imagePidsFree(ctx context.Context, t Target, dir string) error {
+	need, err := imagePids(dir)
+	if err != nil {
+		return err
+	}
+	return waitPidsFree(ctx, t.InitPID(), need, e.templatePids(t.ID()))
+}

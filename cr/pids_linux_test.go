@@ -1,0 +1,238 @@
+package cr
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// checkSessions asserts that every process of sb leads its own session or
+// belongs to a session whose leader lives in sb, and that every cr helper
+// leads its own session and group: no process keeps a pid of the namespace
+// allocated as a group or session id once that pid's process is gone, and
+// CRIU can dump any of them (it refuses a session leader outside the
+// namespace).
+func checkSessions(t *testing.T, sb *testSandbox, e *Engine) {
+	t.Helper()
+	procs, err := nsProcesses(sb.InitPID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	alive := map[int]bool{1: true}
+	for _, p := range procs {
+		if !p.zombie {
+			alive[p.pid] = true
+		}
+	}
+	helpers := e.templatePids(sb.ID())
+	for _, p := range procs {
+		if p.zombie {
+			continue
+		}
+		if helpers[p.host] && (p.sid != p.pid || p.pgid != p.pid) {
+			t.Errorf("helper %d (ns pid %d) is in group %d, session %d: want its own", p.host, p.pid, p.pgid, p.sid)
+		}
+		if !alive[p.sid] || !alive[p.pgid] {
+			t.Errorf("process %d (ns pid %d) is in group %d, session %d, whose leader is gone", p.host, p.pid, p.pgid, p.sid)
+		}
+	}
+}
+
+// TestCRIURestoreAfterTemplateCheckpoints is the "Can't fork for PID: File
+// exists" case: a shell is checkpointed through templates, then with a
+// background job (CRIU path: exact pids), the job ends, and the shell is
+// checkpointed through templates again (as the daemon's undo point before
+// every restore does). Restoring the CRIU checkpoint needs the shell's pid
+// back while templates of that very shell exist; then the restored shell is
+// checkpointed and restored again on both paths (a CRIU-restored process
+// must be dumpable).
+func TestCRIURestoreAfterTemplateCheckpoints(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	e := newEngine(t, Config{ImagesDir: t.TempDir(), Warm: true})
+	ctx := ctxT(t)
+	steps := []struct {
+		cmd  string // run in the current shell before the checkpoint
+		id   string
+		mode Mode
+	}{
+		{"cd /tmp; V=a", "a", ModeTemplate},
+		{"sleep 1000 & V=b", "b", ModeCRIU},
+		{"kill %1; wait; V=c", "c", ModeTemplate},
+	}
+	for _, s := range steps {
+		bashChat(t, live, s.cmd)
+		ck, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: s.id})
+		if err != nil {
+			t.Fatalf("checkpoint %s: %v", s.id, err)
+		}
+		if ck.Mode != s.mode {
+			t.Fatalf("checkpoint %s: mode %s (%s), want %s", s.id, ck.Mode, ck.Reason, s.mode)
+		}
+		if ck.Mode == ModeTemplate {
+			if err := e.WaitImage(ctx, s.id); err != nil {
+				t.Fatalf("image of %s: %v", s.id, err)
+			}
+		}
+		checkSessions(t, sb, e)
+	}
+	restore := func(id, wantPath, want string) {
+		t.Helper()
+		stdio, sessions := freshStdio(t, sb)
+		res, err := e.Restore(ctx, sb, id, RestoreOptions{Stdio: stdio})
+		if err != nil {
+			t.Fatalf("restore %s: %v", id, err)
+		}
+		if res.Path != wantPath {
+			t.Fatalf("restore %s: path %s, want %s", id, res.Path, wantPath)
+		}
+		live = <-sessions
+		if got := bashChat(t, live, `echo "$PWD $V $(jobs -r | wc -l)"`); got != want {
+			t.Fatalf("after restore %s: %q, want %q", id, got, want)
+		}
+		checkSessions(t, sb, e)
+	}
+	restore("b", "criu", "/tmp b 1")
+	restore("a", "template", "/tmp a 0")
+	// The restored copy starts a job and goes through CRIU; then the
+	// template checkpoint of a CRIU-restored shell restores from its image.
+	bashChat(t, live, "sleep 1000 & V=d")
+	if ck, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "d"}); err != nil || ck.Mode != ModeCRIU {
+		t.Fatalf("checkpoint d of a restored copy: %+v %v", ck, err)
+	}
+	restore("d", "criu", "/tmp d 1")
+	bashChat(t, live, "kill %1; wait; V=e")
+	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "e"}); err != nil {
+		t.Fatalf("checkpoint e of a CRIU-restored shell: %v", err)
+	}
+	if err := e.WaitImage(ctx, "e"); err != nil {
+		t.Fatalf("image of e (a CRIU-restored shell): %v", err)
+	}
+	if err := e.Evict("e"); err != nil {
+		t.Fatal(err)
+	}
+	restore("e", "criu", "/tmp e 0")
+	restore("b", "criu", "/tmp b 1")
+}
+
+func TestImagePids(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	bashChat(t, live, "sleep 1000 & sleep 1001 & true")
+	e := newEngine(t, Config{ImagesDir: t.TempDir()})
+	ck, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "tree"})
+	if err != nil || ck.Mode != ModeCRIU {
+		t.Fatalf("checkpoint: %+v %v", ck, err)
+	}
+	var want []int
+	for _, p := range ck.Procs {
+		want = append(want, p.NSPID)
+	}
+	slices.Sort(want)
+	got, err := imagePids(e.imageDir(e.ckpts["tree"], 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, want) || len(got) != 3 {
+		t.Fatalf("image pids %v, want %v", got, want)
+	}
+	if _, err := imagePids(t.TempDir()); err == nil {
+		t.Fatal("no error for a directory without an image")
+	}
+}
+
+// TestPidHolders runs in the test's own PID namespace: the test process
+// plays init, and the pids it needs are held in each way a pid can be.
+func TestPidHolders(t *testing.T) {
+	start := func(t *testing.T, sys *syscall.SysProcAttr, argv ...string) *exec.Cmd {
+		t.Helper()
+		c := exec.Command(argv[0], argv[1:]...)
+		c.SysProcAttr = sys
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Process.Kill(); _ = c.Wait() })
+		return c
+	}
+	for _, tc := range []struct {
+		name string
+		// run starts the processes and returns the pid needed and how it
+		// must be reported held ("" for free).
+		run func(t *testing.T) (int, string)
+	}{
+		{"own pid", func(t *testing.T) (int, string) {
+			c := start(t, nil, "sleep", "100")
+			return c.Process.Pid, "pid"
+		}},
+		{"group of a dead leader", func(t *testing.T) (int, string) {
+			// sh leads a new group, starts sleep in it and exits: the
+			// group id stays allocated while sleep lives.
+			c := start(t, &syscall.SysProcAttr{Setpgid: true}, "sh", "-c", "sleep 100 & echo $! >/dev/null")
+			pid := c.Process.Pid
+			_ = c.Wait()
+			return pid, "group"
+		}},
+		{"session of a dead leader", func(t *testing.T) (int, string) {
+			// python leaves sh's group but stays in its session.
+			c := start(t, &syscall.SysProcAttr{Setsid: true}, "sh", "-c", `python3 -c "import os, time; os.setpgid(0, 0); time.sleep(100)" &`)
+			pid := c.Process.Pid
+			_ = c.Wait()
+			return pid, "session"
+		}},
+		{"free", func(t *testing.T) (int, string) {
+			c := start(t, nil, "true")
+			pid := c.Process.Pid
+			_ = c.Wait()
+			return pid, ""
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			need, how := tc.run(t)
+			var hs []pidHolder
+			var got []string
+			// Orphans are reparented to the test's ancestors, not to the
+			// test: look at every process of the host.
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				var err error
+				hs, err = pidHolders(1, []int{need}, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				got = got[:0]
+				for _, h := range hs {
+					if !h.zombie {
+						got = append(got, h.how)
+					}
+				}
+				if how == "" || slices.Contains(got, how) || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			t.Cleanup(func() {
+				for _, h := range hs {
+					if h.host != os.Getpid() {
+						_ = syscall.Kill(h.host, syscall.SIGKILL)
+					}
+				}
+			})
+			switch {
+			case how == "" && len(got) > 0:
+				t.Fatalf("pid %d reported held: %v", need, hs)
+			case how != "" && !slices.Contains(got, how):
+				t.Fatalf("pid %d: holders %v, want one as %s", need, hs, how)
+			}
+			if how != "" && !strings.Contains(fmt.Sprint(hs), fmt.Sprintf("pid %d is the %s", need, how)) {
+				t.Fatalf("holder text %v", hs)
+			}
+		})
+	}
+}
