@@ -105,6 +105,7 @@ type FS struct {
 	eff   effect.FS
 
 	reads, writes atomic.Uint64 // READ/WRITE requests served by the daemon
+	ops           opCounts      // every request, by opcode
 
 	ptMu    sync.Mutex
 	ptNodes map[*node]struct{} // nodes with passthrough handles open
@@ -202,7 +203,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			Debug:                opts.Debug,
 		},
 	}
-	srv, err := gofs.Mount(mp, f.root, fo)
+	srv, err := mountCounting(mp, f.root, fo, &f.ops)
 	if err != nil {
 		close(f.bg)
 		<-f.bgDone
