@@ -369,6 +369,9 @@ func (n *node) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttr
 		return errnoOf(err)
 	}
 	fillAttr(&out.Attr, &s, n.StableAttr().Ino)
+	// go-fuse leaves a SETATTR reply's timeout at 0, which would make the
+	// kernel ask again (GETATTR) right after every chmod/chown/utimens.
+	out.SetTimeout(f.opts.CacheTimeout)
 	return 0
 }
 

@@ -115,13 +115,13 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 			n.f.ptMu.Lock()
 			n.f.ptNodes[cn] = struct{}{}
 			n.f.ptMu.Unlock()
-			return ch, &ptHandle{handle: h, write: true}, 0, 0
+			return ch, &ptHandle{handle: h, write: true}, fuse.FOPEN_NOFLUSH, 0
 		}
 	}
 	cn.mu.Lock()
 	cn.cachedOpen++
 	cn.mu.Unlock()
-	return ch, h, fuse.FOPEN_KEEP_CACHE, 0
+	return ch, h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
 }
 
 // Mkdir creates a directory (opaque when it replaces a whiteout).
