@@ -29,6 +29,8 @@ type benchFSOpts struct {
 	small    int
 	stats    int
 	skipIO   bool
+	ioOnly   bool
+	repeat   int
 	skipFOFS bool
 	asJSON   bool
 	pt       bool
@@ -53,7 +55,7 @@ func newBenchFSCmd() *cobra.Command {
 common ancestor); and I/O rows (sequential write/read, create+write+close of small files,
 stat of many files, unpacking a tarball) on the plain backing directory, on rewind's FUSE
 overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
-		Example: "  rewind bench fs\n  rewind bench fs --sizes 1000,10000 --io-mib 256 --json",
+		Example: "  rewind bench fs\n  rewind bench fs --sizes 1000,10000 --io-mib 256 --json\n  rewind bench fs --io-only --io-mib 256 --repeat 5",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runBenchFS(cmd, o)
@@ -68,6 +70,8 @@ overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
 	f.IntVar(&o.small, "small", 10000, "small files to create")
 	f.IntVar(&o.stats, "stats", 100000, "files to stat")
 	f.BoolVar(&o.skipIO, "no-io", false, "skip the I/O rows")
+	f.BoolVar(&o.ioOnly, "io-only", false, "only the I/O rows (no checkpoint/restore latency)")
+	f.IntVar(&o.repeat, "repeat", 1, "runs of each I/O row per target, interleaved; the median is reported")
 	f.BoolVar(&o.skipFOFS, "no-fuse-overlayfs", false, "skip the fuse-overlayfs baseline")
 	f.BoolVar(&o.asJSON, "json", false, "print JSON rows")
 	f.BoolVar(&o.pt, "passthrough", true, "mount rewind with FUSE passthrough for the I/O rows")
@@ -147,6 +151,9 @@ func runBenchFS(cmd *cobra.Command, o benchFSOpts) error {
 	var rows []fsBenchRow
 	out := cmd.ErrOrStderr()
 
+	if o.ioOnly {
+		o.sizes, o.deltas = nil, nil
+	}
 	// Checkpoint latency against the number of files in the view.
 	for _, n := range o.sizes {
 		lower := filepath.Join(root, fmt.Sprintf("lower-%d", n))
@@ -181,7 +188,7 @@ func runBenchFS(cmd *cobra.Command, o benchFSOpts) error {
 	}
 
 	// Restore latency against the delta.
-	{
+	if len(o.deltas) > 0 {
 		lower := filepath.Join(root, "lower-restore")
 		maxD := 0
 		for _, d := range o.deltas {
@@ -329,8 +336,8 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			return fsReadAll(filepath.Join(dir, "seqw"))
 		}},
 		{fmt.Sprintf("create+write+close %d files", o.small), "<=1.3x", func(dir, _ string) error {
-			d := filepath.Join(dir, "small")
-			if err := os.MkdirAll(d, 0o755); err != nil {
+			d, err := os.MkdirTemp(dir, "small-")
+			if err != nil {
 				return err
 			}
 			for i := 0; i < o.small; i++ {
@@ -345,8 +352,8 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			return err
 		}},
 		{"untar Go net+crypto", "<=1.3x", func(dir, _ string) error {
-			d := filepath.Join(dir, "untar")
-			if err := os.MkdirAll(d, 0o755); err != nil {
+			d, err := os.MkdirTemp(dir, "untar-")
+			if err != nil {
 				return err
 			}
 			b, err := exec.Command("tar", "-C", d, "-xf", tarball).CombinedOutput()
@@ -358,30 +365,82 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 	}
 	var rows []fsBenchRow
 	for _, c := range cases {
-		res := map[string]float64{}
-		for _, tg := range targets {
-			readDir := tg.dir
-			if tg.name == "plain" {
-				readDir = lower
+		res := map[string][]float64{}
+		var reqs map[string]uint64
+		// Interleave the targets within each repetition, so that load
+		// from elsewhere on the machine hits them alike.
+		for rep := 0; rep < max(o.repeat, 1); rep++ {
+			for _, tg := range targets {
+				readDir := tg.dir
+				if tg.name == "plain" {
+					readDir = lower
+				}
+				if strings.HasPrefix(c.name, "stat") {
+					_, _ = fsStatAll(readDir) // warm
+				}
+				if strings.HasPrefix(c.name, "seq read") {
+					_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
+					_ = fsReadAll(filepath.Join(tg.dir, "seqw"))
+				}
+				before := f.RequestCounts()
+				t0 := time.Now()
+				if err := c.run(tg.dir, readDir); err != nil {
+					return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
+				}
+				res[tg.name] = append(res[tg.name], float64(time.Since(t0).Nanoseconds())/1000)
+				if tg.name == "rewind" && rep == 0 {
+					reqs = fsCountsSince(f.RequestCounts(), before)
+				}
 			}
-			if strings.HasPrefix(c.name, "stat") {
-				_, _ = fsStatAll(readDir) // warm
-			}
-			if strings.HasPrefix(c.name, "seq read") {
-				_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
-				_ = fsReadAll(filepath.Join(tg.dir, "seqw"))
-			}
-			t0 := time.Now()
-			if err := c.run(tg.dir, readDir); err != nil {
-				return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
-			}
-			res[tg.name] = float64(time.Since(t0).Nanoseconds()) / 1000
 		}
-		r := fsBenchRow{Name: c.name, RewindUS: res["rewind"], PlainUS: res["plain"], FOFSUS: res["fofs"], Target: c.target + " plain, < fuse-overlayfs"}
-		fmt.Fprintf(out, "%s: rewind %.1f ms plain %.1f ms fuse-overlayfs %.1f ms\n", c.name, r.RewindUS/1000, r.PlainUS/1000, r.FOFSUS/1000)
+		r := fsBenchRow{Name: c.name, RewindUS: fsMedian(res["rewind"]), PlainUS: fsMedian(res["plain"]), FOFSUS: fsMedian(res["fofs"]), Target: c.target + " plain, < fuse-overlayfs"}
+		fmt.Fprintf(out, "%s: rewind %.1f ms plain %.1f ms fuse-overlayfs %.1f ms (median of %d); rewind's FUSE requests: %s\n",
+			c.name, r.RewindUS/1000, r.PlainUS/1000, r.FOFSUS/1000, max(o.repeat, 1), fsFormatCounts(reqs))
 		rows = append(rows, r)
 	}
 	return rows, nil
+}
+
+func fsMedian(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	return s[len(s)/2]
+}
+
+// fsCountsSince is the per-opcode difference of two RequestCounts snapshots.
+func fsCountsSince(now, before map[string]uint64) map[string]uint64 {
+	d := map[string]uint64{}
+	for k, v := range now {
+		if v > before[k] {
+			d[k] = v - before[k]
+		}
+	}
+	return d
+}
+
+// fsFormatCounts prints request counts, most frequent first.
+func fsFormatCounts(m map[string]uint64) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		if m[keys[i]] != m[keys[j]] {
+			return m[keys[i]] > m[keys[j]]
+		}
+		return keys[i] < keys[j]
+	})
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %d", k, m[k])
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ", ")
 }
 
 func fsWriteRandom(p string, size int64) error {
