@@ -58,6 +58,34 @@ func TestRoundTrips(t *testing.T) {
 		},
 		max: map[string]uint64{"FLUSH": 0},
 	}, {
+		name: "writes are counted",
+		run: func(t *testing.T, fx *fixture) {
+			fh, err := os.OpenFile(fx.p("lower.txt"), os.O_WRONLY|os.O_APPEND, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer fh.Close()
+			for i := 0; i < 3; i++ {
+				if _, err := fh.WriteString("+"); err != nil {
+					t.Fatal(err)
+				}
+			}
+		},
+		check: func(t *testing.T, fx *fixture) {
+			if got := mustRead(t, fx.p("lower.txt")); got != "base+++" {
+				t.Errorf("lower.txt: %q", got)
+			}
+			// Without passthrough the three writes reach the daemon and
+			// are counted; with it the kernel writes the upper copy.
+			got := fx.fs.RequestCounts()["WRITE"]
+			if !fx.fs.opts.Passthrough && got < 3 {
+				t.Errorf("WRITE requests: %d, want >= 3", got)
+			}
+			if fx.fs.opts.Passthrough && got != 0 {
+				t.Errorf("WRITE requests with passthrough: %d, want 0", got)
+			}
+		},
+	}, {
 		name: "chmod and utimens replies are cached",
 		setup: func(t *testing.T, fx *fixture) {
 			mustWrite(t, fx.p("m"), "x")
