@@ -164,6 +164,9 @@ func TestProcessTreeViaCRIU(t *testing.T) {
 	if ck.Mode != ModeCRIU || ck.Reason == "" || len(ck.Procs) != 3 {
 		t.Fatalf("checkpoint %+v", ck)
 	}
+	if err := e.WaitImage(ctxT(t), "tree"); err != nil {
+		t.Fatalf("a CRIU-mode checkpoint is its image: %v", err)
+	}
 	before := bashChat(t, live, `echo "$SRV $BG $(jobs -p | tr '\n' ' ')"`)
 	bashChat(t, live, "kill $SRV $BG; wait; cd /; export V=2")
 	stdio, sessions := freshStdio(t, sb)

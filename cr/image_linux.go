@@ -190,7 +190,8 @@ func (e *Engine) forgetAux(tm *template, pid int) {
 	delete(e.aux, pid)
 }
 
-// WaitImage blocks until checkpoint id's image is written or failed.
+// WaitImage blocks until checkpoint id's image is written or failed. A
+// CRIU-mode checkpoint is an image from the start; an empty one needs none.
 func (e *Engine) WaitImage(ctx context.Context, id string) error {
 	e.mu.Lock()
 	c, ok := e.ckpts[id]
@@ -199,6 +200,11 @@ func (e *Engine) WaitImage(ctx context.Context, id string) error {
 		return fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
 	}
 	if c.imageDone == nil {
+		switch c.rec.Mode {
+		case ModeCRIU, ModeEmpty:
+			// Imaged during the checkpoint itself, or nothing to image.
+			return nil
+		}
 		return fmt.Errorf("checkpoint %s: no image configured", id)
 	}
 	select {

@@ -202,6 +202,9 @@ func persistentBash(t *testing.T, setup, undo, check, want string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if !t1.Durable {
+		t.Fatalf("checkpoint not durable: %+v", t1)
+	}
 	send(t, c, "b", "sh", undo)
 	if got := send(t, c, "b", "sh", `echo "$PWD $V"; echo @@done@@`); got != "/ 0" {
 		t.Fatalf("before restore: %q", got)
