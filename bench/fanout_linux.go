@@ -89,12 +89,28 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 			return nil, fmt.Errorf("rewind: %w", err)
 		}
 		defer m.Close()
-		id, _, err := m.Checkpoint(ctx) // waits until durable
-		if err != nil {
-			return nil, fmt.Errorf("rewind: checkpoint: %w", err)
-		}
 		for _, n := range o.Counts {
-			rows = append(rows, finishRow(fanoutRewind(ctx, o.Client, id, n)))
+			// A new checkpoint per width: its first fork finds nothing
+			// prepared. A trainer forks the same checkpoint at every step:
+			// the repeated fork, once the daemon has prepared children of
+			// it in the background (--warm-forks), is the steady state.
+			id, _, err := m.Checkpoint(ctx) // waits until durable
+			if err != nil {
+				return nil, fmt.Errorf("rewind: checkpoint: %w", err)
+			}
+			first := fanoutRewind(ctx, o.Client, id, n)
+			rows = append(rows, finishRow(first))
+			if first.Error != "" {
+				continue
+			}
+			r := FanoutRow{Name: "rewind-fork-repeat", N: n}
+			if err := waitWarm(ctx, o.Client, id, n, 3*time.Minute); err != nil {
+				r.Error = err.Error()
+			} else {
+				r = fanoutRewind(ctx, o.Client, id, n)
+				r.Name = "rewind-fork-repeat"
+			}
+			rows = append(rows, finishRow(r))
 		}
 	}
 	for _, n := range o.Counts {
@@ -142,6 +158,38 @@ func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) Fan
 		}
 	}
 	return row
+}
+
+// waitWarm waits until the daemon has n fork children of checkpoint id
+// prepared (its rewind_warm_forks metric).
+func waitWarm(ctx context.Context, c *client.Client, id string, n int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	want := `rewind_warm_forks{checkpoint="` + id + `"} `
+	have := 0
+	for {
+		text, err := c.Metrics(ctx)
+		if err != nil {
+			return err
+		}
+		have = 0
+		for _, l := range strings.Split(text, "\n") {
+			if v, ok := strings.CutPrefix(l, want); ok {
+				f, _ := strconv.ParseFloat(strings.TrimSpace(v), 64)
+				have = int(f)
+			}
+		}
+		if have >= n {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("only %d of %d fork children prepared after %s (daemon started with --warm-forks below %d?)", have, n, timeout, n)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
 }
 
 func fanoutCopy(ctx context.Context, parent string, setup []string, n int) FanoutRow {

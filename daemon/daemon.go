@@ -44,6 +44,9 @@ type Config struct {
 	// background (no checkpoint's content changes). 0 means
 	// DefaultCompactDepth; a negative value never compacts.
 	CompactDepth int
+	// WarmForks bounds the fork children prepared ahead of a repeated
+	// fork (state.Config.WarmForks); 0 prepares none.
+	WarmForks int
 	// Version is reported by GET /v1/version.
 	Version string
 	Logger  *slog.Logger
@@ -131,7 +134,7 @@ func Run(ctx context.Context, cfg Config) error {
 	mgr, err := state.Open(ctx, state.Config{
 		Dir: filepath.Join(cfg.StateDir, "meta"), FS: be.fs, Proc: be.proc, Probe: be.probe, Policies: be.policies,
 		DefaultPolicy: cfg.DefaultPolicy, Hide: hidden(cfg),
-		BootID: bootID(), Budget: cfg.Budget, Observer: met, Logger: log,
+		BootID: bootID(), Budget: cfg.Budget, WarmForks: cfg.WarmForks, Observer: met, Logger: log,
 	})
 	if err != nil {
 		return err

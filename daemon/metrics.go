@@ -117,5 +117,21 @@ func gauges(reg prometheus.Registerer, mgr *state.Manager) {
 			func() float64 { return float64(mgr.Stats().Checkpoints) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "rewind_checkpoint_bytes", Help: "Bytes held by checkpoints, as the back ends report them."},
 			func() float64 { return float64(mgr.Stats().Bytes) }),
+		warmCollector{mgr: mgr, desc: prometheus.NewDesc("rewind_warm_forks",
+			"Fork children prepared ahead of a repeated fork, ready to hand out, by checkpoint.", []string{"checkpoint"}, nil)},
 	)
+}
+
+// warmCollector reports the prepared fork children of each checkpoint.
+type warmCollector struct {
+	mgr  *state.Manager
+	desc *prometheus.Desc
+}
+
+func (c warmCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c warmCollector) Collect(ch chan<- prometheus.Metric) {
+	for id, n := range c.mgr.WarmForks() {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(n), id)
+	}
 }

@@ -661,9 +661,27 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	}
 	children := make([]*sbox, req.Count)
 	errs := make([]error, req.Count)
+	// Children prepared ahead of time (Config.WarmForks) take the first
+	// copy numbers; the rest are made now.
+	warm := m.beginForkWarm(c.rec.ID, &base, req.Count)
+	forked := false
+	defer func() { m.endForkWarm(c.rec.ID, req.Count, forked) }()
+	wasWarm := map[string]bool{}
+	for i, s := range warm {
+		wasWarm[s.rec.ID] = true
+		if err := m.handOut(s, names[i], i+1, pol); err != nil {
+			m.log.Warn("prepared fork child unusable; forking anew", "child", names[i], "err", err)
+			m.discardWarm([]*sbox{s})
+			continue
+		}
+		children[i] = s
+	}
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 4)
 	for i := range children {
+		if children[i] != nil {
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -691,13 +709,23 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 		})
 	}
 	if ferr != nil {
+		var drop []string
 		for _, ch := range children {
 			if ch != nil {
 				m.stopSandbox(ch)
+				if wasWarm[ch.rec.ID] {
+					drop = append(drop, ch.rec.ID)
+				}
+			}
+		}
+		if len(drop) > 0 {
+			if err := m.persist(func(b *batch) { b.delSandboxes = append(b.delSandboxes, drop...) }); err != nil {
+				m.log.Warn("delete prepared fork children", "err", err)
 			}
 		}
 		return nil, ferr
 	}
+	forked = true
 	out := make([]*Sandbox, len(children))
 	m.mu.Lock()
 	for i, ch := range children {
@@ -707,7 +735,7 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	}
 	m.mu.Unlock()
 	m.obs.Forked(req.Count, time.Since(start))
-	m.log.Info("forked", "checkpoint", c.rec.ID, "count", req.Count, "took", time.Since(start))
+	m.log.Info("forked", "checkpoint", c.rec.ID, "count", req.Count, "prepared", len(wasWarm), "took", time.Since(start))
 	return out, nil
 }
 

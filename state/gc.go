@@ -153,6 +153,12 @@ func (m *Manager) GC(ctx context.Context, dryRun bool) (*GCResult, error) {
 		}
 		return res, nil
 	}
+	deadIDs := make([]string, len(dead))
+	for i, c := range dead {
+		deadIDs[i] = c.ID
+	}
+	// Prepared fork children are made from these checkpoints.
+	m.dropWarmFor(deadIDs)
 	failed := map[string]bool{} // ids whose parent must then stay
 	var freed []string
 	for _, c := range dead {

@@ -48,6 +48,11 @@ type Config struct {
 	Budget   Budget
 	Observer Observer
 	Logger   *slog.Logger
+	// WarmForks bounds the fork children prepared ahead of time: after a
+	// fork of N copies of a checkpoint, up to N children of it are made in
+	// the background so the next fork of it at that width only names them.
+	// 0 prepares none.
+	WarmForks int
 	// NoSync skips fsync on metadata writes (tests only: a crash may then
 	// lose recent records).
 	NoSync bool
@@ -78,6 +83,7 @@ type Manager struct {
 	pins      map[string]bool
 	closed    bool
 	gcRunning bool
+	warm      *warmPool // nil without Config.WarmForks
 
 	wg sync.WaitGroup // asynchronous work
 }
@@ -145,6 +151,9 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 		st.close()
 		return nil, err
 	}
+	if cfg.WarmForks > 0 {
+		m.startWarm()
+	}
 	return m, nil
 }
 
@@ -189,6 +198,18 @@ func (m *Manager) recover(ctx context.Context) error {
 		}
 	}
 	for _, sb := range l.sandboxes {
+		if sb.Warm {
+			// A fork child prepared by the previous daemon: never handed
+			// out, so nothing of it is kept.
+			if err := m.cfg.FS.Cleanup(ctx, sb.ID); err != nil {
+				m.log.Warn("fs cleanup of a prepared fork child", "sandbox", sb.ID, "err", err)
+			}
+			if err := m.cfg.Proc.Cleanup(ctx, sb.ID); err != nil {
+				m.log.Warn("process cleanup of a prepared fork child", "sandbox", sb.ID, "err", err)
+			}
+			b.delSandboxes = append(b.delSandboxes, sb.ID)
+			continue
+		}
 		if sb.Head != "" && m.ckpts[sb.Head] == nil {
 			sb.Head = ""
 		}
@@ -240,6 +261,7 @@ func (m *Manager) Close(ctx context.Context) error {
 		sbs = append(sbs, s)
 	}
 	m.mu.Unlock()
+	m.stopWarm()
 	for _, s := range sbs {
 		select {
 		case <-s.q.idle():

@@ -79,6 +79,9 @@ type Sandbox struct {
 	Copy int `json:"copy,omitempty"`
 	// Note explains the status (for example why a sandbox is stopped).
 	Note string `json:"note,omitempty"`
+	// Warm marks a fork child prepared ahead of a fork and not handed out
+	// yet (see Config.WarmForks); it is never listed.
+	Warm bool `json:"warm,omitempty"`
 }
 
 // ProcPart is the process half of a checkpoint, as the process back end

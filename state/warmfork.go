@@ -1,0 +1,382 @@
+package state
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+)
+
+// Warm forks: RL training forks the same checkpoint again and again, at the
+// same width. After a fork of N copies of checkpoint C, the manager prepares
+// up to N children of C in the background (mounted, sandbox started,
+// processes restored, probe window open) so that the next fork of C only
+// names them: it writes /run/rewind/{sandbox,copy} and stores the records.
+// Prepared children are whole, separate sandboxes, exactly like the ones a
+// fork makes on the spot; they are stored with Warm set, so a daemon that
+// dies leaves nothing the next one does not clean up.
+
+// warmIdle is how long an unused checkpoint keeps its prepared children.
+const warmIdle = 10 * time.Minute
+
+// warmParallel bounds the preparations running at once.
+const warmParallel = 2
+
+// warmPool is the state of warm forks, guarded by Manager.mu.
+type warmPool struct {
+	ready  map[string][]*sbox   // checkpoint id -> prepared children
+	want   map[string]int       // checkpoint id -> children to keep ready
+	used   map[string]time.Time // checkpoint id -> last fork
+	making map[string]int       // checkpoint id -> preparations running
+	forks  int                  // forks in progress: no preparation starts meanwhile
+	kick   chan struct{}
+	stop   chan struct{}
+	done   chan struct{}
+}
+
+func newWarmPool() *warmPool {
+	return &warmPool{
+		ready: map[string][]*sbox{}, want: map[string]int{}, used: map[string]time.Time{}, making: map[string]int{},
+		kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{}),
+	}
+}
+
+func (p *warmPool) total() int {
+	n := 0
+	for _, l := range p.ready {
+		n += len(l)
+	}
+	for _, k := range p.making {
+		n += k
+	}
+	return n
+}
+
+// startWarm starts the background preparation of warm forks.
+func (m *Manager) startWarm() {
+	m.warm = newWarmPool()
+	go m.warmLoop()
+}
+
+func (m *Manager) kickWarm() {
+	select {
+	case m.warm.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (m *Manager) warmLoop() {
+	w := m.warm
+	defer close(w.done)
+	t := time.NewTicker(time.Minute)
+	defer t.Stop()
+	for {
+		select {
+		case <-w.stop:
+			return
+		case <-w.kick:
+		case <-t.C:
+		}
+		m.expireWarm()
+		m.refillWarm()
+	}
+}
+
+// stopWarm stops preparing and tears down every prepared child.
+func (m *Manager) stopWarm() {
+	if m.warm == nil {
+		return
+	}
+	close(m.warm.stop)
+	<-m.warm.done
+	m.mu.Lock()
+	var drop []*sbox
+	for id, l := range m.warm.ready {
+		drop = append(drop, l...)
+		delete(m.warm.ready, id)
+	}
+	m.mu.Unlock()
+	m.discardWarm(drop)
+}
+
+// discardWarm stops prepared children and deletes their records.
+func (m *Manager) discardWarm(sbs []*sbox) {
+	if len(sbs) == 0 {
+		return
+	}
+	for _, s := range sbs {
+		m.stopSandbox(s)
+	}
+	if err := m.persist(func(b *batch) {
+		for _, s := range sbs {
+			b.delSandboxes = append(b.delSandboxes, s.rec.ID)
+		}
+	}); err != nil {
+		m.log.Warn("delete prepared fork children", "err", err)
+	}
+}
+
+// dropWarmFor discards the prepared children of the given checkpoints (GC
+// frees them). Call without m.mu.
+func (m *Manager) dropWarmFor(ids []string) {
+	if m.warm == nil {
+		return
+	}
+	m.mu.Lock()
+	var drop []*sbox
+	for _, id := range ids {
+		drop = append(drop, m.warm.ready[id]...)
+		delete(m.warm.ready, id)
+		delete(m.warm.want, id)
+		delete(m.warm.used, id)
+	}
+	m.mu.Unlock()
+	m.discardWarm(drop)
+}
+
+// expireWarm drops the prepared children of checkpoints not forked for
+// warmIdle.
+func (m *Manager) expireWarm() {
+	m.mu.Lock()
+	var ids []string
+	for id, t := range m.warm.used {
+		if time.Since(t) > warmIdle {
+			ids = append(ids, id)
+		}
+	}
+	m.mu.Unlock()
+	m.dropWarmFor(ids)
+}
+
+// beginForkWarm marks a fork in progress (preparations pause) and takes up
+// to n prepared children of checkpoint id that fit base.
+func (m *Manager) beginForkWarm(id string, base *Sandbox, n int) []*sbox {
+	if m.warm == nil {
+		return nil
+	}
+	m.mu.Lock()
+	m.warm.forks++
+	l := m.warm.ready[id]
+	var took, misfit []*sbox
+	for len(l) > 0 && len(took) < n {
+		s := l[0]
+		l = l[1:]
+		if !sameBases(s.rec.Bases, base.Bases) || s.rec.FSKind != base.FSKind || s.rec.Policy != base.Policy {
+			misfit = append(misfit, s)
+			continue
+		}
+		took = append(took, s)
+	}
+	if len(l) == 0 {
+		delete(m.warm.ready, id)
+	} else {
+		m.warm.ready[id] = l
+	}
+	m.mu.Unlock()
+	m.discardWarm(misfit)
+	return took
+}
+
+// endForkWarm ends a fork of n children of checkpoint id: the pool now
+// keeps n children of id ready (bounded by Config.WarmForks).
+func (m *Manager) endForkWarm(id string, n int, ok bool) {
+	if m.warm == nil {
+		return
+	}
+	m.mu.Lock()
+	m.warm.forks--
+	if ok {
+		m.warm.want[id] = min(n, m.cfg.WarmForks)
+		m.warm.used[id] = time.Now()
+	}
+	m.mu.Unlock()
+	m.kickWarm()
+}
+
+func sameBases(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// nextWarm picks the checkpoint that most recently forked and still lacks
+// prepared children, and counts one preparation for it. Room is made by
+// discarding the children of the least recently forked other checkpoint.
+func (m *Manager) nextWarm() (string, bool) {
+	m.mu.Lock()
+	w := m.warm
+	if m.closed || w.forks > 0 {
+		m.mu.Unlock()
+		return "", false
+	}
+	select {
+	case <-w.stop:
+		m.mu.Unlock()
+		return "", false
+	default:
+	}
+	var ids []string
+	for id, n := range w.want {
+		if len(w.ready[id])+w.making[id] < n {
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		m.mu.Unlock()
+		return "", false
+	}
+	sort.Slice(ids, func(i, j int) bool { return w.used[ids[i]].After(w.used[ids[j]]) })
+	id := ids[0]
+	var drop []*sbox
+	if w.total() >= m.cfg.WarmForks {
+		victim := ""
+		for v, l := range w.ready {
+			if v != id && len(l) > 0 && (victim == "" || w.used[v].Before(w.used[victim])) {
+				victim = v
+			}
+		}
+		if victim == "" {
+			m.mu.Unlock()
+			return "", false
+		}
+		drop = w.ready[victim]
+		delete(w.ready, victim)
+		delete(w.want, victim)
+	}
+	w.making[id]++
+	m.mu.Unlock()
+	m.discardWarm(drop)
+	return id, true
+}
+
+// refillWarm prepares children until every wanted checkpoint has its count,
+// a fork starts, or the manager closes.
+func (m *Manager) refillWarm() {
+	sem := make(chan struct{}, warmParallel)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		id, ok := m.nextWarm()
+		if !ok {
+			return
+		}
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			s, err := m.prepareWarm(id)
+			m.mu.Lock()
+			w := m.warm
+			w.making[id]--
+			if w.making[id] == 0 {
+				delete(w.making, id)
+			}
+			keep := err == nil && !m.closed && len(w.ready[id]) < w.want[id]
+			if keep {
+				w.ready[id] = append(w.ready[id], s)
+			} else if err != nil {
+				// Do not retry a checkpoint that cannot be prepared
+				// until it is forked again.
+				delete(w.want, id)
+			}
+			m.mu.Unlock()
+			if err != nil {
+				m.log.Warn("prepare fork child", "checkpoint", id, "err", err)
+			} else if !keep {
+				m.discardWarm([]*sbox{s})
+			}
+		}()
+	}
+}
+
+// prepareWarm makes one child of checkpoint id as Fork would, without a
+// name or copy number yet.
+func (m *Manager) prepareWarm(id string) (_ *sbox, err error) {
+	m.gcMu.RLock()
+	defer m.gcMu.RUnlock()
+	m.mu.Lock()
+	c := m.ckpts[id]
+	if c == nil || c.rec.Status != CkptReady {
+		m.mu.Unlock()
+		return nil, errors.New("checkpoint gone")
+	}
+	var base Sandbox
+	if src := m.byID[c.rec.Sandbox]; src != nil {
+		base = *cloneSandbox(&src.rec)
+	} else {
+		base = Sandbox{Name: c.rec.ID, FSKind: "auto"}
+	}
+	part, err := m.procPartFor(c)
+	m.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	sid := newID("sb-")
+	rec := Sandbox{
+		ID: sid, Name: sid, Bases: base.Bases, FSKind: base.FSKind, Policy: base.Policy,
+		Status: StatusRunning, Epoch: 1, Head: c.rec.ID, Created: time.Now().UTC(), Origin: c.rec.ID, Warm: true,
+	}
+	// Stored first, so a daemon dying meanwhile leaves a record that the
+	// next one cleans up.
+	if err := m.persist(func(b *batch) { b.putSandboxes = append(b.putSandboxes, cloneSandbox(&rec)) }); err != nil {
+		return nil, err
+	}
+	s := &sbox{rec: rec, q: newQueue()}
+	defer func() {
+		if err != nil {
+			_ = m.persist(func(b *batch) { b.delSandboxes = append(b.delSandboxes, sid) })
+		}
+	}()
+	ctx := context.Background()
+	mount, err := m.cfg.FS.MountFrom(ctx, rec.ID, m.spec(&rec), c.rec.FS)
+	if err != nil {
+		return nil, fmt.Errorf("mount: %w", err)
+	}
+	p := *part
+	if err := m.startLive(ctx, s, mount, &p, nil); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// handOut names a prepared child: it becomes fork child copyN.
+func (m *Manager) handOut(s *sbox, name string, copyN int, pol Policy) error {
+	m.mu.Lock()
+	s.rec.Name, s.rec.Copy, s.rec.Warm, s.rec.Created = name, copyN, false, time.Now().UTC()
+	s.policy = pol
+	proc := s.proc
+	m.mu.Unlock()
+	if proc == nil {
+		return errors.New("prepared child has no processes")
+	}
+	for f, data := range runFiles(&s.rec) {
+		if err := proc.WriteRunFile(f, []byte(data)); err != nil {
+			return fmt.Errorf("write /run/rewind/%s: %w", f, err)
+		}
+	}
+	return nil
+}
+
+// WarmForks returns how many prepared fork children are ready, by
+// checkpoint id.
+func (m *Manager) WarmForks() map[string]int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := map[string]int{}
+	if m.warm == nil {
+		return out
+	}
+	for id, l := range m.warm.ready {
+		out[id] = len(l)
+	}
+	return out
+}

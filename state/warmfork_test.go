@@ -1,0 +1,143 @@
+package state_test
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/state"
+	"github.com/rewind-sandbox/rewind/state/statefake"
+)
+
+func newWarmEnv(t *testing.T, warm int) *env {
+	t.Helper()
+	e := &env{t: t, dir: t.TempDir(), b: statefake.New(nil), ctx: context.Background()}
+	m, err := state.Open(e.ctx, state.Config{Dir: e.dir, FS: e.b.FS, Proc: e.b.Proc, BootID: "boot-1", NoSync: true, WarmForks: warm})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.m = m
+	t.Cleanup(func() { e.m.Close(context.Background()) })
+	return e
+}
+
+// waitWarm waits until at least n children of ckpt are prepared.
+func (e *env) waitWarm(ckpt string, n int) {
+	e.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for e.m.WarmForks()[ckpt] < n {
+		if time.Now().After(deadline) {
+			e.t.Fatalf("prepared children of %s: %d, want %d", ckpt, e.m.WarmForks()[ckpt], n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestForkPrepared(t *testing.T) {
+	e := newWarmEnv(t, 4)
+	e.create("src")
+	e.run("src", "write", "/data", "shared")
+	e.run("src", "set", "seed", "42")
+	c := e.turn("src", state.ModeFull, true)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 3, Prefix: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	e.waitWarm(c.ID, 3)
+	// Prepared children are not sandboxes yet.
+	if n := len(e.m.List()); n != 4 {
+		t.Fatalf("%d sandboxes listed with 3 children prepared, want 4", n)
+	}
+	// Starting a sandbox fails now: the next fork must use the prepared ones.
+	e.b.Faults.FailStart.Store(true)
+	kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 3, Prefix: "b"})
+	e.b.Faults.FailStart.Store(false)
+	if err != nil {
+		t.Fatalf("fork from prepared children: %v", err)
+	}
+	for i, k := range kids {
+		if k.Name != "b"+strconv.Itoa(i+1) || k.Copy != i+1 || k.Warm || k.Origin != c.ID || k.Head != c.ID {
+			t.Errorf("child %d: %+v", i, k)
+		}
+		if got := strings.TrimSpace(e.run(k.Name, "cat", "/run/rewind/copy")); got != strconv.Itoa(i+1) {
+			t.Errorf("%s copy number = %q", k.Name, got)
+		}
+		if got := strings.TrimSpace(e.run(k.Name, "cat", "/run/rewind/sandbox")); got != k.Name {
+			t.Errorf("%s sandbox name = %q", k.Name, got)
+		}
+		if got := e.run(k.Name, "cat", "/data"); got != "shared" {
+			t.Errorf("%s /data = %q", k.Name, got)
+		}
+		if got := e.run(k.Name, "get", "seed"); got != "42" {
+			t.Errorf("%s process state = %q", k.Name, got)
+		}
+	}
+	// Isolation.
+	e.run("b1", "write", "/data", "b1-only")
+	for _, n := range []string{"b2", "b3", "a1", "src"} {
+		if got := e.run(n, "cat", "/data"); got != "shared" {
+			t.Fatalf("%s sees b1's write: %q", n, got)
+		}
+	}
+	// All or nothing: 3 prepared, the 4th child cannot start.
+	e.waitWarm(c.ID, 3)
+	e.b.Faults.FailStart.Store(true)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 4, Prefix: "bad"}); err == nil {
+		t.Fatal("fork with a failing start succeeded")
+	}
+	e.b.Faults.FailStart.Store(false)
+	for _, sb := range e.m.List() {
+		if strings.HasPrefix(sb.Name, "bad") {
+			t.Fatalf("a failed fork left %s behind", sb.Name)
+		}
+	}
+	// A checkpoint GC frees takes its prepared children along.
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	e.waitWarm(c.ID, 2)
+	for _, sb := range e.m.List() {
+		if err := e.m.Remove(e.ctx, sb.Name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := e.m.GC(e.ctx, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	freed := false
+	for _, id := range res.Freed {
+		freed = freed || id == c.ID
+	}
+	if !freed {
+		t.Fatalf("gc kept %s: %+v", c.ID, res)
+	}
+	if n := e.m.WarmForks()[c.ID]; n != 0 {
+		t.Fatalf("%d prepared children of a freed checkpoint remain", n)
+	}
+}
+
+func TestForkPreparedGoneAfterClose(t *testing.T) {
+	e := newWarmEnv(t, 2)
+	e.create("src")
+	c := e.turn("src", state.ModeFull, true)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	e.waitWarm(c.ID, 2)
+	if err := e.m.Close(e.ctx); err != nil {
+		t.Fatal(err)
+	}
+	e.open(false, "boot-1")
+	var names []string
+	for _, sb := range e.m.List() {
+		names = append(names, sb.Name)
+	}
+	if strings.Join(names, ",") != "a1,a2,src" {
+		t.Fatalf("sandboxes after a restart: %v", names)
+	}
+	if n := e.m.WarmForks()[c.ID]; n != 0 {
+		t.Fatalf("prepared children after a restart without WarmForks: %d", n)
+	}
+}
