@@ -22,7 +22,7 @@ func TestBaselines(t *testing.T) {
 	testenv.Require(t, err == nil, "fuse-overlayfs (make deps)")
 	tr := Generate(11, GenOptions{Expansions: 12, ZeroLLM: true})
 	ctx := context.Background()
-	for _, name := range []string{"cp-a", "tarball", "overlay-remount", "fuse-overlayfs-copy", "cp-reflink"} {
+	for _, name := range []string{"cp-a", "tarball", "overlay-remount", "fuse-overlayfs-copy", "cp-reflink", "criu-cp-a"} {
 		t.Run(name, func(t *testing.T) {
 			xfs := ""
 			m, cleanup, err := newSystem(name, nil, t.TempDir(), &xfs)
@@ -46,7 +46,61 @@ func TestBaselines(t *testing.T) {
 			if res.Usage.DiskBytes <= 0 {
 				t.Errorf("no disk usage reported")
 			}
+			// The CRIU baseline keeps the shell's processes: it must
+			// recover every crash exactly, as rewind does.
+			if name == "criu-cp-a" && res.CrashCorrect != res.CrashChecks {
+				t.Errorf("criu-cp-a recovered %d of %d crashes exactly (%s)", res.CrashCorrect, res.CrashChecks, res.Error)
+			}
 		})
+	}
+}
+
+// TestCRIUBaselineKeepsShell: after a rollback the CRIU baseline's shell
+// has its old cwd, variable and background job, and the old files.
+func TestCRIUBaselineKeepsShell(t *testing.T) {
+	testenv.RequireRoot(t)
+	ctx := context.Background()
+	m := NewCRIUBaseline(t.TempDir())
+	if err := m.Start(ctx, []string{"mkdir -p $R/sub && echo one > $R/f"}); err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Run(ctx, "cd $R/sub && export AGENT_STEP=7 && sleep 1000 &"); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Run(ctx, "cd $R/sub; export AGENT_STEP=7"); err != nil {
+		t.Fatal(err)
+	}
+	want, err := m.Digest(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(want, "jobs=1 cwd=/sub step=7") {
+		t.Fatalf("digest before checkpoint %q", want)
+	}
+	id, _, err := m.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Run(ctx, "kill %1; wait; echo two > $R/f; cd $R; export AGENT_STEP=8"); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 { // restoring twice: a restored tree dumps and restores again
+		if _, err := m.Restore(ctx, id); err != nil {
+			t.Fatalf("restore %d: %v", i, err)
+		}
+		got, err := m.Digest(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != want {
+			t.Fatalf("restore %d: digest %q, want %q", i, got, want)
+		}
+		if i == 0 {
+			if _, _, err := m.Checkpoint(ctx); err != nil {
+				t.Fatalf("re-dump of a restored shell: %v", err)
+			}
+		}
 	}
 }
 

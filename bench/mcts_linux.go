@@ -14,7 +14,7 @@ import (
 )
 
 // AllSystems lists every system RunMCTS knows, rewind's rows first.
-var AllSystems = []string{"rewind-effects", "rewind-always", "cp-a", "cp-reflink", "tarball", "overlay-remount", "fuse-overlayfs-copy"}
+var AllSystems = []string{"rewind-effects", "rewind-always", "criu-cp-a", "cp-a", "cp-reflink", "tarball", "overlay-remount", "fuse-overlayfs-copy"}
 
 // MCTSOptions configures RunMCTS.
 type MCTSOptions struct {
@@ -90,6 +90,8 @@ func newSystem(name string, c *client.Client, parent string, xfsDir *string) (Ma
 			return nil, nop, fmt.Errorf("no rewind daemon client")
 		}
 		return NewRewind(c, strings.TrimPrefix(name, "rewind-")), nop, nil
+	case "criu-cp-a":
+		return NewCRIUBaseline(parent), nop, nil
 	case "cp-a":
 		return NewCopyBaseline("cp", parent), nop, nil
 	case "tarball":

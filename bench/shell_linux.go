@@ -23,6 +23,9 @@ type shell struct {
 	out   *bufio.Reader
 	seq   int
 	mu    sync.Mutex
+	// stop, if set, replaces kill's own way of ending the shell (for a
+	// shell that is not this process's child, e.g. one CRIU restored).
+	stop func()
 }
 
 func startShell(dir, repo string) (*shell, error) {
@@ -87,6 +90,11 @@ func (s *shell) run(ctx context.Context, cmdline string) (string, int, error) {
 
 // kill stops the shell and everything it started (same process group).
 func (s *shell) kill() {
+	if s != nil && s.stop != nil {
+		s.stop()
+		s.stdin.Close()
+		return
+	}
 	if s == nil || s.cmd.Process == nil {
 		return
 	}
