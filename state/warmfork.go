@@ -345,7 +345,23 @@ func (m *Manager) prepareWarm(id string) (_ *sbox, err error) {
 	if err := m.startLive(ctx, s, mount, &p, nil); err != nil {
 		return nil, err
 	}
+	m.warmUp(ctx, s)
 	return s, nil
+}
+
+// warmUp runs the shell once in a prepared child, so that the child's
+// first command finds the shell, the dynamic loader and libc already
+// looked up and read through its own (new, cold) file-system mount. The
+// probe window restarts after it: the warm-up is not an effect of the
+// agent's first turn. A base without /bin/sh just skips it.
+func (m *Manager) warmUp(ctx context.Context, s *sbox) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := s.proc.Exec(ctx, ExecRequest{Argv: []string{"/bin/sh", "-c", ":"}}); err != nil {
+		m.log.Debug("warm-up of a prepared fork child", "sandbox", s.rec.ID, "err", err)
+	}
+	m.endWindow(ctx, s)
+	m.beginWindow(ctx, s)
 }
 
 // handOut names a prepared child: it becomes fork child copyN.
