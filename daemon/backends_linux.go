@@ -219,6 +219,25 @@ func (b *fsBackend) Delete(_ context.Context, ckpt string) error {
 	return nil
 }
 
+// Size implements state.FSSizer: the bytes of the layer fs checkpoint ckpt
+// froze (0 when it froze none: nothing had changed since its parent).
+func (b *fsBackend) Size(_ context.Context, ckpt string) (int64, error) {
+	c, err := b.st.Checkpoint(ckpt)
+	if err != nil {
+		return 0, err
+	}
+	if len(c.Layers) == 0 {
+		return 0, nil
+	}
+	top := c.Layers[len(c.Layers)-1]
+	if c.Parent != "" {
+		if p, err := b.st.Checkpoint(c.Parent); err == nil && len(p.Layers) > 0 && p.Layers[len(p.Layers)-1] == top {
+			return 0, nil
+		}
+	}
+	return layer.DirSize(b.st.LayerPath(top))
+}
+
 // startGC frees unreferenced layers in the background after deletions.
 func (b *fsBackend) startGC() {
 	b.stop, b.done = make(chan struct{}), make(chan struct{})
@@ -466,6 +485,14 @@ func (p *procSandbox) Persist(ctx context.Context, part *state.ProcPart) (*state
 		}
 	}
 	p.fillParts(&np)
+	if np.ImageReady && np.ImageDir != "" {
+		// What the part holds for as long as it lives: its image (on the
+		// images dir's file system, tmpfs or disk). Templates are bounded
+		// by the engine's pool and evicted once the image exists.
+		if n, err := layer.DirSize(np.ImageDir); err == nil {
+			np.Bytes = n
+		}
+	}
 	return &np, nil
 }
 

@@ -38,6 +38,14 @@ type FSBackend interface {
 	Cleanup(ctx context.Context, id string) error
 }
 
+// FSSizer is implemented by FS back ends that can tell, after the fact,
+// the bytes an fs checkpoint added (its frozen layer). The manager asks in
+// the background, off the checkpoint's critical path, for checkpoints whose
+// FSMount.Checkpoint reported 0, so that byte budgets see real sizes.
+type FSSizer interface {
+	Size(ctx context.Context, ckpt string) (int64, error)
+}
+
 // FSMount is one mounted sandbox root.
 type FSMount interface {
 	// Root is the host path of the sandbox's / (empty for fakes).

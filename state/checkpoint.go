@@ -308,9 +308,20 @@ func (m *Manager) makeDurable(s *sbox, c *ckpt, proc ProcSandbox, metaOK bool) {
 		m.mu.Unlock()
 	}
 	m.mu.Lock()
+	fsID, fsB := c.rec.FS, c.rec.FSBytes
+	m.mu.Unlock()
+	if sz, ok := m.cfg.FS.(FSSizer); ok && fsB == 0 && fsID != "" {
+		if n, err := sz.Size(context.Background(), fsID); err != nil {
+			m.log.Warn("fs checkpoint size unknown", "id", c.rec.ID, "err", err)
+		} else {
+			fsB = n
+		}
+	}
+	m.mu.Lock()
 	if full && part != nil {
 		c.rec.Proc = part
 	}
+	c.rec.FSBytes = fsB
 	c.rec.Durable = durable
 	m.mu.Unlock()
 	if metaOK {
@@ -318,6 +329,8 @@ func (m *Manager) makeDurable(s *sbox, c *ckpt, proc ProcSandbox, metaOK bool) {
 			m.log.Error("checkpoint metadata not written", "id", c.rec.ID, "err", err)
 		}
 	}
+	// The sizes are known only now: check the byte budget again.
+	m.maybeAutoGC()
 }
 
 // Wait blocks until checkpoint id is ready and its durable phase ended,
