@@ -69,3 +69,36 @@ func TestRealByteBudget(t *testing.T) {
 		t.Fatalf("after restoring a: /w has %q, want a", got)
 	}
 }
+
+// TestRealTemplateBound: with room for one checkpoint's templates, an
+// older checkpoint's templates are evicted once its image exists, and it
+// restores from the CRIU image with the shell's state intact.
+func TestRealTemplateBound(t *testing.T) {
+	d := startRealWith(t, t.TempDir(), func(c *daemon.Config) { c.MaxTemplates = 1 })
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "p"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "p", api.SessionRequest{ID: "sh", Argv: []string{"bash", "--norc"}}); err != nil {
+		t.Fatal(err)
+	}
+	send(t, c, "p", "sh", "export V=one; echo @@done@@")
+	first, err := c.Turn(ctx, "p", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	send(t, c, "p", "sh", "export V=two; echo @@done@@")
+	if _, err := c.Turn(ctx, "p", api.TurnRequest{Mode: "full", Wait: true}); err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.Restore(ctx, "p", first.ID, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Path == "template" {
+		t.Fatalf("restore of the older checkpoint used a template; with --max-templates 1 it should have been evicted")
+	}
+	if got := send(t, c, "p", "sh", "echo V=$V; echo @@done@@"); got != "V=one" {
+		t.Fatalf("after restore (path %s): %q, want V=one", r.Path, got)
+	}
+}

@@ -39,6 +39,13 @@ type Config struct {
 	DefaultPolicy string
 	// Budget triggers automatic GC.
 	Budget state.Budget
+	// MaxTemplates and MaxTemplateBytes bound the process checkpoint
+	// engine's template pool (checkpoints holding live templates, and
+	// their private dirty memory); 0 keeps the engine's defaults (64,
+	// 4 GiB). Over the bound, least recently used templates whose CRIU
+	// image exists are evicted: their checkpoints restore from the image.
+	MaxTemplates     int
+	MaxTemplateBytes int64
 	// CompactDepth: when a sandbox's file system has this many frozen
 	// layers after a checkpoint, they are merged into one in the
 	// background (no checkpoint's content changes). 0 means

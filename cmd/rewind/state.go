@@ -673,6 +673,8 @@ func newDaemonCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.DefaultPolicy, "policy", "effects", "policy of sandboxes created without --policy")
 	cmd.Flags().IntVar(&cfg.Budget.MaxCheckpoints, "max-checkpoints", 0, "run GC automatically above this many checkpoints (0: never)")
 	cmd.Flags().Int64Var(&cfg.Budget.MaxBytes, "max-bytes", 0, "run GC automatically above this many checkpoint bytes (0: never)")
+	cmd.Flags().IntVar(&cfg.MaxTemplates, "max-templates", 0, "checkpoints that keep live process templates (0: 64); older ones restore from their CRIU image")
+	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 0, "private memory all templates may hold (0: 4 GiB)")
 	cmd.Flags().IntVar(&cfg.CompactDepth, "compact-depth", daemon.DefaultCompactDepth, "merge a sandbox's frozen layers in the background once its stack is this deep (-1: never)")
 	cmd.Flags().IntVar(&cfg.WarmForks, "warm-forks", 64, "fork children to prepare ahead of a repeated fork of a checkpoint (0: none)")
 	cmd.Flags().StringVar(&level, "log-level", "info", "debug, info, warn or error")
