@@ -7,7 +7,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 )
 
-// Request opcodes counted by countingFS, in the order RequestCounts
+// Request opcodes counted by rawFS, in the order RequestCounts
 // reports them.
 const (
 	opLookup = iota
@@ -55,171 +55,188 @@ var opNames = [numOps]string{
 // opCounts counts the FUSE requests a mount served, by opcode.
 type opCounts [numOps]atomic.Uint64
 
-// countingFS wraps go-fuse's node bridge and counts every request before
-// passing it on (one atomic add per request).
-type countingFS struct {
+// rawFS wraps go-fuse's node bridge: it counts every request before
+// passing it on (one atomic add per request), and turns the kill-suid
+// flag of a WRITE, which the node API drops, into a SETATTR.
+type rawFS struct {
 	fuse.RawFileSystem
 	c *opCounts
 }
 
-func (c *countingFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
+func (c *rawFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
 	c.c[opLookup].Add(1)
 	return c.RawFileSystem.Lookup(cancel, h, name, out)
 }
 
-func (c *countingFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+func (c *rawFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
 	c.c[opGetattr].Add(1)
 	return c.RawFileSystem.GetAttr(cancel, in, out)
 }
 
-func (c *countingFS) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
+func (c *rawFS) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
 	c.c[opSetattr].Add(1)
 	return c.RawFileSystem.SetAttr(cancel, in, out)
 }
 
-func (c *countingFS) Mknod(cancel <-chan struct{}, in *fuse.MknodIn, name string, out *fuse.EntryOut) fuse.Status {
+func (c *rawFS) Mknod(cancel <-chan struct{}, in *fuse.MknodIn, name string, out *fuse.EntryOut) fuse.Status {
 	c.c[opMknod].Add(1)
 	return c.RawFileSystem.Mknod(cancel, in, name, out)
 }
 
-func (c *countingFS) Mkdir(cancel <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.EntryOut) fuse.Status {
+func (c *rawFS) Mkdir(cancel <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.EntryOut) fuse.Status {
 	c.c[opMkdir].Add(1)
 	return c.RawFileSystem.Mkdir(cancel, in, name, out)
 }
 
-func (c *countingFS) Unlink(cancel <-chan struct{}, h *fuse.InHeader, name string) fuse.Status {
+func (c *rawFS) Unlink(cancel <-chan struct{}, h *fuse.InHeader, name string) fuse.Status {
 	c.c[opUnlink].Add(1)
 	return c.RawFileSystem.Unlink(cancel, h, name)
 }
 
-func (c *countingFS) Rmdir(cancel <-chan struct{}, h *fuse.InHeader, name string) fuse.Status {
+func (c *rawFS) Rmdir(cancel <-chan struct{}, h *fuse.InHeader, name string) fuse.Status {
 	c.c[opRmdir].Add(1)
 	return c.RawFileSystem.Rmdir(cancel, h, name)
 }
 
-func (c *countingFS) Rename(cancel <-chan struct{}, in *fuse.RenameIn, oldName, newName string) fuse.Status {
+func (c *rawFS) Rename(cancel <-chan struct{}, in *fuse.RenameIn, oldName, newName string) fuse.Status {
 	c.c[opRename].Add(1)
 	return c.RawFileSystem.Rename(cancel, in, oldName, newName)
 }
 
-func (c *countingFS) Link(cancel <-chan struct{}, in *fuse.LinkIn, name string, out *fuse.EntryOut) fuse.Status {
+func (c *rawFS) Link(cancel <-chan struct{}, in *fuse.LinkIn, name string, out *fuse.EntryOut) fuse.Status {
 	c.c[opLink].Add(1)
 	return c.RawFileSystem.Link(cancel, in, name, out)
 }
 
-func (c *countingFS) Symlink(cancel <-chan struct{}, h *fuse.InHeader, target, name string, out *fuse.EntryOut) fuse.Status {
+func (c *rawFS) Symlink(cancel <-chan struct{}, h *fuse.InHeader, target, name string, out *fuse.EntryOut) fuse.Status {
 	c.c[opSymlink].Add(1)
 	return c.RawFileSystem.Symlink(cancel, h, target, name, out)
 }
 
-func (c *countingFS) Readlink(cancel <-chan struct{}, h *fuse.InHeader) ([]byte, fuse.Status) {
+func (c *rawFS) Readlink(cancel <-chan struct{}, h *fuse.InHeader) ([]byte, fuse.Status) {
 	c.c[opReadlink].Add(1)
 	return c.RawFileSystem.Readlink(cancel, h)
 }
 
-func (c *countingFS) Access(cancel <-chan struct{}, in *fuse.AccessIn) fuse.Status {
+func (c *rawFS) Access(cancel <-chan struct{}, in *fuse.AccessIn) fuse.Status {
 	c.c[opAccess].Add(1)
 	return c.RawFileSystem.Access(cancel, in)
 }
 
-func (c *countingFS) GetXAttr(cancel <-chan struct{}, h *fuse.InHeader, attr string, dest []byte) (uint32, fuse.Status) {
+func (c *rawFS) GetXAttr(cancel <-chan struct{}, h *fuse.InHeader, attr string, dest []byte) (uint32, fuse.Status) {
 	c.c[opGetxattr].Add(1)
 	return c.RawFileSystem.GetXAttr(cancel, h, attr, dest)
 }
 
-func (c *countingFS) ListXAttr(cancel <-chan struct{}, h *fuse.InHeader, dest []byte) (uint32, fuse.Status) {
+func (c *rawFS) ListXAttr(cancel <-chan struct{}, h *fuse.InHeader, dest []byte) (uint32, fuse.Status) {
 	c.c[opListxattr].Add(1)
 	return c.RawFileSystem.ListXAttr(cancel, h, dest)
 }
 
-func (c *countingFS) SetXAttr(cancel <-chan struct{}, in *fuse.SetXAttrIn, attr string, data []byte) fuse.Status {
+func (c *rawFS) SetXAttr(cancel <-chan struct{}, in *fuse.SetXAttrIn, attr string, data []byte) fuse.Status {
 	c.c[opSetxattr].Add(1)
 	return c.RawFileSystem.SetXAttr(cancel, in, attr, data)
 }
 
-func (c *countingFS) RemoveXAttr(cancel <-chan struct{}, h *fuse.InHeader, attr string) fuse.Status {
+func (c *rawFS) RemoveXAttr(cancel <-chan struct{}, h *fuse.InHeader, attr string) fuse.Status {
 	c.c[opRemovexattr].Add(1)
 	return c.RawFileSystem.RemoveXAttr(cancel, h, attr)
 }
 
-func (c *countingFS) Create(cancel <-chan struct{}, in *fuse.CreateIn, name string, out *fuse.CreateOut) fuse.Status {
+func (c *rawFS) Create(cancel <-chan struct{}, in *fuse.CreateIn, name string, out *fuse.CreateOut) fuse.Status {
 	c.c[opCreate].Add(1)
 	return c.RawFileSystem.Create(cancel, in, name, out)
 }
 
-func (c *countingFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+func (c *rawFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	c.c[opOpen].Add(1)
 	return c.RawFileSystem.Open(cancel, in, out)
 }
 
-func (c *countingFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
+func (c *rawFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
 	c.c[opRead].Add(1)
 	return c.RawFileSystem.Read(cancel, in, buf)
 }
 
 // Writev serves WRITE (go-fuse's server calls Write only when Writev
 // answers ENOSYS, which the node bridge never does).
-func (c *countingFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+func (c *rawFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
 	c.c[opWrite].Add(1)
+	if in.WriteFlags&fuse.WRITE_KILL_SUIDGID != 0 {
+		c.killSuidgid(cancel, in.InHeader)
+	}
 	return c.RawFileSystem.Writev(cancel, in, data)
 }
 
-func (c *countingFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {
+// killSuidgid drops the setuid/setgid bits a write by the caller of h
+// (who lacks CAP_FSETID) drops. A failure (say, the file was unlinked)
+// does not stop the write.
+func (c *rawFS) killSuidgid(cancel <-chan struct{}, h fuse.InHeader) {
+	in := &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{InHeader: h, Valid: fuse.FATTR_KILL_SUIDGID}}
+	_ = c.RawFileSystem.SetAttr(cancel, in, &fuse.AttrOut{})
+}
+
+func (c *rawFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {
 	c.c[opFlush].Add(1)
 	return c.RawFileSystem.Flush(cancel, in)
 }
 
-func (c *countingFS) Fsync(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
+func (c *rawFS) Fsync(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
 	c.c[opFsync].Add(1)
 	return c.RawFileSystem.Fsync(cancel, in)
 }
 
-func (c *countingFS) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
+func (c *rawFS) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
 	c.c[opFallocate].Add(1)
+	if in.Caller.Uid != 0 {
+		// FALLOCATE carries no kill flag: a caller other than root is
+		// taken to lack CAP_FSETID.
+		c.killSuidgid(cancel, in.InHeader)
+	}
 	return c.RawFileSystem.Fallocate(cancel, in)
 }
 
-func (c *countingFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
+func (c *rawFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
 	c.c[opRelease].Add(1)
 	c.RawFileSystem.Release(cancel, in)
 }
 
-func (c *countingFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+func (c *rawFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	c.c[opOpendir].Add(1)
 	return c.RawFileSystem.OpenDir(cancel, in, out)
 }
 
-func (c *countingFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+func (c *rawFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
 	c.c[opReaddir].Add(1)
 	return c.RawFileSystem.ReadDir(cancel, in, out)
 }
 
-func (c *countingFS) ReadDirPlus(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+func (c *rawFS) ReadDirPlus(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
 	c.c[opReaddirplus].Add(1)
 	return c.RawFileSystem.ReadDirPlus(cancel, in, out)
 }
 
-func (c *countingFS) ReleaseDir(in *fuse.ReleaseIn) {
+func (c *rawFS) ReleaseDir(in *fuse.ReleaseIn) {
 	c.c[opReleasedir].Add(1)
 	c.RawFileSystem.ReleaseDir(in)
 }
 
-func (c *countingFS) StatFs(cancel <-chan struct{}, h *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
+func (c *rawFS) StatFs(cancel <-chan struct{}, h *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
 	c.c[opStatfs].Add(1)
 	return c.RawFileSystem.StatFs(cancel, h, out)
 }
 
-func (c *countingFS) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
+func (c *rawFS) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
 	c.c[opLseek].Add(1)
 	return c.RawFileSystem.Lseek(cancel, in, out)
 }
 
-func (c *countingFS) CopyFileRange(cancel <-chan struct{}, in *fuse.CopyFileRangeIn) (uint32, fuse.Status) {
+func (c *rawFS) CopyFileRange(cancel <-chan struct{}, in *fuse.CopyFileRangeIn) (uint32, fuse.Status) {
 	c.c[opCopyFileRange].Add(1)
 	return c.RawFileSystem.CopyFileRange(cancel, in)
 }
 
-func (c *countingFS) Statx(cancel <-chan struct{}, in *fuse.StatxIn, out *fuse.StatxOut) fuse.Status {
+func (c *rawFS) Statx(cancel <-chan struct{}, in *fuse.StatxIn, out *fuse.StatxOut) fuse.Status {
 	c.c[opStatx].Add(1)
 	return c.RawFileSystem.Statx(cancel, in, out)
 }
@@ -237,9 +254,9 @@ func (f *FS) RequestCounts() map[string]uint64 {
 	return m
 }
 
-// mountCounting is gofs.Mount with the bridge wrapped in a countingFS.
+// mountCounting is gofs.Mount with the bridge wrapped in a rawFS.
 func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCounts) (*fuse.Server, error) {
-	raw := &countingFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c}
+	raw := &rawFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c}
 	srv, err := fuse.NewServer(raw, mp, &o.MountOptions)
 	if err != nil {
 		return nil, err

@@ -40,6 +40,24 @@
 // touch (directories that stay directories keep their dentry, so cwds and
 // mounts on top survive a switch).
 //
+// # Round trips
+//
+// On a small VM a FUSE round trip costs tens of microseconds, far more
+// than the work behind most requests, so the mount avoids the ones the
+// kernel can do without: files are opened with FOPEN_NOFLUSH (no FLUSH
+// per close; writes reach the host at once), SETATTR replies carry the
+// attr timeout (no GETATTR after chmod/utimens), and the mount negotiates
+// FUSE_HANDLE_KILLPRIV_V2, so the kernel asks for security.capability
+// once per inode rather than before every write(2) and does not re-read
+// attributes before a chown; dropping setuid/setgid bits on a write or
+// truncate by a caller without CAP_FSETID is then done by the daemon
+// (file capabilities are dropped by the host on every write, truncate
+// and chown of the upper copy). FS.RequestCounts counts what remains, by
+// opcode. What still costs a round trip on every file: the LOOKUP before
+// a CREATE, the parent directory's GETATTR after it (default_permissions
+// must re-check a directory whose attributes a change invalidated), and
+// the security.capability check before a chown.
+//
 // # Checkpoint cost
 //
 // Checkpoint takes the write barrier, swaps a pre-created empty upper in,
@@ -54,7 +72,9 @@
 //
 // The kernel fixes an inode's io mode while any file is open on it, and a
 // passthrough backing file cannot be re-targeted. Passthrough is therefore
-// only used for files whose data is in the writable upper, and the
+// only used for files whose data is in the writable upper (and, when
+// opened for writing, that are neither setuid nor setgid: a passthrough
+// write never reaches the daemon, which drops those bits), and the
 // checkpoint and switch paths move such a file's live inode into the new
 // upper (copying its content into the frozen layer, resp. the target's
 // content into it): descriptors behave exactly as without passthrough, at

@@ -96,7 +96,10 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 		n.mu.Unlock()
 		unix.Close(fd)
 		return nil, 0, syscall.ESTALE
-	case canPT && n.cachedOpen == 0:
+	case canPT && n.cachedOpen == 0 && !(write && s.Mode&(unix.S_ISUID|unix.S_ISGID) != 0):
+		// (A write through passthrough never reaches us, so a setuid or
+		// setgid file opened for writing is served by the daemon, which
+		// drops those bits as the kernel would.)
 	default:
 		canPT = false
 	}

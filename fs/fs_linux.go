@@ -201,6 +201,10 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			MaxReadAhead:         1 << 20,
 			EnableSymlinkCaching: true,
 			Debug:                opts.Debug,
+			// The kernel then asks for security.capability once per
+			// inode instead of before every write(2) (SB_NOSEC), and
+			// leaves dropping setuid/setgid bits to us (see Setattr).
+			ExtraCapabilities: fuse.CAP_HANDLE_KILLPRIV_V2,
 		},
 	}
 	srv, err := mountCounting(mp, f.root, fo, &f.ops)

@@ -2,6 +2,9 @@ package fs
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -293,13 +296,33 @@ func (n *node) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOu
 }
 
 // Setattr applies chmod/chown/truncate/utimens to the upper copy.
+//
+// The mount negotiates FUSE_HANDLE_KILLPRIV_V2, so dropping setuid/setgid
+// bits is ours: FATTR_KILL_SUIDGID comes with a truncate or a write (see
+// rawFS.Writev) by a caller without CAP_FSETID; a chown drops them on the
+// host by itself. File capabilities need nothing: the host drops them on
+// every write, truncate and chown of the upper copy.
 func (n *node) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	f := n.f
+	kill := in.Valid&fuse.FATTR_KILL_SUIDGID != 0
+	if kill && in.Valid&^(fuse.FATTR_KILL_SUIDGID|fuse.FATTR_FH|fuse.FATTR_LOCKOWNER) == 0 {
+		// Only the kill (before a write): nothing to do, and no copy-up,
+		// unless the entry has a bit to drop.
+		var s unix.Stat_t
+		if errno := n.statTop(&s); errno != 0 {
+			return errno
+		}
+		if dropBits(ctx, &s) == 0 {
+			fillAttr(&out.Attr, &s, n.StableAttr().Ino)
+			out.SetTimeout(f.opts.CacheTimeout)
+			return 0
+		}
+	}
 	st, done, errno := n.begin(true)
 	if errno != 0 {
 		return errno
 	}
 	defer done()
-	f := n.f
 	size, hasSize := in.GetSize()
 	if err := f.copyUp(st, n, hasSize && size == 0); err != nil {
 		return errnoOf(err)
@@ -324,6 +347,7 @@ func (n *node) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttr
 		if err := unix.Fchownat(u.fd, p, iu, ig, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 			return errnoOf(err)
 		}
+		kill = false // the host's chown dropped them
 	}
 	if hasSize {
 		var err error
@@ -343,6 +367,17 @@ func (n *node) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttr
 		f.record("modify", n, "", 0)
 	} else {
 		f.record("meta", n, "", 0)
+	}
+	if kill {
+		var s unix.Stat_t
+		if err := unix.Fstatat(u.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return errnoOf(err)
+		}
+		if drop := dropBits(ctx, &s); drop != 0 {
+			if err := unix.Fchmodat(u.fd, p, s.Mode&07777&^drop, 0); err != nil {
+				return errnoOf(err)
+			}
+		}
 	}
 	atime, hasA := in.GetATime()
 	mtime, hasM := in.GetMTime()
@@ -373,6 +408,63 @@ func (n *node) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.SetAttr
 	// kernel ask again (GETATTR) right after every chmod/chown/utimens.
 	out.SetTimeout(f.opts.CacheTimeout)
 	return 0
+}
+
+// statTop stats the entry's top source.
+func (n *node) statTop(s *unix.Stat_t) syscall.Errno {
+	st, done, errno := n.begin(false)
+	if errno != 0 {
+		return errno
+	}
+	defer done()
+	l, p := n.top(st)
+	return errnoOf(unix.Fstatat(l.fd, p, s, unix.AT_SYMLINK_NOFOLLOW))
+}
+
+// dropBits is the kernel's rule for a write or truncate by a caller
+// without CAP_FSETID: setuid goes; setgid goes when the group may execute
+// the file or the caller is not in the file's group.
+func dropBits(ctx context.Context, s *unix.Stat_t) uint32 {
+	if s.Mode&unix.S_IFMT != unix.S_IFREG {
+		return 0
+	}
+	var drop uint32
+	if s.Mode&unix.S_ISUID != 0 {
+		drop |= unix.S_ISUID
+	}
+	if s.Mode&unix.S_ISGID != 0 && (s.Mode&unix.S_IXGRP != 0 || !callerInGroup(ctx, s.Gid)) {
+		drop |= unix.S_ISGID
+	}
+	return drop
+}
+
+// callerInGroup reports whether the caller of a request is in group gid
+// (its primary group, or a supplementary one as /proc lists them).
+func callerInGroup(ctx context.Context, gid uint32) bool {
+	c, ok := fuse.FromContext(ctx)
+	if !ok {
+		return true
+	}
+	if c.Gid == gid {
+		return true
+	}
+	if c.Pid == 0 {
+		return false
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", c.Pid))
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "Groups:"); ok {
+			for _, g := range strings.Fields(rest) {
+				if g == strconv.FormatUint(uint64(gid), 10) {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 // Readdir lists the merged directory.

@@ -104,7 +104,7 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 	h := &handle{n: cn, fd: fd, l: st.upper, flags: flags, viewGen: n.f.viewGen.Load()}
 	if n.f.opts.Passthrough {
 		cn.mu.Lock()
-		ok := cn.ptOpen == 0 && cn.cachedOpen == 0
+		ok := cn.ptOpen == 0 && cn.cachedOpen == 0 && mode&(unix.S_ISUID|unix.S_ISGID) == 0
 		if ok {
 			cn.ptOpen++
 			cn.ptWrite++

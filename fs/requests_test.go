@@ -3,6 +3,7 @@ package fs
 import (
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -85,6 +86,50 @@ func TestRoundTrips(t *testing.T) {
 				t.Errorf("WRITE requests with passthrough: %d, want 0", got)
 			}
 		},
+	}, {
+		name: "repeated writes ask for security.capability once",
+		run: func(t *testing.T, fx *fixture) {
+			fh, err := os.Create(fx.p("log"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer fh.Close()
+			for i := 0; i < 20; i++ {
+				if _, err := fh.WriteString("line\n"); err != nil {
+					t.Fatal(err)
+				}
+			}
+		},
+		check: func(t *testing.T, fx *fixture) {
+			if got := mustRead(t, fx.p("log")); got != strings.Repeat("line\n", 20) {
+				t.Errorf("log: %q", got)
+			}
+		},
+		max: map[string]uint64{"GETXATTR": 1},
+	}, {
+		name: "chown asks for no attributes",
+		setup: func(t *testing.T, fx *fixture) {
+			mustWrite(t, fx.p("o"), "x")
+			var st unix.Stat_t
+			if err := unix.Lstat(fx.p("o"), &st); err != nil {
+				t.Fatal(err)
+			}
+		},
+		run: func(t *testing.T, fx *fixture) {
+			if err := os.Chown(fx.p("o"), 1000, 1000); err != nil {
+				t.Fatal(err)
+			}
+		},
+		check: func(t *testing.T, fx *fixture) {
+			var st unix.Stat_t
+			if err := unix.Lstat(fx.fs.upperNow().path+"/o", &st); err != nil {
+				t.Fatal(err)
+			}
+			if st.Uid != 1000 || st.Gid != 1000 {
+				t.Errorf("upper copy owned by %d:%d", st.Uid, st.Gid)
+			}
+		},
+		max: map[string]uint64{"GETATTR": 0},
 	}, {
 		name: "chmod and utimens replies are cached",
 		setup: func(t *testing.T, fx *fixture) {
