@@ -139,12 +139,19 @@ type ForkRequest struct {
 	Count  int    `json:"count"`
 	Prefix string `json:"prefix,omitempty"`
 	NoWait bool   `json:"no_wait,omitempty"`
+	// Prepare makes no sandboxes: the daemon prepares Count children in
+	// the background, so that later forks of this checkpoint only name
+	// them (see ForkResult.Prepared).
+	Prepare bool `json:"prepare,omitempty"`
 }
 
 // ForkResult answers a fork.
 type ForkResult struct {
 	Sandboxes []string `json:"sandboxes"`
 	ElapsedUS int64    `json:"elapsed_us"`
+	// Prepared is, for a Prepare request, how many children the daemon
+	// keeps ready (bounded by its --warm-forks).
+	Prepared int `json:"prepared,omitempty"`
 }
 
 // PinRequest is the body of POST /v1/pins and POST /v1/unpin.

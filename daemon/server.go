@@ -395,6 +395,15 @@ func (s *server) fork(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
+	if req.Prepare {
+		n, err := s.m.PrepareFork(r.Context(), r.PathValue("id"), req.Count)
+		if err != nil {
+			writeErr(w, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, api.ForkResult{Sandboxes: []string{}, Prepared: n, ElapsedUS: time.Since(start).Microseconds()})
+		return
+	}
 	kids, err := s.m.Fork(context.WithoutCancel(r.Context()), state.ForkRequest{
 		Checkpoint: r.PathValue("id"), Count: req.Count, Prefix: req.Prefix, NoWait: req.NoWait,
 	})

@@ -65,6 +65,11 @@ func TestRealForkPrepared(t *testing.T) {
 			t.Fatalf("%s: %q, want %q", n, got, want)
 		}
 	}
+	// A prepare request makes no sandbox and is bounded by --warm-forks.
+	p, err := c.Fork(ctx, ck.ID, api.ForkRequest{Count: 8, Prepare: true})
+	if err != nil || p.Prepared != 3 || len(p.Sandboxes) != 0 {
+		t.Fatalf("prepare: %+v %v", p, err)
+	}
 	send(t, c, "b1", "sh", `echo mine > f; echo @@done@@`)
 	for _, n := range []string{"b2", "b3", "a1", "src"} {
 		if got := sh(t, c, n, "cat /proj/f"); got != "shared" {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 )
@@ -395,4 +396,39 @@ func (m *Manager) WarmForks() map[string]int {
 		out[id] = len(l)
 	}
 	return out
+}
+
+// PrepareFork asks for count children of checkpoint id to be prepared in
+// the background (bounded by Config.WarmForks), as a fork of that width
+// would leave them, so that even the first fork of id only names them. It
+// returns how many will be kept ready.
+func (m *Manager) PrepareFork(ctx context.Context, id string, count int) (int, error) {
+	if count < 1 || count > 1024 {
+		return 0, errf(CodeBadRequest, "fork --prepare: --count must be 1..1024", nil)
+	}
+	if m.warm == nil {
+		return 0, errf(CodeBadRequest, "fork --prepare: the daemon prepares no fork children (--warm-forks 0)", nil)
+	}
+	m.mu.Lock()
+	c := m.ckpts[id]
+	m.mu.Unlock()
+	if c == nil || c.rec.Status == CkptFailed {
+		return 0, errf(CodeNotFound, "no checkpoint "+strconv.Quote(id), nil)
+	}
+	select {
+	case <-c.ready:
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	m.mu.Lock()
+	if c.rec.Status != CkptReady {
+		m.mu.Unlock()
+		return 0, errf(CodeNotReady, "checkpoint "+id+" failed", nil)
+	}
+	n := min(count, m.cfg.WarmForks)
+	m.warm.want[id] = max(m.warm.want[id], n)
+	m.warm.used[id] = time.Now()
+	m.mu.Unlock()
+	m.kickWarm()
+	return n, nil
 }

@@ -2,6 +2,7 @@ package state_test
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"testing"
@@ -139,5 +140,60 @@ func TestForkPreparedGoneAfterClose(t *testing.T) {
 	}
 	if n := e.m.WarmForks()[c.ID]; n != 0 {
 		t.Fatalf("prepared children after a restart without WarmForks: %d", n)
+	}
+}
+
+func TestPrepareFork(t *testing.T) {
+	cases := []struct {
+		name  string
+		warm  int
+		ckpt  string // "" means the real one
+		count int
+		want  int
+		err   error
+	}{
+		{"prepares", 4, "", 3, 3, nil},
+		{"bounded by WarmForks", 2, "", 8, 2, nil},
+		{"unknown checkpoint", 4, "ck-nope", 2, 0, state.ErrNotFound},
+		{"bad count", 4, "", 0, 0, state.ErrBadRequest},
+		{"no warm forks", 0, "", 2, 0, state.ErrBadRequest},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newWarmEnv(t, tc.warm)
+			e.create("src")
+			e.run("src", "set", "seed", "7")
+			c := e.turn("src", state.ModeFull, true)
+			id := c.ID
+			if tc.ckpt != "" {
+				id = tc.ckpt
+			}
+			n, err := e.m.PrepareFork(e.ctx, id, tc.count)
+			if !errors.Is(err, tc.err) || (tc.err == nil && err != nil) {
+				t.Fatalf("PrepareFork: %v, want %v", err, tc.err)
+			}
+			if n != tc.want {
+				t.Fatalf("PrepareFork = %d, want %d", n, tc.want)
+			}
+			if err != nil {
+				return
+			}
+			e.waitWarm(c.ID, n)
+			// The first fork of the checkpoint needs no new sandbox.
+			e.b.Faults.FailStart.Store(true)
+			kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: n, Prefix: "r"})
+			e.b.Faults.FailStart.Store(false)
+			if err != nil {
+				t.Fatalf("first fork after PrepareFork: %v", err)
+			}
+			for i, k := range kids {
+				if got := strings.TrimSpace(e.run(k.Name, "cat", "/run/rewind/copy")); got != strconv.Itoa(i+1) {
+					t.Errorf("%s copy number = %q", k.Name, got)
+				}
+				if got := e.run(k.Name, "get", "seed"); got != "7" {
+					t.Errorf("%s process state = %q", k.Name, got)
+				}
+			}
+		})
 	}
 }

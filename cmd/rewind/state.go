@@ -396,7 +396,8 @@ func newForkCmd() *cobra.Command {
 		Use:   "fork CKPT --count N",
 		Short: "Create N sandboxes from a checkpoint (each finds its copy number in /run/rewind/copy)",
 		Example: `  rewind fork ck-3f2a9b1c0d4e --count 8 --prefix rollout-
-  rewind fork ck-3f2a9b1c0d4e --count 32 --json`,
+  rewind fork ck-3f2a9b1c0d4e --count 32 --json
+  rewind fork ck-3f2a9b1c0d4e --count 64 --prepare   # before the first training step`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := o.connect(cmd)
@@ -406,6 +407,13 @@ func newForkCmd() *cobra.Command {
 			r, err := c.Fork(cmd.Context(), args[0], req)
 			if err != nil {
 				return err
+			}
+			if req.Prepare {
+				if o.json {
+					return printJSON(cmd.OutOrStdout(), map[string]any{"prepared": r.Prepared, "elapsed_us": r.ElapsedUS})
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "preparing %d fork children of %s in the background\n", r.Prepared, args[0])
+				return nil
 			}
 			if o.json {
 				return printJSON(cmd.OutOrStdout(), map[string]any{"sandboxes": r.Sandboxes, "elapsed_us": r.ElapsedUS})
@@ -420,6 +428,7 @@ func newForkCmd() *cobra.Command {
 	cmd.Flags().IntVar(&req.Count, "count", 1, "number of sandboxes")
 	cmd.Flags().StringVar(&req.Prefix, "prefix", "", "name prefix (default: the source sandbox's name and -)")
 	cmd.Flags().BoolVar(&req.NoWait, "no-wait", false, "fail instead of waiting when the checkpoint is not ready yet")
+	cmd.Flags().BoolVar(&req.Prepare, "prepare", false, "make no sandboxes now: prepare --count children in the background, so later forks of CKPT only name them")
 	o.add(cmd)
 	return cmd
 }
