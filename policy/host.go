@@ -212,6 +212,10 @@ func (h *Host) Load(ctx context.Context, name string, wasm []byte) (*Policy, err
 // or a built-in's name (its bytes are embedded and immutable, and hashing
 // 2 MB on every load would cost a millisecond).
 func (h *Host) load(ctx context.Context, name, key string, wasm []byte) (*Policy, error) {
+	start := time.Now()
+	h.mu.Lock()
+	_, reused := h.compiled[key]
+	h.mu.Unlock()
 	cm, err := h.compile(ctx, key, wasm)
 	if err != nil {
 		err = fmt.Errorf("load policy %s: %w", name, err)
@@ -227,6 +231,11 @@ func (h *Host) load(ctx context.Context, name, key string, wasm []byte) (*Policy
 		return p, err
 	}
 	p.put(inst)
+	source := "compile"
+	if reused {
+		source = "host"
+	}
+	h.metrics.load.WithLabelValues(name, source).Observe(time.Since(start).Seconds())
 	return p, nil
 }
 

@@ -9,6 +9,7 @@ type metrics struct {
 	failures  *prometheus.CounterVec
 	disabled  *prometheus.GaugeVec
 	latency   *prometheus.HistogramVec
+	load      *prometheus.HistogramVec
 }
 
 func newMetrics() *metrics {
@@ -30,6 +31,11 @@ func newMetrics() *metrics {
 			Help:    "Latency of policy decisions.",
 			Buckets: []float64{5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2},
 		}, []string{"policy"}),
+		load: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "rewind_policy_load_seconds",
+			Help:    "Time to load a policy (compile, validate, first instance), by source: compile (the module was compiled, or read from the on-disk compilation cache) or host (this host compiled it before).",
+			Buckets: []float64{1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1, 2, 5},
+		}, []string{"policy", "source"}),
 	}
 }
 
@@ -39,6 +45,7 @@ func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.failures.Describe(ch)
 	m.disabled.Describe(ch)
 	m.latency.Describe(ch)
+	m.load.Describe(ch)
 }
 
 // Collect implements prometheus.Collector.
@@ -47,6 +54,7 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	m.failures.Collect(ch)
 	m.disabled.Collect(ch)
 	m.latency.Collect(ch)
+	m.load.Collect(ch)
 }
 
 // policyMetrics are one policy's pre-resolved children, so the hot path does
