@@ -2,7 +2,6 @@ package fs
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -469,13 +468,12 @@ func (f *FS) Checkpoint() (string, error) {
 	}
 	f.mu.Unlock()
 	f.bg <- func() {
-		if f.opts.NoDurable {
-			_ = layer.WriteFileAtomic(filepath.Join(f.store.Dir(), "meta/checkpoints", id+".json"), mustJSON(cp), false)
-		} else {
+		if !f.opts.NoDurable {
 			_ = f.journal.Sync()
-			if err := f.store.SaveCheckpoint(cp); err != nil {
-				f.log.Warn("materialize checkpoint record", "id", id, "err", err)
-			}
+		}
+		// Never over a tombstone: the checkpoint may be deleted already.
+		if err := f.store.MaterializeCheckpoint(cp, !f.opts.NoDurable); err != nil {
+			f.log.Warn("materialize checkpoint record", "id", id, "err", err)
 		}
 		if pushed {
 			f.refillSpare()
@@ -692,14 +690,6 @@ func splitPath(p string) []string {
 		}
 	}
 	return out
-}
-
-func mustJSON(v any) []byte {
-	b, err := json.Marshal(v)
-	if err != nil {
-		panic(err)
-	}
-	return b
 }
 
 // Unmount implements layer.FS.

@@ -1,12 +1,16 @@
 package fs
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"slices"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/layer"
 )
 
 // readNames lists a directory with getdents, "." and ".." included,
@@ -166,5 +170,27 @@ func TestSwitchBackToDirLookedUpAsMissing(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestDeleteRightAfterCheckpointStaysDeleted: deleting a checkpoint whose
+// record the background writer has not written yet must not be undone by
+// that writer (the layers would never be freed).
+func TestDeleteRightAfterCheckpointStaysDeleted(t *testing.T) {
+	fx := mountT(t, nil, Options{})
+	var ids []string
+	for i := 0; i < 20; i++ {
+		mustWrite(t, fx.p(fmt.Sprintf("f%d", i)), "x")
+		id := fx.checkpoint(t)
+		if err := fx.store.DeleteCheckpoint(id); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	fx.fs.flushBG()
+	for _, id := range ids {
+		if _, err := fx.store.Checkpoint(id); !errors.Is(err, layer.ErrNotFound) {
+			t.Fatalf("checkpoint %s after delete: %v, want not found", id, err)
+		}
 	}
 }

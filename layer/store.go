@@ -122,14 +122,23 @@ func ValidID(id string) bool {
 }
 
 // NewLayer creates an empty layer directory and its metadata and returns
-// its id.
+// its id. The directory appears under layers/ only once its metadata is
+// written (it is made in the work directory and renamed into place), so a
+// concurrent GC always sees its creation time and keeps it.
 func (s *Store) NewLayer(parent string) (string, error) {
 	id := NewID()
-	if err := os.Mkdir(s.LayerPath(id), 0o755); err != nil {
+	tmp := filepath.Join(s.WorkDir(), "new-"+id)
+	if err := os.Mkdir(tmp, 0o755); err != nil {
 		return "", fmt.Errorf("new layer: %w", err)
 	}
 	m := LayerMeta{ID: id, Parent: parent, Created: time.Now().UTC()}
 	if err := s.writeJSON(filepath.Join("meta/layers", id+".json"), m, false); err != nil {
+		_ = os.Remove(tmp)
+		return "", fmt.Errorf("new layer %s: %w", id, err)
+	}
+	if err := os.Rename(tmp, s.LayerPath(id)); err != nil {
+		_ = os.Remove(tmp)
+		_ = os.Remove(filepath.Join(s.dir, "meta/layers", id+".json"))
 		return "", fmt.Errorf("new layer %s: %w", id, err)
 	}
 	return id, nil
@@ -152,6 +161,51 @@ func (s *Store) SaveCheckpoint(c Checkpoint) error {
 	}
 	if err := s.writeJSON(filepath.Join("meta/checkpoints", c.ID+".json"), c, true); err != nil {
 		return fmt.Errorf("save checkpoint %s: %w", c.ID, err)
+	}
+	return nil
+}
+
+// MaterializeCheckpoint writes the record of a checkpoint already
+// committed to a mount's journal, unless a record of that id exists: a
+// checkpoint deleted before its record was written stays deleted (its
+// tombstone is not replaced). durable fsyncs the record and its directory.
+func (s *Store) MaterializeCheckpoint(c Checkpoint, durable bool) error {
+	if !ValidID(c.ID) {
+		return fmt.Errorf("save checkpoint: invalid id %q", c.ID)
+	}
+	b, err := json.Marshal(c)
+	if err != nil {
+		return fmt.Errorf("save checkpoint %s: %w", c.ID, err)
+	}
+	dir := filepath.Join(s.dir, "meta/checkpoints")
+	final := filepath.Join(dir, c.ID+".json")
+	tmp := filepath.Join(dir, "."+c.ID+".json."+NewID()+".tmp")
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return fmt.Errorf("save checkpoint %s: %w", c.ID, err)
+	}
+	_, err = f.Write(b)
+	if err == nil && durable {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		// link(2) never replaces an existing name.
+		if err = os.Link(tmp, final); errors.Is(err, os.ErrExist) {
+			err = nil
+		}
+	}
+	_ = os.Remove(tmp)
+	if err != nil {
+		return fmt.Errorf("save checkpoint %s: %w", c.ID, err)
+	}
+	if durable {
+		if d, err := os.Open(dir); err == nil {
+			_ = d.Sync()
+			_ = d.Close()
+		}
 	}
 	return nil
 }
@@ -367,7 +421,7 @@ func (s *Store) GC(minAge time.Duration) ([]string, error) {
 		if refs[id] || !ValidID(id) {
 			continue
 		}
-		if m, err := s.Layer(id); err == nil && time.Since(m.Created) < minAge {
+		if s.layerYoung(id, minAge) {
 			continue
 		}
 		// Rename first so a half-removed layer is never mistaken for a
@@ -383,6 +437,20 @@ func (s *Store) GC(minAge time.Duration) ([]string, error) {
 		removed = append(removed, id)
 	}
 	return removed, nil
+}
+
+// layerYoung reports whether layer id is younger than minAge: by its
+// metadata, or, for a directory without metadata (left by a crash), by the
+// directory's change time. A layer it cannot date is kept.
+func (s *Store) layerYoung(id string, minAge time.Duration) bool {
+	if m, err := s.Layer(id); err == nil {
+		return time.Since(m.Created) < minAge
+	}
+	var st syscall.Stat_t
+	if err := syscall.Lstat(s.LayerPath(id), &st); err != nil {
+		return true
+	}
+	return time.Since(time.Unix(st.Ctim.Sec, st.Ctim.Nsec)) < minAge
 }
 
 func (s *Store) writeJSON(rel string, v any, durable bool) error {

@@ -94,3 +94,75 @@ func TestWriteFileAtomic(t *testing.T) {
 		t.Fatalf("temp files left: %v", ents)
 	}
 }
+
+// TestGCNeverFreesALayerBeingCreated runs GC in a loop while layers are
+// created: a layer NewLayer returned must exist (GC keeps layers younger
+// than its minimum age, which it can only tell once the layer's metadata
+// is there).
+func TestGCNeverFreesALayerBeingCreated(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	gcDone := make(chan error, 1)
+	go func() {
+		for {
+			select {
+			case <-stop:
+				gcDone <- nil
+				return
+			default:
+			}
+			if _, err := st.GC(time.Minute); err != nil {
+				gcDone <- err
+				return
+			}
+		}
+	}()
+	var lost []string
+	for i := 0; i < 200 && len(lost) == 0; i++ {
+		id, err := st.NewLayer("")
+		if err != nil {
+			close(stop)
+			t.Fatal(err)
+		}
+		if err := st.CheckLayer(id); err != nil {
+			lost = append(lost, id)
+		}
+	}
+	close(stop)
+	if err := <-gcDone; err != nil {
+		t.Fatalf("gc: %v", err)
+	}
+	if len(lost) > 0 {
+		t.Fatalf("GC freed layers NewLayer had just created: %v", lost)
+	}
+}
+
+// TestGCDatesLayersWithoutMetadata: a layer directory without metadata (a
+// crash between the two) is dated by its change time, never freed young.
+func TestGCDatesLayersWithoutMetadata(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := NewID()
+	if err := os.Mkdir(st.LayerPath(id), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		minAge time.Duration
+		freed  bool
+	}{{time.Hour, false}, {0, true}}
+	for _, c := range cases {
+		removed, err := st.GC(c.minAge)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, statErr := os.Stat(st.LayerPath(id))
+		if freed := len(removed) == 1 && os.IsNotExist(statErr); freed != c.freed {
+			t.Fatalf("GC(%v): removed %v (layer dir: %v), want freed=%v", c.minAge, removed, statErr, c.freed)
+		}
+	}
+}
