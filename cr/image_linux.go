@@ -102,6 +102,14 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 				_ = unix.Kill(cp, unix.SIGKILL)
 				e.forgetAux(tm, cp)
 			}
+			e.mu.Lock()
+			dropped := tm.dropped
+			e.mu.Unlock()
+			if dropped {
+				// Dropped while being forked (Drop kills templates
+				// without the sandbox lock): not a failure.
+				return fmt.Errorf("%w: %v", errDropped, err)
+			}
 			return err
 		}
 		p, err := readProc(cp)

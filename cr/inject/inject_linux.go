@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -32,12 +33,15 @@ type Tracer struct {
 	reqs     chan func()
 	done     chan struct{}
 	closeOne sync.Once
+	// dying are killed tracees whose exit the tracer thread has not
+	// collected yet (see Kill); only the tracer thread touches it.
+	dying map[int]bool
 }
 
 // NewTracer starts a tracer thread. Close it when done: closing the thread
 // detaches (and so resumes) every process it still traces.
 func NewTracer() *Tracer {
-	t := &Tracer{reqs: make(chan func()), done: make(chan struct{})}
+	t := &Tracer{reqs: make(chan func()), done: make(chan struct{}), dying: map[int]bool{}}
 	ready := make(chan struct{})
 	go func() {
 		// The thread is never unlocked: when the goroutine returns the
@@ -45,12 +49,18 @@ func NewTracer() *Tracer {
 		runtime.LockOSThread()
 		close(ready)
 		for {
+			var poll <-chan time.Time
+			if len(t.dying) > 0 {
+				poll = time.After(reapPoll)
+			}
 			select {
 			case f := <-t.reqs:
 				f()
+			case <-poll:
 			case <-t.done:
 				return
 			}
+			t.reapDying()
 		}
 	}()
 	<-ready
@@ -499,8 +509,49 @@ func (p *Proc) DetachStopped() error {
 	})
 }
 
-// Kill SIGKILLs the process and reaps the tracing relation (and the process
-// itself when the tracer thread is also its parent).
+// reapPoll is how often the tracer thread looks for the exit of killed
+// tracees it could not collect at once.
+const reapPoll = 500 * time.Microsecond
+
+// killWait bounds how long Kill waits on the tracer thread for the exit of
+// the killed process before leaving it to the background reaping.
+const killWait = 2 * time.Millisecond
+
+// reaped collects pid's exit report if there is one (WNOHANG). It reports
+// true once the process is gone for this tracer.
+func reaped(pid int) bool {
+	for {
+		var ws unix.WaitStatus
+		wpid, err := unix.Wait4(pid, &ws, unix.WALL|unix.WNOHANG, nil)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return true // ECHILD: not ours any more
+		case wpid == 0:
+			return false
+		case ws.Exited() || ws.Signaled():
+			return true
+		}
+		// A stop reported before the exit: look again.
+	}
+}
+
+// reapDying collects the exits of killed tracees (tracer thread only).
+func (t *Tracer) reapDying() {
+	for pid := range t.dying {
+		if reaped(pid) {
+			delete(t.dying, pid)
+		}
+	}
+}
+
+// Kill SIGKILLs the process and collects its exit on the tracer thread (and
+// so the process itself when the tracer thread is also its parent). Kill
+// never blocks the tracer thread on a process that cannot die yet — one in
+// a frozen cgroup (v1 freezer) dies only once thawed, and whoever froze it
+// may be waiting for the tracer: the exit is then collected in the
+// background, and the pid stays taken (a zombie) until it is.
 func (p *Proc) Kill() error {
 	return p.t.Do(func() error {
 		if p.gone {
@@ -510,12 +561,15 @@ func (p *Proc) Kill() error {
 		if err := unix.Kill(p.pid, unix.SIGKILL); err != nil && err != unix.ESRCH {
 			return fmt.Errorf("kill %d: %w", p.pid, err)
 		}
-		for {
-			ws, err := wait(p.pid)
-			if err != nil || ws.Exited() || ws.Signaled() {
+		deadline := time.Now().Add(killWait)
+		for !reaped(p.pid) {
+			if time.Now().After(deadline) {
+				p.t.dying[p.pid] = true
 				return nil
 			}
+			time.Sleep(20 * time.Microsecond)
 		}
+		return nil
 	})
 }
 

@@ -198,3 +198,92 @@ func TestAttachRefusesThreads(t *testing.T) {
 		t.Fatal("attached to a multi-threaded process")
 	}
 }
+
+// TestKillFrozenDoesNotBlockTracer: a tracee in a frozen cgroup (v1
+// freezer) dies only once thawed. Kill must not hold the tracer thread
+// until then: whoever froze the cgroup may need the tracer before thawing
+// (a checkpoint seizing the sandbox's processes while a spare is dropped).
+func TestKillFrozenDoesNotBlockTracer(t *testing.T) {
+	testenv.RequireRoot(t)
+	_, err := os.Stat("/sys/fs/cgroup/freezer")
+	testenv.Require(t, err == nil, "cgroup v1 freezer")
+	cg := fmt.Sprintf("/sys/fs/cgroup/freezer/rewind-inject-test-%d", os.Getpid())
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	setState := func(s string) {
+		t.Helper()
+		if err := os.WriteFile(cg+"/freezer.state", []byte(s), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			b, _ := os.ReadFile(cg + "/freezer.state")
+			if strings.TrimSpace(string(b)) == s {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("freezer state %q, want %s", b, s)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	t.Cleanup(func() {
+		_ = os.WriteFile(cg+"/freezer.state", []byte("THAWED"), 0o644)
+		for i := 0; i < 100 && os.Remove(cg) != nil; i++ {
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	frozen := startLines(t, "sleep", "1000")
+	other := startLines(t, "sleep", "1000")
+	fpid, opid := frozen.cmd.Process.Pid, other.cmd.Process.Pid
+	if err := os.WriteFile(cg+"/cgroup.procs", []byte(fmt.Sprint(fpid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tr := NewTracer()
+	defer tr.Close()
+	pf, err := tr.Attach(fpid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	setState("FROZEN")
+	done := make(chan error, 1)
+	go func() { done <- pf.Kill() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		setState("THAWED") // let the blocked tracer go before failing
+		t.Fatal("Kill of a frozen tracee blocks")
+	}
+	// The tracer serves other processes meanwhile.
+	po, err := tr.Attach(opid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pid, err := po.Syscall(unix.SYS_GETPID); err != nil || int(pid) != opid {
+		t.Fatalf("getpid injected while another tracee is frozen: %d %v", pid, err)
+	}
+	if err := po.Detach(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(fmt.Sprintf("/proc/%d", fpid)); err != nil {
+		t.Fatalf("the frozen process is gone before the thaw: %v", err)
+	}
+	setState("THAWED")
+	// Once thawed it dies, and the tracer thread (its parent's thread here)
+	// collects it in the background.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", fpid)); err != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", fpid))
+			t.Fatalf("killed process not collected after the thaw: %s", st)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
