@@ -78,6 +78,8 @@ type Engine struct {
 	// aux are copies being dumped (pid -> sandbox id); they outlive a
 	// dropped checkpoint until criu is done with them.
 	aux map[int]string
+	// kdat is CRIU's kernel-feature cache for fresh fork children.
+	kdat kdatCache
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.

@@ -294,7 +294,14 @@ func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts Res
 	if c.rec.Mode == ModeCRIU {
 		return e.restoreTrees(ctx, c, t, opts)
 	}
+	// The restored templates stay stopped: nothing of the agent runs in t
+	// while CRIU's cache is there.
+	e.startKdat()
+	seeded := e.seedKdat(t.InitPID())
 	tmpls, err := e.templatesFromImage(ctx, c, t)
+	if seeded {
+		unseedKdat(t.InitPID())
+	}
 	if err != nil {
 		return nil, err
 	}
