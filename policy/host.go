@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/tetratelabs/wazero"
+	"github.com/tetratelabs/wazero/experimental"
 	"github.com/tetratelabs/wazero/imports/wasi_snapshot_preview1"
 
 	"github.com/rewind-sandbox/rewind/internal/wasmdata"
@@ -90,6 +91,7 @@ type Host struct {
 	rt      wazero.Runtime
 	cache   wazero.CompilationCache
 	metrics *metrics
+	memory  experimental.MemoryAllocator // of instances (nil: wazero's)
 
 	mu       sync.Mutex
 	compiled map[string]wazero.CompiledModule // by builtin name or sha256
@@ -123,7 +125,7 @@ func NewHost(ctx context.Context, opts Options) (*Host, error) {
 		return nil, fmt.Errorf("policy host: instantiate WASI: %w", err)
 	}
 	return &Host{
-		opts: opts, rt: rt, cache: cache, metrics: newMetrics(),
+		opts: opts, rt: rt, cache: cache, metrics: newMetrics(), memory: memoryAllocator{},
 		compiled: map[string]wazero.CompiledModule{},
 		policies: map[*Policy]struct{}{},
 	}, nil

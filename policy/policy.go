@@ -12,6 +12,7 @@ import (
 
 	"github.com/tetratelabs/wazero"
 	"github.com/tetratelabs/wazero/api"
+	"github.com/tetratelabs/wazero/experimental"
 	"github.com/tetratelabs/wazero/sys"
 
 	"github.com/rewind-sandbox/rewind/effect"
@@ -184,6 +185,9 @@ func (p *Policy) instantiate(ctx context.Context) (*instance, error) {
 	ictx, cancel := context.WithTimeout(ctx, p.h.opts.InitTimeout)
 	defer cancel()
 	cfg := wazero.NewModuleConfig().WithName("").WithStartFunctions("_initialize")
+	if p.h.memory != nil {
+		ictx = experimental.WithMemoryAllocator(ictx, p.h.memory)
+	}
 	mod, err := p.h.rt.InstantiateModule(ictx, p.cm, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("instantiate: %w", err)
