@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -321,5 +322,42 @@ func TestPython200MBFromImage(t *testing.T) {
 				t.Fatalf("restored python: %q, want %q", got, want)
 			}
 		})
+	}
+}
+
+// TestTreeCheckpointSkipsExitedProcess: a process listed for a CRIU-path
+// checkpoint that exits before it is stopped (a short-lived command) is left
+// out; the checkpoint of the others succeeds and restores.
+func TestTreeCheckpointSkipsExitedProcess(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	bashChat(t, live, "V=tree; sleep 1000 & true")
+	e := newEngine(t, Config{ImagesDir: t.TempDir()})
+	procs, err := e.Processes(sb)
+	if err != nil || len(procs) != 2 {
+		t.Fatalf("processes %+v %v", procs, err)
+	}
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	// Listed as a child of init, exited by the time it is stopped.
+	procs = append(procs, Proc{PID: gone.Process.Pid, NSPID: 4000, PPID: sb.InitPID(), Threads: 1, Comm: "true"})
+	c := &ckpt{rec: Checkpoint{ID: "exited", Sandbox: sb.ID(), Mode: ModeCRIU, Procs: procs}}
+	if err := e.checkpointTrees(ctxT(t), c, sb, procs, nil); err != nil {
+		t.Fatalf("checkpoint with an exited process: %v", err)
+	}
+	if len(c.rec.Procs) != 2 || len(c.images) != 1 {
+		t.Fatalf("checkpoint kept %+v, %d images", c.rec.Procs, len(c.images))
+	}
+	e.add(c)
+	bashChat(t, live, "kill %1; wait; V=changed")
+	stdio, sessions := freshStdio(t, sb)
+	if _, err := e.Restore(ctxT(t), sb, "exited", RestoreOptions{Stdio: stdio}); err != nil {
+		t.Fatal(err)
+	}
+	if got := bashChat(t, <-sessions, `echo "$V $(jobs -r | wc -l)"`); got != "tree 1" {
+		t.Fatalf("restored shell: %q", got)
 	}
 }

@@ -44,9 +44,27 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 		}
 	}
 	for _, pid := range stopped {
-		if !waitUntil(ctx, 10*time.Second, func() bool { st, _ := procState(pid); return st == 'T' || st == 'Z' }) {
+		if !waitUntil(ctx, 10*time.Second, func() bool {
+			st, err := procState(pid)
+			return err != nil || st == 'T' || st == 'Z' || st == 'X'
+		}) {
 			return fmt.Errorf("process %d did not stop", pid)
 		}
+	}
+	// A process that exited before it was stopped (a short-lived command,
+	// a job ending) is not part of the checkpoint: everything else is
+	// stopped now, so the checkpoint is the state right after its exit.
+	// Dumping a tree whose root is gone would fail the whole checkpoint.
+	var kept []Proc
+	for _, p := range procs {
+		if st, err := procState(p.PID); err == nil && st != 'Z' && st != 'X' {
+			kept = append(kept, p)
+		}
+	}
+	procs = kept
+	c.rec.Procs = kept
+	if len(procs) == 0 {
+		return errors.New("every process exited during the checkpoint")
 	}
 	if barrier != nil {
 		if err := barrier(); err != nil {
