@@ -109,6 +109,11 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 			} else {
 				r = fanoutRewind(ctx, o.Client, id, n)
 				r.Name = "rewind-fork-repeat"
+				// The daemon prepares the next children now: let it
+				// finish, so that no later row shares the CPU with it.
+				if err := waitWarm(ctx, o.Client, id, n, 3*time.Minute); err != nil && r.Error == "" {
+					r.Error = "refill after the repeated fork: " + err.Error()
+				}
 			}
 			rows = append(rows, finishRow(r))
 		}
