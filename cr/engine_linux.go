@@ -196,6 +196,10 @@ type CheckpointOptions struct {
 	// Barrier runs while every process of the sandbox is stopped; take the
 	// file-system checkpoint here so both form one consistent pair.
 	Barrier func() error
+	// Ephemeral marks a short-lived checkpoint (a restore's undo point):
+	// it gets no CRIU image and no warm spare, and restores from its
+	// templates only. Drop it when done.
+	Ephemeral bool
 }
 
 // ErrUnknown is returned for a checkpoint id the engine does not hold.
@@ -451,12 +455,12 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 	rec.Mode = ModeTemplate
 	rec.Frozen = frozen
 	c := &ckpt{rec: rec, templates: tmpls}
-	if e.cfg.ImagesDir != "" {
+	if e.cfg.ImagesDir != "" && !opts.Ephemeral {
 		c.imageDone = make(chan struct{})
 	}
 	e.add(c)
 	for _, tm := range tmpls {
-		e.prepareTemplate(tm)
+		e.prepareTemplate(tm, !opts.Ephemeral)
 	}
 	if c.imageDone != nil {
 		go e.dumpTemplates(c, t)
@@ -554,7 +558,7 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 
 // prepareTemplate gives the template /dev/null as stdio (so it holds no
 // session pipe open) and, with Config.Warm, forks its warmed spare.
-func (e *Engine) prepareTemplate(tm *template) {
+func (e *Engine) prepareTemplate(tm *template, spare bool) {
 	// Its own session: the template must not keep the pid of the process
 	// it copies allocated as a session and group id (see inject.Setsid).
 	if err := tm.proc.Setsid(); err != nil {
@@ -563,7 +567,7 @@ func (e *Engine) prepareTemplate(tm *template) {
 	if err := tm.proc.SetStdio([3]string{"/dev/null", "/dev/null", "/dev/null"}, [3]int{unix.O_RDWR, unix.O_RDWR, unix.O_RDWR}); err != nil {
 		e.log.Debug("template stdio", "pid", tm.proc.Pid(), "err", err)
 	}
-	if e.cfg.Warm {
+	if e.cfg.Warm && spare {
 		e.goSpare(tm) // waits for the sandbox lock Checkpoint holds
 	}
 }

@@ -445,6 +445,17 @@ func newCRID() string {
 }
 
 func (p *procSandbox) Checkpoint(ctx context.Context, barrier func() error) (*state.ProcPart, error) {
+	return p.checkpoint(ctx, barrier, false)
+}
+
+// CheckpointUndo implements state.UndoCheckpointer: templates only, no
+// image and no warm spare (the undo point of a restore is dropped, or
+// restored, as soon as the restore ends).
+func (p *procSandbox) CheckpointUndo(ctx context.Context, barrier func() error) (*state.ProcPart, error) {
+	return p.checkpoint(ctx, barrier, true)
+}
+
+func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo bool) (*state.ProcPart, error) {
 	// Which session each process serves, to give restored copies their
 	// session's stdio back.
 	sessions := map[string]string{}
@@ -454,7 +465,7 @@ func (p *procSandbox) Checkpoint(ctx context.Context, barrier func() error) (*st
 		}
 	}
 	id := newCRID()
-	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier})
+	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier, Ephemeral: undo})
 	if err != nil {
 		return nil, err
 	}

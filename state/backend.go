@@ -38,6 +38,14 @@ type FSBackend interface {
 	Cleanup(ctx context.Context, id string) error
 }
 
+// UndoCheckpointer is implemented by process sandboxes that can take a
+// cheaper checkpoint for a restore's undo point: one that lives only until
+// the restore ends and is restored, if ever, at once (so it needs no
+// durable image and no pre-warmed copy). It is otherwise Checkpoint.
+type UndoCheckpointer interface {
+	CheckpointUndo(ctx context.Context, barrier func() error) (*ProcPart, error)
+}
+
 // FSSizer is implemented by FS back ends that can tell, after the fact,
 // the bytes an fs checkpoint added (its frozen layer). The manager asks in
 // the background, off the checkpoint's critical path, for checkpoints whose

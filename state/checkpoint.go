@@ -192,7 +192,7 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		err = fmt.Errorf("sandbox %s is not running", s.rec.Name)
 	case mode == ModeFull:
 		var ferr error
-		part, fsID, fsB, ferr, err = m.fullCheckpoint(context.Background(), mount, proc)
+		part, fsID, fsB, ferr, err = m.fullCheckpoint(context.Background(), mount, proc, false)
 		switch {
 		case ferr != nil:
 			err = fmt.Errorf("fs checkpoint: %w", ferr)
@@ -261,10 +261,14 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 // freeze barrier. A process that exits while the processes are being
 // stopped fails an attempt; one retry follows (the fs checkpoint of the
 // failed attempt is dropped: its layer stays under the mount).
-func (m *Manager) fullCheckpoint(ctx context.Context, mount FSMount, proc ProcSandbox) (part *ProcPart, fsID string, fsB int64, ferr, err error) {
+func (m *Manager) fullCheckpoint(ctx context.Context, mount FSMount, proc ProcSandbox, undo bool) (part *ProcPart, fsID string, fsB int64, ferr, err error) {
+	take := proc.Checkpoint
+	if u, ok := proc.(UndoCheckpointer); ok && undo {
+		take = u.CheckpointUndo
+	}
 	for attempt := 0; attempt < 2; attempt++ {
 		fsID, fsB, ferr = "", 0, nil
-		part, err = proc.Checkpoint(ctx, func() error {
+		part, err = take(ctx, func() error {
 			fsID, fsB, ferr = mount.Checkpoint(ctx)
 			return ferr
 		})
@@ -490,7 +494,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		undo, undoFS, headUndo := m.cleanHead(s, rep)
 		if !headUndo {
 			var ferr error
-			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc)
+			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc, true)
 			if err == nil {
 				err = ferr
 			}
