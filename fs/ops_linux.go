@@ -60,12 +60,18 @@ func (n *node) finishCreate(ctx context.Context, st *stack, name, p string, out 
 	if err := unix.Fstatat(st.upper.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return nil, errnoOf(err)
 	}
-	e := entry{srcs: []src{{st.upper, p}}, st: s}
+	return n.finishCreateStat(ctx, st, name, p, &s, out), 0
+}
+
+// finishCreateStat returns the node of the new upper entry p, whose stat
+// is s.
+func (n *node) finishCreateStat(ctx context.Context, st *stack, name, p string, s *unix.Stat_t, out *fuse.EntryOut) *gofs.Inode {
+	e := entry{srcs: []src{{st.upper, p}}, st: *s}
 	ch := n.child(ctx, name, &e, n.f.gen.Load(), true)
-	fillAttr(&out.Attr, &s, ch.StableAttr().Ino)
+	fillAttr(&out.Attr, s, ch.StableAttr().Ino)
 	n.f.dirty.Store(true)
 	n.f.record("create", n, name, 0)
-	return ch, 0
+	return ch
 }
 
 // Create creates and opens a regular file.
@@ -95,11 +101,12 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		unix.Close(fd)
 		return nil, nil, 0, errnoOf(err)
 	}
-	ch, errno := n.finishCreate(ctx, st, name, p, out)
-	if errno != 0 {
+	var s unix.Stat_t
+	if err := unix.Fstat(fd, &s); err != nil {
 		unix.Close(fd)
-		return nil, nil, 0, errno
+		return nil, nil, 0, errnoOf(err)
 	}
+	ch := n.finishCreateStat(ctx, st, name, p, &s, out)
 	cn := ch.Operations().(*node)
 	h := &handle{n: cn, fd: fd, l: st.upper, flags: flags, viewGen: n.f.viewGen.Load()}
 	if n.f.opts.Passthrough {
@@ -108,7 +115,7 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		if ok {
 			cn.ptOpen++
 			cn.ptWrite++
-			cn.ptIno = s0Ino(fd)
+			cn.ptIno = s.Ino
 		}
 		cn.mu.Unlock()
 		if ok {
@@ -542,10 +549,4 @@ func (f *FS) copyUpChild(st *stack, n *node, name, p string, e *entry) error {
 		}
 	}
 	return f.copyUpPath(st, p, e, false)
-}
-
-func s0Ino(fd int) uint64 {
-	var s unix.Stat_t
-	_ = unix.Fstat(fd, &s)
-	return s.Ino
 }
