@@ -274,6 +274,9 @@ func (m *Manager) refillWarm() {
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
+			// Made and added under gcMu: GC, which drops the prepared
+			// children of the checkpoints it frees, never runs between.
+			m.gcMu.RLock()
 			s, err := m.prepareWarm(id)
 			m.mu.Lock()
 			w := m.warm
@@ -281,7 +284,7 @@ func (m *Manager) refillWarm() {
 			if w.making[id] == 0 {
 				delete(w.making, id)
 			}
-			keep := err == nil && !m.closed && len(w.ready[id]) < w.want[id]
+			keep := err == nil && !m.closed && m.ckpts[id] != nil && len(w.ready[id]) < w.want[id]
 			if keep {
 				w.ready[id] = append(w.ready[id], s)
 			} else if err != nil {
@@ -290,6 +293,7 @@ func (m *Manager) refillWarm() {
 				delete(w.want, id)
 			}
 			m.mu.Unlock()
+			m.gcMu.RUnlock()
 			if err != nil {
 				m.log.Warn("prepare fork child", "checkpoint", id, "err", err)
 			} else if !keep {
@@ -300,10 +304,8 @@ func (m *Manager) refillWarm() {
 }
 
 // prepareWarm makes one child of checkpoint id as Fork would, without a
-// name or copy number yet.
+// name or copy number yet. Call with gcMu read-locked.
 func (m *Manager) prepareWarm(id string) (_ *sbox, err error) {
-	m.gcMu.RLock()
-	defer m.gcMu.RUnlock()
 	m.mu.Lock()
 	c := m.ckpts[id]
 	if c == nil || c.rec.Status != CkptReady {
