@@ -6,7 +6,11 @@
 // cr/inject), so each template is a sibling of its process and a child of
 // the sandbox's init. Templates share all pages with the live process until
 // either writes (copy-on-write); they stay ptrace-stopped, attached to the
-// engine's tracer thread, with /dev/null as stdio.
+// engine's tracer thread, with /dev/null as stdio. Each template, and each
+// copy made from one, leads its own session and process group (setsid by
+// injection): none keeps the pid of the process it copies allocated as a
+// session or group id, which a CRIU restore of that exact pid would meet
+// as "File exists", and CRIU can always dump it again.
 //
 // A restore forks the templates again (the copies are made before the old
 // processes are killed, so the page-table copy does not compete with their
