@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -30,6 +31,7 @@ type benchFSOpts struct {
 	stats    int
 	skipIO   bool
 	ioOnly   bool
+	rows     string
 	repeat   int
 	skipFOFS bool
 	asJSON   bool
@@ -72,6 +74,7 @@ overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
 	f.BoolVar(&o.skipIO, "no-io", false, "skip the I/O rows")
 	f.BoolVar(&o.ioOnly, "io-only", false, "only the I/O rows (no checkpoint/restore latency)")
 	f.IntVar(&o.repeat, "repeat", 1, "runs of each I/O row per target, interleaved; the median is reported")
+	f.StringVar(&o.rows, "rows", "", "only the I/O rows whose name matches this regular expression (e.g. 'untar|create')")
 	f.BoolVar(&o.skipFOFS, "no-fuse-overlayfs", false, "skip the fuse-overlayfs baseline")
 	f.BoolVar(&o.asJSON, "json", false, "print JSON rows")
 	f.BoolVar(&o.pt, "passthrough", true, "mount rewind with FUSE passthrough for the I/O rows")
@@ -363,8 +366,18 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			return nil
 		}},
 	}
+	var only *regexp.Regexp
+	if o.rows != "" {
+		var err error
+		if only, err = regexp.Compile(o.rows); err != nil {
+			return nil, fmt.Errorf("bench fs: --rows: %w", err)
+		}
+	}
 	var rows []fsBenchRow
 	for _, c := range cases {
+		if only != nil && !only.MatchString(c.name) {
+			continue
+		}
 		res := map[string][]float64{}
 		var reqs map[string]uint64
 		// Interleave the targets within each repetition, so that load
