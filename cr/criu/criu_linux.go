@@ -56,6 +56,9 @@ type Runner struct {
 	Path string
 	// WrapDir holds the generated namespace-entering wrappers.
 	WrapDir string
+	// libs are the host's loader and library directories criu runs with
+	// inside a sandbox (nil for a static criu).
+	libs *hostLibs
 }
 
 // NewRunner finds criu (see Find) and prepares a private wrapper directory.
@@ -67,24 +70,33 @@ func NewRunner(explicit string) (*Runner, error) {
 	if _, err := exec.LookPath("nsenter"); err != nil {
 		return nil, fmt.Errorf("criu runner: nsenter not found: %w", err)
 	}
+	libs, err := openHostLibs(p)
+	if err != nil {
+		return nil, fmt.Errorf("criu runner: %w", err)
+	}
 	d, err := os.MkdirTemp("", "rewind-criu-")
 	if err != nil {
+		libs.close()
 		return nil, err
 	}
-	return &Runner{Path: p, WrapDir: d}, nil
+	return &Runner{Path: p, WrapDir: d, libs: libs}, nil
 }
 
 // Close removes the wrapper directory.
-func (r *Runner) Close() error { return os.RemoveAll(r.WrapDir) }
+func (r *Runner) Close() error {
+	r.libs.close()
+	return os.RemoveAll(r.WrapDir)
+}
 
 // wrapper returns a script that execs criu inside the PID and mount
 // namespaces of nsPID (host pid), or criu itself when nsPID is 0. With
 // joinCgroups the script first moves itself into the cgroups of nsPID.
 //
 // Inside the sandbox's mount namespace criu's path may not exist: it is
-// exec'd through the inherited descriptor 3. Its shared libraries come from
-// the sandbox root (a host-root based root has them). All namespaces but
-// the user one are entered, so criu sees nothing foreign to dump.
+// exec'd through the inherited descriptor 3, by the host's loader with the
+// host's libraries (descriptors 5 and on, see hostLibs): nothing it runs
+// comes from the sandbox's files. All namespaces but the user one are
+// entered, so criu sees nothing foreign to dump.
 //
 // Only restores join the sandbox's cgroups (restored processes are then born
 // in its freezer, pids, memory and v2 cgroups). Dumps and the lazy-pages
@@ -123,7 +135,7 @@ func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 			fmt.Fprintf(&b, "echo $$ > '%s' || exit 97\n", f)
 		}
 	}
-	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- /proc/self/fd/3 \"$@\"\n", nsenter, nsPID)
+	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- %s \"$@\"\n", nsenter, nsPID, r.libs.exec())
 	tmp := p + ".tmp"
 	// Hold ForkLock while the script is open for writing: a child forked
 	// meanwhile (any goroutine's os/exec) would inherit the write fd until
@@ -343,7 +355,7 @@ func (r *Runner) startLazyPages(wrapper, dir string) (func(), error) {
 	sock := filepath.Join(dir, "lazy-pages.socket")
 	_ = os.Remove(sock)
 	cmd := exec.Command(wrapper, "lazy-pages", "--images-dir", "/proc/self/fd/4", "-o", LazyLog, "-v4")
-	cmd.ExtraFiles = []*os.File{bin, d}
+	cmd.ExtraFiles = append([]*os.File{bin, d}, r.libs.files()...)
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
@@ -381,6 +393,7 @@ func (r *Runner) criu(wrapper string, dir *os.File) (*gocriu.Criu, *os.File, err
 	c.SetCriuPath(wrapper)
 	c.AddInheritFd("00-criu-binary", bin)
 	c.AddInheritFd("01-images-dir", dir)
+	r.libs.addTo(c)
 	return c, bin, nil
 }
 

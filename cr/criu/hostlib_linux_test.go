@@ -1,0 +1,100 @@
+package criu
+
+import (
+	"bufio"
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+)
+
+// A mount namespace whose program interpreter is junk (as a hostile sandbox
+// could make its own): criu run there through the runner's wrapper must
+// still start, with the host's loader and libraries.
+func TestWrapperUsesHostLoader(t *testing.T) {
+	testenv.RequireRoot(t)
+	r, err := NewRunner("")
+	testenv.RequireNoErr(t, err, "criu")
+	t.Cleanup(func() { r.Close() })
+	if r.libs == nil {
+		t.Skip("criu is statically linked: it loads nothing")
+	}
+	interp, err := filepath.EvalSymlinks(r.libs.ld.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	junk := filepath.Join(t.TempDir(), "ld.so")
+	if err := os.WriteFile(junk, []byte("not a loader\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// The namespace's init is a shell that binds the junk over the loader
+	// and then only reads (a builtin: it never execs again).
+	target := exec.Command("unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc",
+		"sh", "-c", `mount --bind "$0" "$1" && echo ready && read x`, junk, interp)
+	stdin, err := target.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := target.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := target.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdin.Close(); _ = target.Process.Kill(); _ = target.Wait() })
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil || strings.TrimSpace(line) != "ready" {
+		t.Fatalf("target: %q %v", line, err)
+	}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(target.Process.Pid) + "/task/" + strconv.Itoa(target.Process.Pid) + "/children")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nsInit, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		t.Fatalf("namespace init of unshare %d: %q", target.Process.Pid, b)
+	}
+	// The junk is really what the namespace runs.
+	if out, err := exec.Command("nsenter", "-t", strconv.Itoa(nsInit), "-m", "--", "/bin/true").CombinedOutput(); err == nil {
+		t.Fatalf("a dynamic program ran with the junk loader in place: %s", out)
+	}
+	w, err := r.wrapper(nsInit, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin, err := os.Open(r.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bin.Close()
+	dir, err := os.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dir.Close()
+	cmd := exec.Command(w, "--version")
+	cmd.ExtraFiles = append([]*os.File{bin, dir}, r.libs.files()...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	done := make(chan error, 1)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err = <-done:
+	case <-time.After(time.Minute):
+		_ = cmd.Process.Kill()
+		t.Fatal("criu --version through the wrapper hangs")
+	}
+	if err != nil || !strings.Contains(out.String(), "Version:") {
+		t.Fatalf("criu through the wrapper: %v: %s", err, out.String())
+	}
+}
