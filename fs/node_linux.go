@@ -638,10 +638,16 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 // cache costs nothing). The kernel may cache it (FOPEN_CACHE_DIR); a switch
 // invalidates it with NotifyContent on the directory, local changes are
 // seen by the kernel itself.
+//
+// A stream opened before a switch still holds the old view's listing: a
+// rewind reloads it, and its release invalidates the kernel's cache once
+// more, since the kernel may have cached what it served after the switch's
+// invalidation.
 type dirHandle struct {
 	n      *node
 	mu     sync.Mutex
 	loaded bool
+	view   uint64 // f.viewGen of the snapshot
 	ents   []fuse.DirEntry
 	pos    int
 }
@@ -650,6 +656,7 @@ var (
 	_ gofs.NodeOpendirHandler = (*node)(nil)
 	_ gofs.FileReaddirenter   = (*dirHandle)(nil)
 	_ gofs.FileSeekdirer      = (*dirHandle)(nil)
+	_ gofs.FileReleasedirer   = (*dirHandle)(nil)
 )
 
 // OpendirHandle opens the directory and lets the kernel cache its listing.
@@ -679,7 +686,7 @@ func (d *dirHandle) load() syscall.Errno {
 	for i := range d.ents {
 		d.ents[i].Off = uint64(i + 1)
 	}
-	d.loaded = true
+	d.loaded, d.view = true, n.f.viewGen.Load()
 	return 0
 }
 
@@ -702,11 +709,27 @@ func (d *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Err
 func (d *dirHandle) Seekdir(ctx context.Context, off uint64) syscall.Errno {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if off == 0 && d.loaded && d.view != d.n.f.viewGen.Load() {
+		d.loaded = false // rewinddir after a switch: the current view
+	}
 	if errno := d.load(); errno != 0 {
 		return errno
 	}
 	d.pos = int(min(off, uint64(len(d.ents))))
 	return 0
+}
+
+// Releasedir invalidates the kernel's cached listing when the stream
+// served a view that a switch replaced meanwhile. The kernel has handled
+// every reply of the stream by the time it releases it, so nothing it
+// cached from the old view survives.
+func (d *dirHandle) Releasedir(ctx context.Context, flags uint32) {
+	d.mu.Lock()
+	stale := d.loaded && d.view != d.n.f.viewGen.Load()
+	d.mu.Unlock()
+	if stale {
+		_ = d.n.NotifyContent(0, 0)
+	}
 }
 
 // pinnedElsewhere reports whether passthrough handles hold n on a backing

@@ -194,3 +194,72 @@ func TestDeleteRightAfterCheckpointStaysDeleted(t *testing.T) {
 		}
 	}
 }
+
+// TestDirHandleAcrossSwitch: a directory stream opened before a switch
+// and rewound after it lists the new view (rewinddir shows the current
+// content), and neither it nor its release leaves the old listing in the
+// kernel's cache for later readers.
+func TestDirHandleAcrossSwitch(t *testing.T) {
+	fixed := time.Date(2024, 1, 2, 3, 4, 5, 0, time.UTC)
+	fx := mountT(t, nil, Options{})
+	if err := os.Mkdir(fx.p("d"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	mustWrite(t, fx.p("d/old"), "1")
+	if err := os.Chtimes(fx.p("d"), fixed, fixed); err != nil {
+		t.Fatal(err)
+	}
+	a := fx.checkpoint(t)
+	if err := os.Remove(fx.p("d/old")); err != nil {
+		t.Fatal(err)
+	}
+	mustWrite(t, fx.p("d/new"), "2")
+	if err := os.Chtimes(fx.p("d"), fixed, fixed); err != nil {
+		t.Fatal(err)
+	}
+	b := fx.checkpoint(t)
+	fx.restore(t, a)
+	fd, err := unix.Open(fx.p("d"), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			unix.Close(fd)
+		}
+	}()
+	names := func(ents []dirent) []string {
+		var out []string
+		for _, e := range ents {
+			out = append(out, e.name)
+		}
+		slices.Sort(out)
+		return out
+	}
+	ents, err := readDirEntsAll(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := names(ents), []string{".", "..", "old"}; !slices.Equal(got, want) {
+		t.Fatalf("before the switch: %q, want %q", got, want)
+	}
+	fx.restore(t, b)
+	want := []string{".", "..", "new"}
+	if _, err := unix.Seek(fd, 0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if ents, err = readDirEntsAll(fd); err != nil {
+		t.Fatal(err)
+	}
+	if got := names(ents); !slices.Equal(got, want) {
+		t.Fatalf("rewound stream after the switch: %q, want %q", got, want)
+	}
+	unix.Close(fd)
+	closed = true
+	for i := 0; i < 2; i++ {
+		if got := readNames(t, fx.p("d")); !slices.Equal(got, want) {
+			t.Fatalf("new stream %d after the switch: %q, want %q", i, got, want)
+		}
+	}
+}
