@@ -436,7 +436,30 @@ func (s *Store) GC(minAge time.Duration) ([]string, error) {
 		_ = os.Remove(filepath.Join(s.dir, "meta/layers", id+".json"))
 		removed = append(removed, id)
 	}
+	s.sweepWork(minAge)
 	return removed, nil
+}
+
+// sweepWork removes what a crash left in the work directory: layers
+// NewLayer had not yet moved into place (new-*) and layers a removal had
+// not finished (gc-*), once older than minAge.
+func (s *Store) sweepWork(minAge time.Duration) {
+	ents, err := os.ReadDir(s.WorkDir())
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		name := e.Name()
+		if !strings.HasPrefix(name, "new-") && !strings.HasPrefix(name, "gc-") {
+			continue
+		}
+		p := filepath.Join(s.WorkDir(), name)
+		var st syscall.Stat_t
+		if syscall.Lstat(p, &st) != nil || time.Since(time.Unix(st.Ctim.Sec, st.Ctim.Nsec)) < minAge {
+			continue
+		}
+		_ = os.RemoveAll(p)
+	}
 }
 
 // layerYoung reports whether layer id is younger than minAge: by its

@@ -140,8 +140,9 @@ func TestGCNeverFreesALayerBeingCreated(t *testing.T) {
 	}
 }
 
-// TestGCDatesLayersWithoutMetadata: a layer directory without metadata (a
-// crash between the two) is dated by its change time, never freed young.
+// TestGCDatesLayersWithoutMetadata: a layer directory without metadata,
+// and what a crash leaves in the work directory, are dated by their change
+// time: never freed young, freed once old.
 func TestGCDatesLayersWithoutMetadata(t *testing.T) {
 	st, err := OpenStore(t.TempDir())
 	if err != nil {
@@ -150,6 +151,16 @@ func TestGCDatesLayersWithoutMetadata(t *testing.T) {
 	id := NewID()
 	if err := os.Mkdir(st.LayerPath(id), 0o755); err != nil {
 		t.Fatal(err)
+	}
+	// Leftovers of a crash in the work directory: a layer being created,
+	// one being removed.
+	var left []string
+	for _, n := range []string{"new-" + NewID(), "gc-" + NewID()} {
+		p := filepath.Join(st.WorkDir(), n)
+		if err := os.MkdirAll(filepath.Join(p, "sub"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		left = append(left, p)
 	}
 	cases := []struct {
 		minAge time.Duration
@@ -163,6 +174,11 @@ func TestGCDatesLayersWithoutMetadata(t *testing.T) {
 		_, statErr := os.Stat(st.LayerPath(id))
 		if freed := len(removed) == 1 && os.IsNotExist(statErr); freed != c.freed {
 			t.Fatalf("GC(%v): removed %v (layer dir: %v), want freed=%v", c.minAge, removed, statErr, c.freed)
+		}
+		for _, p := range left {
+			if _, err := os.Stat(p); os.IsNotExist(err) != c.freed {
+				t.Fatalf("GC(%v): work leftover %s: %v, want freed=%v", c.minAge, filepath.Base(p), err, c.freed)
+			}
 		}
 	}
 }
