@@ -293,10 +293,10 @@ func newSessionCmd() *cobra.Command {
 
 func printTurn(cmd *cobra.Command, o *clientOpts, r *api.TurnResult) error {
 	if o.json {
-		return printJSON(cmd.OutOrStdout(), map[string]any{
-			"id": r.ID, "decision": r.Decision, "reason": r.Reason, "elapsed_us": r.ElapsedUS,
-			"epoch": r.Epoch, "status": r.Status, "durable": r.Durable,
-		})
+		// The API's answer as it is: id, decision, reason, elapsed_us,
+		// epoch, status, durable, and the effect report an auto turn
+		// decided on.
+		return printJSON(cmd.OutOrStdout(), r)
 	}
 	fmt.Fprintf(cmd.OutOrStdout(), "%s\t%s\t%s\t(%s)\n", r.ID, r.Decision, ms(r.ElapsedUS), r.Reason)
 	return nil
