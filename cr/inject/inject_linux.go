@@ -32,6 +32,7 @@ var ErrMultiThreaded = errors.New("process is multi-threaded")
 type Tracer struct {
 	reqs     chan func()
 	done     chan struct{}
+	exited   chan struct{}
 	closeOne sync.Once
 	// dying are killed tracees whose exit the tracer thread has not
 	// collected yet (see Kill); only the tracer thread touches it.
@@ -41,7 +42,7 @@ type Tracer struct {
 // NewTracer starts a tracer thread. Close it when done: closing the thread
 // detaches (and so resumes) every process it still traces.
 func NewTracer() *Tracer {
-	t := &Tracer{reqs: make(chan func()), done: make(chan struct{}), dying: map[int]bool{}}
+	t := &Tracer{reqs: make(chan func()), done: make(chan struct{}), exited: make(chan struct{}), dying: map[int]bool{}}
 	ready := make(chan struct{})
 	go func() {
 		// The thread is never unlocked: when the goroutine returns the
@@ -58,6 +59,16 @@ func NewTracer() *Tracer {
 				f()
 			case <-poll:
 			case <-t.done:
+				// Collect the exits still pending: an uncollected
+				// tracee stays a zombie (its pid taken, its PID
+				// namespace unable to end) for as long as this thread
+				// lives, and a locked thread is not always ended with
+				// its goroutine.
+				deadline := time.Now().Add(closeReapWait)
+				for t.reapDying(); len(t.dying) > 0 && time.Now().Before(deadline); t.reapDying() {
+					time.Sleep(reapPoll)
+				}
+				close(t.exited)
 				return
 			}
 			t.reapDying()
@@ -67,11 +78,16 @@ func NewTracer() *Tracer {
 	return t
 }
 
-// Close stops the tracer thread. Processes still attached are detached by
-// the kernel when the thread exits.
+// Close stops the tracer thread, once the exits of the processes it killed
+// are collected (see Kill; it waits at most closeReapWait for them).
+// Processes still attached are detached by the kernel when the thread exits.
 func (t *Tracer) Close() {
 	t.closeOne.Do(func() { close(t.done) })
+	<-t.exited
 }
+
+// closeReapWait bounds how long Close waits for killed tracees to exit.
+const closeReapWait = 10 * time.Second
 
 // Do runs f on the tracer thread and returns its error.
 func (t *Tracer) Do(f func() error) error {
