@@ -94,8 +94,16 @@ func (f *FS) rewriteRun(runIDs []string, id string) error {
 		if len(c.Layers) < len(runIDs) || !slices.Equal(c.Layers[:len(runIDs)], runIDs) {
 			continue
 		}
-		c.Layers = append([]string{id}, c.Layers[len(runIDs):]...)
-		if err := f.store.SaveCheckpoint(c); err != nil {
+		// Re-read under the store's record lock: a checkpoint deleted
+		// since the listing stays deleted.
+		err := f.store.RewriteCheckpoint(c.ID, func(c *layer.Checkpoint) bool {
+			if len(c.Layers) < len(runIDs) || !slices.Equal(c.Layers[:len(runIDs)], runIDs) {
+				return false
+			}
+			c.Layers = append([]string{id}, c.Layers[len(runIDs):]...)
+			return true
+		})
+		if err != nil {
 			return fmt.Errorf("compact: %w", err)
 		}
 	}

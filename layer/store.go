@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -18,6 +19,9 @@ import (
 // records. Several mounts (in one or several processes) may share a Store.
 type Store struct {
 	dir string
+	// recMu orders DeleteCheckpoint and RewriteCheckpoint, so a rewrite
+	// never brings back a checkpoint deleted meanwhile (in this process).
+	recMu sync.Mutex
 }
 
 // Checkpoint is a checkpoint record: an id naming an immutable stack.
@@ -165,6 +169,25 @@ func (s *Store) SaveCheckpoint(c Checkpoint) error {
 	return nil
 }
 
+// RewriteCheckpoint re-reads checkpoint id's record, lets fn change it and
+// writes it back when fn returns true. A checkpoint that is deleted, or
+// deleted meanwhile by DeleteCheckpoint, is left alone (nil error).
+func (s *Store) RewriteCheckpoint(id string, fn func(*Checkpoint) bool) error {
+	s.recMu.Lock()
+	defer s.recMu.Unlock()
+	c, err := s.Checkpoint(id)
+	if errors.Is(err, ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if !fn(&c) {
+		return nil
+	}
+	return s.SaveCheckpoint(c)
+}
+
 // MaterializeCheckpoint writes the record of a checkpoint already
 // committed to a mount's journal, unless a record of that id exists: a
 // checkpoint deleted before its record was written stays deleted (its
@@ -294,6 +317,8 @@ func (s *Store) Checkpoints() ([]Checkpoint, error) {
 // DeleteCheckpoint removes checkpoint id (a tombstone record replaces it).
 // Its layers are freed by the next GC if nothing else references them.
 func (s *Store) DeleteCheckpoint(id string) error {
+	s.recMu.Lock()
+	defer s.recMu.Unlock()
 	c, err := s.Checkpoint(id)
 	if errors.Is(err, ErrNotFound) {
 		return fmt.Errorf("delete checkpoint %s: %w", id, ErrNotFound)

@@ -182,3 +182,36 @@ func TestGCDatesLayersWithoutMetadata(t *testing.T) {
 		}
 	}
 }
+
+// TestRewriteCheckpointKeepsTombstones: a rewrite (compaction) changes a
+// live record and never brings back a deleted one.
+func TestRewriteCheckpointKeepsTombstones(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l1, _ := st.NewLayer("")
+	l2, _ := st.NewLayer("")
+	live := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{l1}}
+	gone := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{l1}}
+	for _, c := range []Checkpoint{live, gone} {
+		if err := st.SaveCheckpoint(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.DeleteCheckpoint(gone.ID); err != nil {
+		t.Fatal(err)
+	}
+	to := func(c *Checkpoint) bool { c.Layers = []string{l2}; return true }
+	for _, id := range []string{live.ID, gone.ID} {
+		if err := st.RewriteCheckpoint(id, to); err != nil {
+			t.Fatalf("rewrite %s: %v", id, err)
+		}
+	}
+	if c, err := st.Checkpoint(live.ID); err != nil || len(c.Layers) != 1 || c.Layers[0] != l2 {
+		t.Fatalf("live checkpoint after rewrite: %+v, %v", c, err)
+	}
+	if c, err := st.Checkpoint(gone.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("deleted checkpoint came back: %+v, %v", c, err)
+	}
+}
