@@ -85,11 +85,15 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 	// file's inode into the new upper (and leaves a copy in the frozen
 	// layer), so the backing stays writable and no frozen layer is written.
 	var s unix.Stat_t
-	canPT := f.opts.Passthrough && l == st.upper && unix.Fstat(fd, &s) == nil &&
-		s.Mode&unix.S_IFMT == unix.S_IFREG && s.Nlink == 1
+	inUpperReg := f.opts.Passthrough && l == st.upper && unix.Fstat(fd, &s) == nil &&
+		s.Mode&unix.S_IFMT == unix.S_IFREG
+	canPT := inUpperReg && s.Nlink == 1
 	n.mu.Lock()
 	switch {
-	case n.ptOpen > 0 && canPT && n.ptIno == s.Ino:
+	case n.ptOpen > 0 && inUpperReg && n.ptIno == s.Ino:
+		// The registered backing is this very inode (also when it got
+		// another name since): share it.
+		canPT = true
 	case n.ptOpen > 0:
 		// Open through a stale node still pinned by passthrough handles
 		// on another backing file: the kernel cannot mix io modes.

@@ -867,6 +867,40 @@ func (f *FS) swapPassthrough(old, next *stack) error {
 			_ = unix.Renameat(next.upper.fd, p, old.upper.fd, p)
 			return fmt.Errorf("freeze open file %s: %w", p, err)
 		}
+		if s.Nlink > 1 {
+			if err := f.relinkMoved(old, next, p, &s); err != nil {
+				return fmt.Errorf("keep the links of open file %s: %w", p, err)
+			}
+		}
+	}
+	return nil
+}
+
+// relinkMoved keeps a hard link linked on both sides of a checkpoint
+// after swapPassthrough moved the name p of a multiply-linked live inode
+// (stat s) into the new upper and left a copy at p in the layer being
+// frozen: the inode's other names there now point at that copy, and the
+// new upper gets the same names for the live inode. The caller holds f.mu
+// exclusively.
+func (f *FS) relinkMoved(old, next *stack, p string, s *unix.Stat_t) error {
+	for _, q := range f.linkNames(old.upper, s.Ino, s.Nlink) {
+		if q == p {
+			continue
+		}
+		tmp := path.Join(path.Dir(q), ".rewind-relink-"+layer.NewID())
+		if err := unix.Linkat(old.upper.fd, p, old.upper.fd, tmp, 0); err != nil {
+			return err
+		}
+		if err := unix.Renameat(old.upper.fd, tmp, old.upper.fd, q); err != nil {
+			_ = unix.Unlinkat(old.upper.fd, tmp, 0)
+			return err
+		}
+		if err := f.copyUpDirs(next, path.Dir(q)); err != nil {
+			return err
+		}
+		if err := unix.Linkat(next.upper.fd, p, next.upper.fd, q, 0); err != nil {
+			return err
+		}
 	}
 	return nil
 }
