@@ -18,7 +18,7 @@ import (
 var realSeq atomic.Int64
 
 // startReal starts a real sandbox (package sandbox) on a minimal root.
-func startReal(t *testing.T) *sandbox.Sandbox {
+func startReal(t testing.TB) *sandbox.Sandbox {
 	t.Helper()
 	testenv.RequireRoot(t)
 	_, err := os.Stat(filepath.Dir(sandbox.DefaultFreezerParent))

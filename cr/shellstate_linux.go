@@ -1,0 +1,389 @@
+package cr
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/cr/inject"
+	"golang.org/x/sys/unix"
+)
+
+// ShellState is the state of a persistent bash as a copy of it reported it
+// (see Engine.ShellDigest).
+type ShellState struct {
+	// Digest is the hex SHA-256 of Text: equal digests mean equal shell
+	// state (variables, functions, aliases, options, traps, jobs,
+	// directory stack, umask, cwd, open descriptors, limits).
+	Digest string
+	// Status is the shell's $?. It is not part of Digest (a read-only
+	// command that fails, such as a grep without a match, changes only
+	// it); a caller that wants a strict comparison compares it too.
+	Status int
+	// Text is what was hashed: the kernel-visible state, then the
+	// shell's own dump without the variables that change by themselves.
+	Text string
+}
+
+// ErrNotBash is returned by ShellDigest for a process that is not a bash:
+// the dump is bash syntax and its normalisation knows bash's self-changing
+// variables; other shells (dash, zsh) print their state differently and
+// other programs cannot be asked at all.
+var ErrNotBash = errors.New("not a bash process")
+
+// ErrShellBusy is returned by ShellDigest when the shell is not blocked
+// reading its next command from stdin: a copy taken in the middle of a
+// command would wait for a child that is not its own or run the rest of
+// the command a second time.
+var ErrShellBusy = errors.New("shell is not waiting for a command")
+
+// shellDigestTimeout bounds how long a copy may take to print its state
+// when the context has no earlier deadline.
+const shellDigestTimeout = 5 * time.Second
+
+// volatileVars are bash variables that change by themselves (on every
+// read, every command or with time) or differ in a copy (BASHPID).
+var volatileVars = []string{
+	"RANDOM", "SRANDOM", "SECONDS", "EPOCHSECONDS", "EPOCHREALTIME",
+	"LINENO", "BASH_LINENO", "BASHPID", "BASH_COMMAND", "HISTCMD", "_",
+	"PIPESTATUS", "BASH_ARGV", "BASH_ARGC", "BASH_SOURCE", "FUNCNAME",
+}
+
+// volatileLine matches a `declare -p` line of a volatile variable. declare
+// -p prints one line per variable (newlines in values come out as $'\n'),
+// and no other part of the dump has a line starting with "declare ".
+var volatileLine = regexp.MustCompile(`^declare -\S* (` + strings.Join(volatileVars, "|") + `)(=|$)`)
+
+// shellScript is what the copy runs; %[1]s is a per-call nonce marking the
+// status line and the end. Every command is called through `builtin`, so
+// aliases and functions of the same names are not used. The group is on
+// the left of `||`, so `set -e` cannot make the copy exit on a failing
+// builtin. The copy never exits by itself: it would run the shell's EXIT
+// trap and (interactive shells) write its history file, both side effects
+// on the sandbox. It is killed once the end marker is read.
+const shellScript = `{ builtin printf '%[1]s status %%s\n' "$?"; builtin declare -p; builtin declare -f; builtin alias -p; builtin shopt -p; builtin set +o; builtin trap -p; builtin jobs -l; builtin dirs -l -p; builtin umask; builtin printf '%[1]s end\n'; } 2>&1 || :` + "\n"
+
+// ShellDigest digests the state of the bash process pid of sandbox t
+// without touching it: pid is stopped for a template fork (about a
+// millisecond) and runs on; the copy — a sibling created with CLONE_PARENT,
+// so the sandbox init reaps it — gets fresh pipes as stdin, stdout and
+// stderr while still stopped, is told to print its state, runs traced
+// (a fork it attempts never runs, it dies with the tracer) and is killed
+// once it has printed it, or at the deadline. Under a seccomp filter the
+// copy can only read its stdin, write its stdout and stderr and manage its
+// own memory, descriptors and signals (see copyFilter), so code of the
+// agent's that runs in it (a DEBUG trap, a function shadowing a builtin)
+// cannot change a file or another process. The shell must be idle,
+// blocked reading its next command (ErrShellBusy otherwise).
+//
+// It works on a live process rather than on a checkpoint's template so
+// that the daemon can ask at turn end, before deciding whether to
+// checkpoint at all; a template's digest is taken once, from the live
+// shell right when the checkpoint is made, or with TemplateShellDigest.
+func (e *Engine) ShellDigest(ctx context.Context, t Target, pid int) (*ShellState, error) {
+	l := e.sandboxLock(t.ID())
+	l.Lock()
+	defer l.Unlock()
+	procs, err := e.processes(t)
+	if err != nil {
+		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
+	}
+	found := false
+	for _, p := range procs {
+		found = found || p.PID == pid
+	}
+	if !found {
+		return nil, fmt.Errorf("shell digest of %d: not a live process of sandbox %s", pid, t.ID())
+	}
+	if err := isBash(pid); err != nil {
+		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
+	}
+	ip, err := e.tracer.Attach(pid)
+	if err != nil {
+		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
+	}
+	st, err := e.digestFrom(ctx, t.ID(), ip, ip.Detach)
+	if err != nil {
+		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
+	}
+	return st, nil
+}
+
+// TemplateShellDigest digests the shell state that checkpoint id's template
+// of process origPID (its pid when checkpointed) holds, the same way as
+// ShellDigest does for a live shell. The two are equal when the live shell
+// is in the state the checkpoint saved.
+func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int) (*ShellState, error) {
+	e.mu.Lock()
+	c, ok := e.ckpts[id]
+	e.mu.Unlock()
+	if !ok {
+		return nil, fmt.Errorf("shell digest of checkpoint %s: %w", id, ErrUnknown)
+	}
+	l := e.sandboxLock(c.rec.Sandbox)
+	l.Lock()
+	defer l.Unlock()
+	var tm *template
+	for _, x := range e.tmpls(c) {
+		if x.orig.PID == origPID {
+			tm = x
+		}
+	}
+	if tm == nil {
+		return nil, fmt.Errorf("shell digest of checkpoint %s: no template of process %d", id, origPID)
+	}
+	if err := isBash(tm.proc.Pid()); err != nil {
+		return nil, fmt.Errorf("shell digest of checkpoint %s: %w", id, err)
+	}
+	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, nil)
+	if err != nil {
+		return nil, fmt.Errorf("shell digest of checkpoint %s process %d: %w", id, origPID, err)
+	}
+	return st, nil
+}
+
+// isBash reports ErrNotBash unless pid's executable is bash.
+func isBash(pid int) error {
+	exe, err := os.Readlink("/proc/" + strconv.Itoa(pid) + "/exe")
+	if err != nil {
+		return err
+	}
+	if filepath.Base(strings.TrimSuffix(exe, " (deleted)")) != "bash" {
+		return fmt.Errorf("%w (%s)", ErrNotBash, exe)
+	}
+	return nil
+}
+
+// digestFrom takes the digest from src, a stopped process; release (if
+// set) lets src run on as soon as its copy exists.
+func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, release func() error) (st *ShellState, err error) {
+	released := false
+	defer func() {
+		if release != nil && !released {
+			if rerr := release(); err == nil && rerr != nil {
+				st, err = nil, rerr
+			}
+		}
+	}()
+	regs := src.Regs()
+	// Blocked in read(0, ...): orig_rax is the call, rdi its descriptor.
+	if regs.Orig_rax != unix.SYS_READ || regs.Rdi != 0 {
+		return nil, fmt.Errorf("%w (in system call %d on fd %d)", ErrShellBusy, int64(regs.Orig_rax), int64(regs.Rdi))
+	}
+	kern, err := kernelShellState(src.Pid())
+	if err != nil {
+		return nil, err
+	}
+	cp, err := src.Fork(true)
+	if err != nil {
+		return nil, fmt.Errorf("fork copy: %w", err)
+	}
+	e.mu.Lock()
+	e.aux[cp.Pid()] = sb
+	e.mu.Unlock()
+	defer e.endCopy(cp)
+	if release != nil {
+		released = true
+		if err := release(); err != nil {
+			return nil, err
+		}
+	}
+	// Its own session: the copy holds no controlling terminal and is not
+	// in the shell's process group (a signal to the group is not its).
+	if err := cp.Setsid(); err != nil {
+		return nil, err
+	}
+	w, r, err := cp.StdioPipes()
+	if err != nil {
+		return nil, err
+	}
+	defer w.Close() // only after the kill: EOF would make bash exit
+	defer r.Close()
+	filter, err := copyFilter()
+	if err != nil {
+		return nil, err
+	}
+	if err := cp.Confine(filter); err != nil {
+		return nil, err
+	}
+	nonce, err := newNonce()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := fmt.Fprintf(w, shellScript, nonce); err != nil {
+		return nil, fmt.Errorf("write to copy %d: %w", cp.Pid(), err)
+	}
+	if err := cp.Cont(); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(shellDigestTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	if err := r.SetReadDeadline(deadline); err != nil {
+		return nil, err
+	}
+	status, dump, err := readDump(r, nonce)
+	if err != nil {
+		return nil, fmt.Errorf("copy %d: %w", cp.Pid(), err)
+	}
+	text := kern + normaliseDump(dump, nonce)
+	sum := sha256.Sum256([]byte(text))
+	return &ShellState{Digest: hex.EncodeToString(sum[:]), Status: status, Text: text}, nil
+}
+
+// endCopy kills a digest copy and any child it made (such a child was
+// auto-attached by the tracer and never ran). The SIGKILL is sent at once;
+// its exit is collected in the background, off the caller's path, unless
+// the engine is closing.
+func (e *Engine) endCopy(cp *inject.Proc) {
+	kids, _ := children(cp.Pid())
+	_ = unix.Kill(cp.Pid(), unix.SIGKILL)
+	reap := func() {
+		_ = cp.Kill()
+		for _, k := range kids {
+			_ = e.tracer.KillTracee(k)
+		}
+		e.mu.Lock()
+		delete(e.aux, cp.Pid())
+		e.mu.Unlock()
+	}
+	e.mu.Lock()
+	closing := e.closing
+	if !closing {
+		e.bg.Add(1)
+	}
+	e.mu.Unlock()
+	if closing {
+		reap()
+		return
+	}
+	go func() {
+		defer e.bg.Done()
+		reap()
+	}()
+}
+
+func newNonce() (string, error) {
+	var b [12]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("nonce: %w", err)
+	}
+	return "rewind-" + hex.EncodeToString(b[:]), nil
+}
+
+// readDump reads the copy's output up to the end marker and returns the
+// status and the lines in between.
+func readDump(r *os.File, nonce string) (int, []string, error) {
+	br := bufio.NewReader(r)
+	status := -1
+	var lines []string
+	for {
+		l, err := br.ReadString('\n')
+		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				err = fmt.Errorf("no complete state within the deadline: %w", context.DeadlineExceeded)
+			}
+			return 0, nil, fmt.Errorf("read state (%d lines so far): %w", len(lines), err)
+		}
+		l = strings.TrimSuffix(l, "\n")
+		if v, ok := strings.CutPrefix(l, nonce+" status "); ok && status < 0 {
+			n, err := strconv.Atoi(v)
+			if err != nil {
+				return 0, nil, fmt.Errorf("bad status line %q", l)
+			}
+			status = n
+			continue
+		}
+		if l == nonce+" end" {
+			if status < 0 {
+				return 0, nil, errors.New("no status line")
+			}
+			return status, lines, nil
+		}
+		lines = append(lines, l)
+	}
+}
+
+// normaliseDump drops the volatile variables and replaces the nonce (it
+// shows up in the dump under `set -v`).
+func normaliseDump(lines []string, nonce string) string {
+	var b strings.Builder
+	for _, l := range lines {
+		if volatileLine.MatchString(l) {
+			continue
+		}
+		b.WriteString(strings.ReplaceAll(l, nonce, "NONCE"))
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+// kernelShellState is the shell state the kernel holds: cwd, umask,
+// signal masks and dispositions, limits and the descriptor table beyond
+// stdio (stdio is the session's, rewired on every restore).
+func kernelShellState(pid int) (string, error) {
+	dir := "/proc/" + strconv.Itoa(pid)
+	var b strings.Builder
+	cwd, err := os.Readlink(dir + "/cwd")
+	if err != nil {
+		return "", fmt.Errorf("cwd of %d: %w", pid, err)
+	}
+	fmt.Fprintf(&b, "cwd %s\n", cwd)
+	status, err := os.ReadFile(dir + "/status")
+	if err != nil {
+		return "", fmt.Errorf("status of %d: %w", pid, err)
+	}
+	for _, l := range strings.Split(string(status), "\n") {
+		for _, k := range []string{"Umask:", "SigBlk:", "SigIgn:", "SigCgt:"} {
+			if strings.HasPrefix(l, k) {
+				fmt.Fprintf(&b, "%s %s\n", k, strings.TrimSpace(l[len(k):]))
+			}
+		}
+	}
+	limits, err := os.ReadFile(dir + "/limits")
+	if err != nil {
+		return "", fmt.Errorf("limits of %d: %w", pid, err)
+	}
+	b.Write(limits)
+	ents, err := os.ReadDir(dir + "/fd")
+	if err != nil {
+		return "", fmt.Errorf("fds of %d: %w", pid, err)
+	}
+	var fds []int
+	for _, ent := range ents {
+		if n, err := strconv.Atoi(ent.Name()); err == nil && n > 2 {
+			fds = append(fds, n)
+		}
+	}
+	sort.Ints(fds)
+	for _, fd := range fds {
+		target, err := os.Readlink(fmt.Sprintf("%s/fd/%d", dir, fd))
+		if err != nil {
+			continue // closed meanwhile: the process is stopped, so not ours
+		}
+		info, _ := os.ReadFile(fmt.Sprintf("%s/fdinfo/%d", dir, fd))
+		var pos, flags string
+		for _, l := range strings.Split(string(info), "\n") {
+			if v, ok := strings.CutPrefix(l, "pos:"); ok {
+				pos = strings.TrimSpace(v)
+			}
+			if v, ok := strings.CutPrefix(l, "flags:"); ok {
+				flags = strings.TrimSpace(v)
+			}
+		}
+		fmt.Fprintf(&b, "fd %d %s pos %s flags %s\n", fd, target, pos, flags)
+	}
+	return b.String(), nil
+}

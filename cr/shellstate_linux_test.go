@@ -1,0 +1,333 @@
+package cr
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/sandbox"
+	"golang.org/x/sys/unix"
+)
+
+// shellIdle reports whether the bash pid is blocked reading its stdin and
+// has consumed everything written to it (so what was sent has run).
+func shellIdle(pid int) bool {
+	sc, err := os.ReadFile(fmt.Sprintf("/proc/%d/syscall", pid))
+	if err != nil || !strings.HasPrefix(string(sc), "0 0x0 ") {
+		return false
+	}
+	f, err := os.OpenFile(fmt.Sprintf("/proc/%d/fd/0", pid), os.O_RDONLY|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	n, err := unix.IoctlGetInt(int(f.Fd()), unix.TIOCINQ)
+	return err == nil && n == 0
+}
+
+type shellRig struct {
+	t   testing.TB
+	ctx context.Context
+	sb  *sandbox.Sandbox
+	e   *Engine
+	ss  *sandbox.Session
+}
+
+func newShellRig(t *testing.T, cfg Config) *shellRig {
+	sb := startReal(t)
+	ctx := ctxT(t)
+	e := newEngine(t, cfg)
+	sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+	ss, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "main", Argv: []string{"bash", "--norc", "--noprofile"}, Dir: "/"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &shellRig{t: t, ctx: ctx, sb: sb, e: e, ss: ss}
+}
+
+// run sends cmd followed by a marker and returns cmd's output; the shell
+// is idle again when it returns.
+func (r *shellRig) run(cmd string) string {
+	r.t.Helper()
+	out, err := r.ss.Send(r.ctx, cmd+"\necho __E__", sandbox.SendOptions{Until: regexp.MustCompile(`(^|\n)__E__\n$`)})
+	if err != nil {
+		r.t.Fatalf("send %q: %v (output %q)", cmd, err, out)
+	}
+	r.settle()
+	return strings.TrimSuffix(out, "__E__\n")
+}
+
+func (r *shellRig) settle() {
+	r.t.Helper()
+	if !waitUntil(r.ctx, 30*time.Second, func() bool { return shellIdle(r.ss.PID()) }) {
+		r.t.Fatal("shell did not become idle")
+	}
+}
+
+func (r *shellRig) digest() *ShellState {
+	r.t.Helper()
+	st, err := r.e.ShellDigest(r.ctx, r.sb, r.ss.PID())
+	if err != nil {
+		r.t.Fatalf("ShellDigest: %v", err)
+	}
+	return st
+}
+
+// diffLines names the lines of b missing from a and the reverse.
+func diffLines(a, b string) string {
+	in := func(s string) map[string]bool {
+		m := map[string]bool{}
+		for _, l := range strings.Split(s, "\n") {
+			m[l] = true
+		}
+		return m
+	}
+	ma, mb := in(a), in(b)
+	var out []string
+	for _, l := range strings.Split(a, "\n") {
+		if !mb[l] {
+			out = append(out, "- "+l)
+		}
+	}
+	for _, l := range strings.Split(b, "\n") {
+		if !ma[l] {
+			out = append(out, "+ "+l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+func TestShellDigest(t *testing.T) {
+	r := newShellRig(t, Config{})
+	r.run("echo content > /tmp/file")
+	base := r.digest()
+	if !strings.Contains(base.Text, "declare -x PATH=") || !strings.Contains(base.Text, "set +o noclobber") {
+		t.Fatalf("dump lacks the shell state:\n%s", base.Text)
+	}
+	for _, c := range []struct{ cmd, out string }{
+		{"true", ""}, {"echo hi", "hi\n"}, {"ls /", ""}, {"cat /tmp/file", "content\n"}, {"pwd", "/\n"},
+	} {
+		out := r.run(c.cmd)
+		if c.out != "" && out != c.out {
+			t.Fatalf("%q printed %q, want %q", c.cmd, out, c.out)
+		}
+		if strings.Contains(out, "rewind-") || strings.Contains(out, "declare") {
+			t.Fatalf("a digest's dump reached the live shell's output: %q", out)
+		}
+		if d := r.digest(); d.Digest != base.Digest {
+			t.Fatalf("digest changed after read-only %q:\n%s", c.cmd, diffLines(base.Text, d.Text))
+		}
+	}
+	// $? is reported, not digested, and the live shell keeps its own.
+	if _, err := r.ss.Send(r.ctx, "false", sandbox.SendOptions{Idle: 10 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	r.settle()
+	if d := r.digest(); d.Status != 1 || d.Digest != base.Digest {
+		t.Fatalf("after false: status %d (want 1), digest equal %v", d.Status, d.Digest == base.Digest)
+	}
+	if out, err := r.ss.Send(r.ctx, `echo "live $?"`, sandbox.SendOptions{Until: regexp.MustCompile(`live \d+\n`)}); err != nil || out != "live 1\n" {
+		t.Fatalf("live shell after a digest: %q %v, want %q", out, err, "live 1\n")
+	}
+	r.settle()
+	seen := map[string]string{base.Digest: "base"}
+	for _, c := range []struct{ cmd, want string }{
+		{"X=1", "X="},
+		{"export V=2", "V="},
+		{"f(){ :; }", "f ()"},
+		{"alias ll=ls", "alias ll="},
+		{"set -o noclobber", "set -o noclobber"},
+		{"shopt -s extglob", "shopt -s extglob"},
+		{"cd /tmp", "cwd "},
+		{"umask 077", "Umask:"},
+		{"trap 'echo' USR1", "trap -- 'echo' SIGUSR1"},
+		{"sleep 100 &", "sleep 100"},
+		{"exec 3>/tmp/x", "fd 3 "},
+	} {
+		r.run(c.cmd)
+		d := r.digest()
+		if prev, ok := seen[d.Digest]; ok {
+			t.Fatalf("digest after %q equals the one after %q", c.cmd, prev)
+		}
+		if !strings.Contains(d.Text, c.want) {
+			t.Fatalf("dump after %q lacks %q:\n%s", c.cmd, c.want, d.Text)
+		}
+		seen[d.Digest] = c.cmd
+		// Asking twice gives the same answer.
+		if d2 := r.digest(); d2.Digest != d.Digest {
+			t.Fatalf("two digests after %q differ:\n%s", c.cmd, diffLines(d.Text, d2.Text))
+		}
+	}
+	if out := r.run(`echo "$X $V $(type -t f) $PWD $(umask)"; jobs | wc -l`); out != "1 2 function /tmp 0077\n1\n" {
+		t.Fatalf("live shell state after the digests: %q", out)
+	}
+	// No copy is left behind: only the shell and its job run.
+	// (Copies are reaped in the background.)
+	if !waitUntil(r.ctx, 30*time.Second, func() bool {
+		ps, err := r.e.Processes(r.sb)
+		kids, _ := children(r.sb.InitPID())
+		return err == nil && len(ps) == 2 && len(r.e.TemplatePIDs(r.sb.ID())) == 0 && len(kids) == 1
+	}) {
+		ps, _ := r.e.Processes(r.sb)
+		kids, _ := children(r.sb.InitPID())
+		t.Fatalf("processes after the digests: %+v, helpers %v, children of init %v", ps, r.e.TemplatePIDs(r.sb.ID()), kids)
+	}
+}
+
+func TestShellDigestRefusals(t *testing.T) {
+	r := newShellRig(t, Config{})
+	r.run("true")
+	py, err := r.sb.StartSession(r.ctx, sandbox.SessionConfig{ID: "py", Argv: []string{"python3", "-u", "-c", "import sys; sys.stdin.read()"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.e.ShellDigest(r.ctx, r.sb, py.PID()); !errors.Is(err, ErrNotBash) {
+		t.Fatalf("digest of python: %v, want ErrNotBash", err)
+	}
+	// A shell running a command is busy; it finishes it untouched.
+	if _, err := r.ss.Send(r.ctx, "sleep 1; echo slept", sandbox.SendOptions{Idle: time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	if !waitUntil(r.ctx, 10*time.Second, func() bool {
+		sc, _ := os.ReadFile(fmt.Sprintf("/proc/%d/syscall", r.ss.PID()))
+		return strings.HasPrefix(string(sc), strconv.Itoa(unix.SYS_WAIT4)+" ")
+	}) {
+		t.Fatal("shell never waited for its sleep")
+	}
+	if _, err := r.e.ShellDigest(r.ctx, r.sb, r.ss.PID()); !errors.Is(err, ErrShellBusy) {
+		t.Fatalf("digest of a busy shell: %v, want ErrShellBusy", err)
+	}
+	if out, err := r.ss.Read(r.ctx, sandbox.SendOptions{Until: regexp.MustCompile("slept\n")}); err != nil || out != "slept\n" {
+		t.Fatalf("busy shell after the refusal: %q %v", out, err)
+	}
+}
+
+// Agent code that runs in the copy (here a DEBUG trap, run before every
+// command of the dump) cannot change the sandbox: the copy's seccomp filter
+// fails its file writes.
+func TestShellDigestConfinesTheCopy(t *testing.T) {
+	r := newShellRig(t, Config{})
+	r.run("trap 'echo dbg >> /tmp/dbg' DEBUG")
+	path := fmt.Sprintf("/proc/%d/root/tmp/dbg", r.ss.PID())
+	before, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := r.digest()
+	after, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(after) != string(before) {
+		t.Fatalf("the digest copy ran the DEBUG trap's write: %d lines before, %d after", strings.Count(string(before), "\n"), strings.Count(string(after), "\n"))
+	}
+	if !strings.Contains(d.Text, "trap -- 'echo dbg >> /tmp/dbg' DEBUG") || !strings.Contains(d.Text, "Operation not permitted") {
+		t.Fatalf("dump under a DEBUG trap:\n%s", d.Text)
+	}
+	if d2 := r.digest(); d2.Digest != d.Digest {
+		t.Fatalf("two digests differ:\n%s", diffLines(d.Text, d2.Text))
+	}
+}
+
+// A checkpoint's template digests like the live shell it copies, and a
+// change in the live shell makes them differ.
+func TestTemplateShellDigest(t *testing.T) {
+	r := newShellRig(t, Config{})
+	r.run("cd /tmp && export V=1")
+	ck, err := r.e.Checkpoint(r.ctx, r.sb, CheckpointOptions{ID: "c1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	live := r.digest()
+	tmpl, err := r.e.TemplateShellDigest(r.ctx, "c1", ck.Procs[0].PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tmpl.Digest != live.Digest {
+		t.Fatalf("template and live shell differ:\n%s", diffLines(tmpl.Text, live.Text))
+	}
+	r.run("export V=2")
+	if d := r.digest(); d.Digest == tmpl.Digest {
+		t.Fatal("digest unchanged after export V=2")
+	}
+	// The template is still a good restore source.
+	if _, err := r.e.Restore(r.ctx, r.sb, "c1", RestoreOptions{Stdio: sessionStdio(r.ctx, r.sb, "main")}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := r.sb.Session("main").Send(r.ctx, `echo "$PWD $V"`, sandbox.SendOptions{Until: regexp.MustCompile(`\n`)}); err != nil || out != "/tmp 1\n" {
+		t.Fatalf("restored shell: %q %v", out, err)
+	}
+}
+
+// BenchmarkShellDigest: go test -run '^$' -bench ShellDigest -benchtime 20x ./cr/
+// The cost of one digest of an idle bash next to a template checkpoint of
+// the same sandbox, and one with its CRIU image, measured in the same run.
+func BenchmarkShellDigest(b *testing.B) {
+	sb := startReal(b)
+	ctx := context.Background()
+	cfg := Config{}
+	needCRIU(b)
+	cfg.ImagesDir = b.TempDir()
+	e := newEngine(b, cfg)
+	sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+	ss, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "main", Argv: []string{"bash", "--norc", "--noprofile"}, Dir: "/"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := ss.Send(ctx, "cd /tmp; export V=1; f(){ :; }; echo __E__", sandbox.SendOptions{Until: regexp.MustCompile("__E__\n")}); err != nil {
+		b.Fatal(err)
+	}
+	waitUntil(ctx, 30*time.Second, func() bool { return shellIdle(ss.PID()) })
+	var p50 = map[string]time.Duration{}
+	seq := 0
+	cases := []struct {
+		name string
+		op   func() error
+	}{
+		{"digest", func() error { _, err := e.ShellDigest(ctx, sb, ss.PID()); return err }},
+		{"template-checkpoint", func() error {
+			seq++
+			id := fmt.Sprint("b", seq)
+			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: id, Ephemeral: true}); err != nil {
+				return err
+			}
+			e.Drop(id)
+			return nil
+		}},
+		{"checkpoint+image", func() error {
+			seq++
+			id := fmt.Sprint("b", seq)
+			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: id}); err != nil {
+				return err
+			}
+			err := e.WaitImage(ctx, id)
+			e.Drop(id)
+			return err
+		}},
+	}
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			ds := make([]time.Duration, 0, b.N)
+			for i := 0; i < b.N; i++ {
+				t0 := time.Now()
+				if err := c.op(); err != nil {
+					b.Fatal(err)
+				}
+				ds = append(ds, time.Since(t0))
+			}
+			report(b, ds)
+			p50[c.name] = ds[len(ds)/2]
+		})
+	}
+	if d := p50["digest"]; d > 0 {
+		fmt.Printf("BenchmarkShellDigest p50: digest %.2f ms, template checkpoint %.2f ms (%.1fx the digest), checkpoint with CRIU image %.2f ms (%.1fx)\n",
+			float64(d)/1e6, float64(p50["template-checkpoint"])/1e6, float64(p50["template-checkpoint"])/float64(d),
+			float64(p50["checkpoint+image"])/1e6, float64(p50["checkpoint+image"])/float64(d))
+	}
+}
