@@ -77,7 +77,7 @@
 // write never reaches the daemon, which drops those bits), and the
 // checkpoint and switch paths move such a file's live inode into the new
 // upper (copying its content into the frozen layer, resp. the target's
-// content into it; a checkpoint relinks the inode's other names on both
-// sides): descriptors behave exactly as without passthrough, at
-// a cost proportional to the size of the files held open that way.
+// content into it; the inode's other names are relinked on both sides):
+// descriptors behave exactly as without passthrough, at a cost
+// proportional to the size of the files held open that way.
 package fs

@@ -969,6 +969,12 @@ func (f *FS) retargetPassthrough(old, next *stack) {
 		}
 		if err != nil {
 			f.log.Warn("retarget open file", "path", p, "err", err)
+			continue
+		}
+		if e.st.Nlink > 1 {
+			// The target's other names of that inode now name the live
+			// one in the new upper, so the link holds.
+			f.copyUpLinks(next, s, p)
 		}
 	}
 }
