@@ -31,6 +31,9 @@ type ShellState struct {
 	// command that fails, such as a grep without a match, changes only
 	// it); a caller that wants a strict comparison compares it too.
 	Status int
+	// Stopped is how long the shell was held (for a live shell: attach,
+	// template fork, detach).
+	Stopped time.Duration
 	// Text is what was hashed: the kernel-visible state, then the
 	// shell's own dump without the variables that change by themselves.
 	Text string
@@ -109,14 +112,21 @@ func (e *Engine) ShellDigest(ctx context.Context, t Target, pid int) (*ShellStat
 	if err := isBash(pid); err != nil {
 		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
 	}
+	t0 := time.Now()
 	ip, err := e.tracer.Attach(pid)
 	if err != nil {
 		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
 	}
-	st, err := e.digestFrom(ctx, t.ID(), ip, ip.Detach)
+	var stopped time.Duration
+	st, err := e.digestFrom(ctx, t.ID(), ip, func() error {
+		err := ip.Detach()
+		stopped = time.Since(t0)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
 	}
+	st.Stopped = stopped
 	return st, nil
 }
 
@@ -199,33 +209,24 @@ func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, re
 			return nil, err
 		}
 	}
-	// Its own session: the copy holds no controlling terminal and is not
-	// in the shell's process group (a signal to the group is not its).
-	if err := cp.Setsid(); err != nil {
+	// Its own session (the copy holds no controlling terminal and is not
+	// in the shell's process group), fresh pipes, the filter, and run.
+	filter, err := copyFilter()
+	if err != nil {
 		return nil, err
 	}
-	w, r, err := cp.StdioPipes()
+	w, r, err := cp.RunConfined(filter)
 	if err != nil {
 		return nil, err
 	}
 	defer w.Close() // only after the kill: EOF would make bash exit
 	defer r.Close()
-	filter, err := copyFilter()
-	if err != nil {
-		return nil, err
-	}
-	if err := cp.Confine(filter); err != nil {
-		return nil, err
-	}
 	nonce, err := newNonce()
 	if err != nil {
 		return nil, err
 	}
 	if _, err := fmt.Fprintf(w, shellScript, nonce); err != nil {
 		return nil, fmt.Errorf("write to copy %d: %w", cp.Pid(), err)
-	}
-	if err := cp.Cont(); err != nil {
-		return nil, err
 	}
 	deadline := time.Now().Add(shellDigestTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
@@ -244,20 +245,28 @@ func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, re
 }
 
 // endCopy kills a digest copy and any child it made (such a child was
-// auto-attached by the tracer and never ran). The SIGKILL is sent at once;
-// its exit is collected in the background, off the caller's path, unless
-// the engine is closing.
+// auto-attached by the tracer and never ran). Neither the caller nor the
+// tracer thread waits for the exits: the tracer collects them in the
+// background, and the copy stays a helper (TemplatePIDs) until it is
+// exiting, so it is never taken for a live process of the sandbox.
 func (e *Engine) endCopy(cp *inject.Proc) {
-	kids, _ := children(cp.Pid())
-	_ = unix.Kill(cp.Pid(), unix.SIGKILL)
-	reap := func() {
-		_ = cp.Kill()
-		for _, k := range kids {
-			_ = e.tracer.KillTracee(k)
-		}
+	pid := cp.Pid()
+	kids, _ := children(pid)
+	if err := e.tracer.KillTracee(pid); err != nil {
+		e.log.Debug("kill digest copy", "pid", pid, "err", err)
+	}
+	for _, k := range kids {
+		_ = e.tracer.KillTracee(k)
+	}
+	forget := func() {
+		waitUntil(context.Background(), 10*time.Second, func() bool { return exiting(pid) })
 		e.mu.Lock()
-		delete(e.aux, cp.Pid())
+		delete(e.aux, pid)
 		e.mu.Unlock()
+	}
+	if exiting(pid) {
+		forget()
+		return
 	}
 	e.mu.Lock()
 	closing := e.closing
@@ -266,12 +275,12 @@ func (e *Engine) endCopy(cp *inject.Proc) {
 	}
 	e.mu.Unlock()
 	if closing {
-		reap()
+		forget()
 		return
 	}
 	go func() {
 		defer e.bg.Done()
-		reap()
+		forget()
 	}()
 }
 

@@ -2,6 +2,7 @@ package inject
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 
@@ -22,33 +23,14 @@ func (p *Proc) ReadMem(addr uint64, b []byte) error {
 	return nil
 }
 
-// StdioPipes gives the stopped process two new pipes, one as its stdin and
+// stdioPipes gives the stopped process two new pipes, one as its stdin and
 // one as its stdout and stderr, and returns their other ends in the caller:
 // w writes the process's stdin, r reads what it prints. The pipes are made
 // inside the process (injected pipe2) and their far ends taken over with
 // pidfd_getfd, so no path has to be reachable from the process's mount
-// namespace. Both files are non-blocking (deadlines work on them).
-func (p *Proc) StdioPipes() (w, r *os.File, err error) {
-	err = p.t.Do(func() error {
-		var e error
-		w, r, e = p.stdioPipes()
-		if e2 := p.restoreRegs(); e == nil {
-			e = e2
-		}
-		if e != nil {
-			if w != nil {
-				w.Close()
-			}
-			if r != nil {
-				r.Close()
-			}
-			w, r = nil, nil
-		}
-		return e
-	})
-	return w, r, err
-}
-
+// namespace. Both files are non-blocking (deadlines work on them). The
+// process keeps the pipes' original descriptors as well, so it never sees
+// an EOF on its stdin: end it with a kill.
 func (p *Proc) stdioPipes() (w, r *os.File, err error) {
 	addr := p.ScratchAddr()
 	var fds [4]int // stdin read, stdin write, output read, output write
@@ -110,28 +92,10 @@ func (p *Proc) stdioPipes() (w, r *os.File, err error) {
 			return w, r, fmt.Errorf("stdio %d of %d: dup2: %w", d[1], p.pid, err)
 		}
 	}
-	closeRemote()
+	// The pipes' first descriptors stay open in the process (four fewer
+	// injected calls): they are close-on-exec, and a copy asked something
+	// is killed, never left to wait for an EOF.
 	return w, r, nil
-}
-
-// Cont lets the stopped process run from its saved registers while it stays
-// traced: a fork it makes stops the new child (PTRACE_O_TRACEFORK) and is
-// never resumed, a signal it receives stops it until Kill, and it dies with
-// the tracer (PTRACE_O_EXITKILL). End it with Kill.
-func (p *Proc) Cont() error {
-	return p.t.Do(func() error {
-		if p.gone {
-			return fmt.Errorf("process %d is gone", p.pid)
-		}
-		if err := p.restoreRegs(); err != nil {
-			return err
-		}
-		if err := ptrace(unix.PTRACE_CONT, p.pid, 0, 0); err != nil {
-			return fmt.Errorf("cont %d: %w", p.pid, err)
-		}
-		p.stopped = false
-		return nil
-	})
 }
 
 // KillTracee SIGKILLs pid, a process the tracer traces without a Proc for
@@ -149,19 +113,9 @@ func (t *Tracer) KillTracee(pid int) error {
 	})
 }
 
-// Confine installs the classic BPF program prog as a seccomp filter of the
+// confine installs the classic BPF program prog as a seccomp filter of the
 // stopped process (after PR_SET_NO_NEW_PRIVS, so it needs no privilege).
 // The filter also applies to calls injected afterwards: install it last.
-func (p *Proc) Confine(prog []unix.SockFilter) error {
-	return p.t.Do(func() error {
-		err := p.confine(prog)
-		if err2 := p.restoreRegs(); err == nil {
-			err = err2
-		}
-		return err
-	})
-}
-
 func (p *Proc) confine(prog []unix.SockFilter) error {
 	if len(prog) == 0 || len(prog)*8+16 > 4096 {
 		return fmt.Errorf("seccomp filter of %d: %d instructions", p.pid, len(prog))
@@ -186,4 +140,50 @@ func (p *Proc) confine(prog []unix.SockFilter) error {
 		return fmt.Errorf("seccomp filter in %d: %w", p.pid, err)
 	}
 	return nil
+}
+
+// RunConfined readies a stopped copy that is to be asked something and
+// lets it run, all in one request of the tracer thread: it makes the copy
+// lead its own session (as Setsid), gives it fresh pipes as stdin and as
+// stdout+stderr (see stdioPipes), installs the seccomp filter prog (see
+// confine) and resumes it from its saved registers while it stays traced:
+// a fork it makes stops the new child (PTRACE_O_TRACEFORK) and is never
+// resumed, a signal it receives stops it until Kill, and it dies with the
+// tracer (PTRACE_O_EXITKILL). It returns the far ends of the pipes: w
+// writes the copy's stdin, r reads its output. End the copy with Kill.
+func (p *Proc) RunConfined(prog []unix.SockFilter) (w, r *os.File, err error) {
+	err = p.t.Do(func() error {
+		if p.gone {
+			return fmt.Errorf("process %d is gone", p.pid)
+		}
+		if _, e := p.rawSyscall(unix.SYS_SETSID); e != nil && !errors.Is(e, unix.EPERM) {
+			_ = p.restoreRegs()
+			return fmt.Errorf("setsid in %d: %w", p.pid, e)
+		}
+		var e error
+		if w, r, e = p.stdioPipes(); e == nil {
+			e = p.confine(prog)
+		}
+		if e2 := p.restoreRegs(); e == nil {
+			e = e2
+		}
+		if e == nil {
+			if e = ptrace(unix.PTRACE_CONT, p.pid, 0, 0); e != nil {
+				e = fmt.Errorf("cont %d: %w", p.pid, e)
+			} else {
+				p.stopped = false
+			}
+		}
+		if e != nil {
+			if w != nil {
+				w.Close()
+			}
+			if r != nil {
+				r.Close()
+			}
+			w, r = nil, nil
+		}
+		return e
+	})
+	return w, r, err
 }
