@@ -650,6 +650,29 @@ func probeCgroupID() Check {
 
 // ---- CRIU ----
 
+// criuMountScript runs criu (its $0) in a private copy of the host's mount
+// table from which mounts with a mountinfo line too long for CRIU's parser
+// are detached. CRIU reads its mountinfo in 4 KiB lines; an overlay mount
+// with a deep lowerdir+ stack (rewind's own kernel path makes them) has a
+// longer one, and every CRIU run in that mount namespace then fails ("Bad
+// format in mountinfo"). rewind runs CRIU in sandbox mount namespaces,
+// where no host mount is visible, so the check must not fail on them
+// either. make-rprivate first: nothing done here reaches the host.
+const criuMountScript = `set -e
+mount --make-rprivate /
+awk 'length($0) > 3500 { print $5 }' /proc/self/mountinfo | while read -r m; do
+	umount -l "$(printf '%b' "$m")" 2>/dev/null || true
+done
+exec "$0" "$@"`
+
+// criuCheckCommand is `criu args...` as criuMountScript runs it, in a new
+// mount namespace.
+func criuCheckCommand(ctx context.Context, bin string, args ...string) *exec.Cmd {
+	cmd := exec.CommandContext(ctx, "sh", append([]string{"-c", criuMountScript, bin}, args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS}
+	return cmd
+}
+
 func probeCRIU(ctx context.Context, configured string) []Check {
 	bin, err := FindCRIU(configured)
 	if err != nil {
@@ -676,28 +699,13 @@ func probeCRIU(ctx context.Context, configured string) []Check {
 	run := func(args ...string) res {
 		c, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
-		out, err := exec.CommandContext(c, bin, args...).CombinedOutput()
+		out, err := criuCheckCommand(c, bin, args...).CombinedOutput()
 		return res{string(bytes.TrimSpace(out)), err}
 	}
 	var check, lazy, track res
 	var wg sync.WaitGroup
 	wg.Add(3)
-	go func() {
-		defer wg.Done()
-		// CRIU parses the host's mountinfo; while another program holds
-		// an overlay mount whose option string CRIU cannot parse (a deep
-		// lowerdir+ stack, e.g. rewind's own kernel-path tests), check
-		// fails for as long as that mount lives. rewind runs CRIU in the
-		// sandbox's mount namespace, where no such mount is visible, so
-		// a transient failure of this kind is retried, not reported.
-		for attempt := 0; ; attempt++ {
-			check = run("check")
-			if check.err == nil || attempt == 4 || !strings.Contains(check.out, "mountinfo") || ctx.Err() != nil {
-				return
-			}
-			time.Sleep(300 * time.Millisecond)
-		}
-	}()
+	go func() { defer wg.Done(); check = run("check") }()
 	go func() { defer wg.Done(); lazy = run("check", "--feature", "uffd-noncoop") }()
 	go func() { defer wg.Done(); track = run("check", "--feature", "mem_dirty_track") }()
 	wg.Wait()
