@@ -187,8 +187,11 @@ func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, re
 		}
 	}()
 	regs := src.Regs()
-	// Blocked in read(0, ...): orig_rax is the call, rdi its descriptor.
-	if regs.Orig_rax != unix.SYS_READ || regs.Rdi != 0 {
+	// Blocked in read(0, ...) (orig_rax is the call, rdi its descriptor),
+	// or, for an interactive shell, in readline's pselect6 on fd 0 alone
+	// (rdi, the descriptor count, is 1).
+	idle := (regs.Orig_rax == unix.SYS_READ && regs.Rdi == 0) || (regs.Orig_rax == unix.SYS_PSELECT6 && regs.Rdi == 1)
+	if !idle {
 		return nil, fmt.Errorf("%w (in system call %d on fd %d)", ErrShellBusy, int64(regs.Orig_rax), int64(regs.Rdi))
 	}
 	kern, err := kernelShellState(src.Pid())
@@ -307,15 +310,16 @@ func readDump(r *os.File, nonce string) (int, []string, error) {
 			return 0, nil, fmt.Errorf("read state (%d lines so far): %w", len(lines), err)
 		}
 		l = strings.TrimSuffix(l, "\n")
-		if v, ok := strings.CutPrefix(l, nonce+" status "); ok && status < 0 {
-			n, err := strconv.Atoi(v)
-			if err != nil {
-				return 0, nil, fmt.Errorf("bad status line %q", l)
+		// An interactive shell prefixes a command's first output line
+		// with terminal controls, and echoes the script (whose marker
+		// lines are not followed by a number or the line's end).
+		if _, v, ok := strings.Cut(l, nonce+" status "); ok && status < 0 {
+			if n, err := strconv.Atoi(v); err == nil {
+				status = n
+				continue
 			}
-			status = n
-			continue
 		}
-		if l == nonce+" end" {
+		if strings.HasSuffix(l, nonce+" end") {
 			if status < 0 {
 				return 0, nil, errors.New("no status line")
 			}

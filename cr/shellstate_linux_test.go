@@ -20,7 +20,8 @@ import (
 // has consumed everything written to it (so what was sent has run).
 func shellIdle(pid int) bool {
 	sc, err := os.ReadFile(fmt.Sprintf("/proc/%d/syscall", pid))
-	if err != nil || !strings.HasPrefix(string(sc), "0 0x0 ") {
+	// read(0, ...), or readline's pselect6 on fd 0 (interactive).
+	if err != nil || !(strings.HasPrefix(string(sc), "0 0x0 ") || strings.HasPrefix(string(sc), "270 0x1 ")) {
 		return false
 	}
 	f, err := os.OpenFile(fmt.Sprintf("/proc/%d/fd/0", pid), os.O_RDONLY|unix.O_NONBLOCK, 0)
@@ -206,6 +207,45 @@ func TestShellDigestRefusals(t *testing.T) {
 	}
 	if out, err := r.ss.Read(r.ctx, sandbox.SendOptions{Until: regexp.MustCompile("slept\n")}); err != nil || out != "slept\n" {
 		t.Fatalf("busy shell after the refusal: %q %v", out, err)
+	}
+}
+
+// An interactive bash on a terminal (readline waits in pselect6) digests
+// the same way, and the digest's commands stay out of its history.
+func TestShellDigestInteractive(t *testing.T) {
+	sb := startReal(t)
+	ctx := ctxT(t)
+	e := newEngine(t, Config{})
+	sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+	ss, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "tty", TTY: true, Argv: []string{"bash", "--norc", "--noprofile", "-i"}, Dir: "/"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &shellRig{t: t, ctx: ctx, sb: sb, e: e, ss: ss}
+	send := func(cmd string) string {
+		t.Helper()
+		out, err := ss.Send(ctx, cmd+"; echo __E__", sandbox.SendOptions{Until: regexp.MustCompile(`[\r\n]__E__\r?\n`)})
+		if err != nil {
+			t.Fatalf("send %q: %v (%q)", cmd, err, out)
+		}
+		r.settle()
+		return out
+	}
+	send("X=1")
+	base := r.digest()
+	if !strings.Contains(base.Text, "set -o monitor") || !strings.Contains(base.Text, `declare -- X="1"`) {
+		t.Fatalf("interactive dump:\n%s", base.Text)
+	}
+	send("ls / >/dev/null")
+	if d := r.digest(); d.Digest != base.Digest {
+		t.Fatalf("digest changed after ls:\n%s", diffLines(base.Text, d.Text))
+	}
+	send("Y=2")
+	if d := r.digest(); d.Digest == base.Digest {
+		t.Fatal("digest unchanged after Y=2")
+	}
+	if out := send("history | grep -c 'builtin[ ]declare'"); !regexp.MustCompile(`[\r\n]0\r\n__E__`).MatchString(out) {
+		t.Fatalf("digest commands in the live shell's history: %q", out)
 	}
 }
 
