@@ -34,4 +34,9 @@
 // stopped, dumped with --leave-running, and restored with exact pids, trees
 // and fresh stdio passed as inherited pipes. CRIU runs inside the sandbox's
 // namespaces and cgroups (cr/criu).
+//
+// ShellDigest asks a template-forked copy of a persistent bash for its
+// state (variables, functions, aliases, options, traps, jobs, cwd, umask,
+// descriptors, limits) under a seccomp filter, and leaves the shell itself
+// untouched; equal digests say its state did not change (policy/SHELLS.md).
 package cr
