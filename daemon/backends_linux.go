@@ -228,8 +228,23 @@ func (b *fsBackend) Delete(_ context.Context, ckpt string) error {
 
 // Size implements state.FSSizer: the bytes of the layer fs checkpoint ckpt
 // froze (0 when it froze none: nothing had changed since its parent).
-func (b *fsBackend) Size(_ context.Context, ckpt string) (int64, error) {
-	c, err := b.st.Checkpoint(ckpt)
+//
+// It reads materialized records only (a journal scan costs more with every
+// checkpoint): the FUSE back end writes a checkpoint's record in the
+// background within milliseconds, so Size waits for it a little.
+func (b *fsBackend) Size(ctx context.Context, ckpt string) (int64, error) {
+	var c layer.Checkpoint
+	var err error
+	for wait := time.Millisecond; ; wait *= 2 {
+		if c, err = b.st.Record(ckpt); err == nil || !errors.Is(err, layer.ErrNotFound) || wait > time.Second {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(wait):
+		}
+	}
 	if err != nil {
 		return 0, err
 	}
@@ -238,7 +253,7 @@ func (b *fsBackend) Size(_ context.Context, ckpt string) (int64, error) {
 	}
 	top := c.Layers[len(c.Layers)-1]
 	if c.Parent != "" {
-		if p, err := b.st.Checkpoint(c.Parent); err == nil && len(p.Layers) > 0 && p.Layers[len(p.Layers)-1] == top {
+		if p, err := b.st.Record(c.Parent); err == nil && len(p.Layers) > 0 && p.Layers[len(p.Layers)-1] == top {
 			return 0, nil
 		}
 	}

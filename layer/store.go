@@ -188,6 +188,24 @@ func (s *Store) RewriteCheckpoint(id string, fn func(*Checkpoint) bool) error {
 	return s.SaveCheckpoint(c)
 }
 
+// Record reads checkpoint id's record file only: unlike Checkpoint it
+// never scans the mounts' journals (whose cost grows with every
+// checkpoint), so a record not yet materialized is ErrNotFound. Deleted
+// records are ErrNotFound too; layers are not checked.
+func (s *Store) Record(id string) (Checkpoint, error) {
+	var c Checkpoint
+	if !ValidID(id) {
+		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
+	}
+	if err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c); err != nil {
+		return c, fmt.Errorf("checkpoint %s: %w", id, err)
+	}
+	if c.Deleted || c.ID != id {
+		return c, fmt.Errorf("checkpoint %s: %w", id, ErrNotFound)
+	}
+	return c, nil
+}
+
 // MaterializeCheckpoint writes the record of a checkpoint already
 // committed to a mount's journal, unless a record of that id exists: a
 // checkpoint deleted before its record was written stays deleted (its
