@@ -8,6 +8,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -112,6 +113,9 @@ type FS struct {
 
 	unmountOnce sync.Once
 	unmountErr  error
+	// dev is the mount's device number: its FUSE connection's id (minor)
+	// in fusectl, to abort a connection whose requests never finish.
+	dev uint64
 }
 
 type inoKey struct {
@@ -216,6 +220,10 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		return nil, fmt.Errorf("mount %s: %w", mp, err)
 	}
 	f.server = srv
+	var mst unix.Stat_t
+	if unix.Stat(mp, &mst) == nil {
+		f.dev = mst.Dev
+	}
 	f.bg <- f.refillSpare
 	return f, nil
 }
@@ -693,6 +701,46 @@ func splitPath(p string) []string {
 }
 
 // Unmount implements layer.FS.
+// unmountGrace is how long Unmount waits for in-flight FUSE requests
+// before it aborts the connection, and again after.
+const unmountGrace = 20 * time.Second
+
+// waitServer waits for the server's loops to end. If requests are still
+// pending after unmountGrace (a client blocked in the kernel on a request
+// that is never answered would otherwise keep the daemon from exiting), it
+// aborts the FUSE connection through fusectl, which fails every pending
+// request, and waits once more. It reports whether the server ended.
+func (f *FS) waitServer() bool {
+	done := make(chan struct{})
+	go func() { f.server.Wait(); close(done) }()
+	select {
+	case <-done:
+		return true
+	case <-time.After(unmountGrace):
+	}
+	f.log.Error("unmount: FUSE requests still pending; aborting the connection", "mount", f.mountpoint, "err", abortFUSE(f.dev))
+	select {
+	case <-done:
+		return true
+	case <-time.After(unmountGrace):
+		return false
+	}
+}
+
+// abortFUSE aborts the FUSE connection of device dev (fusectl's
+// connections/<minor>/abort), mounting fusectl first if needed.
+func abortFUSE(dev uint64) error {
+	if dev == 0 {
+		return errors.New("no device number recorded")
+	}
+	const ctl = "/sys/fs/fuse/connections"
+	p := filepath.Join(ctl, strconv.FormatUint(uint64(unix.Minor(dev)), 10), "abort")
+	if _, err := os.Stat(p); err != nil {
+		_ = unix.Mount("fusectl", ctl, "fusectl", 0, "")
+	}
+	return os.WriteFile(p, []byte("1"), 0o200)
+}
+
 func (f *FS) Unmount() error {
 	f.unmountOnce.Do(func() {
 		var err error
@@ -708,7 +756,12 @@ func (f *FS) Unmount() error {
 				err = nil
 			}
 		}
-		f.server.Wait()
+		if !f.waitServer() {
+			// A request still being served may use the worker and the
+			// journal: leave them open rather than crash it.
+			f.unmountErr = fmt.Errorf("unmount %s: FUSE requests still in flight after aborting the connection", f.mountpoint)
+			return
+		}
 		close(f.bg)
 		<-f.bgDone
 		_ = f.journal.Sync()
