@@ -87,30 +87,13 @@ type nsIDs struct {
 // allocated while it lives.
 func nsProcesses(init int) ([]nsIDs, error) {
 	var out []nsIDs
-	queue := []int{init}
-	seen := map[int]bool{init: true}
-	for len(queue) > 0 {
-		pid := queue[0]
-		queue = queue[1:]
-		kids, err := children(pid)
-		if err != nil {
-			if pid == init {
-				return nil, fmt.Errorf("list children of init %d: %w", init, err)
-			}
-			continue
-		}
-		for _, c := range kids {
-			if seen[c] {
-				continue
-			}
-			seen[c] = true
-			queue = append(queue, c)
-			ids, err := readNSIDs(c)
-			if err != nil {
-				continue // gone meanwhile: it holds nothing any more
-			}
+	err := visitDescendants(init, nil, func(c int) {
+		if ids, err := readNSIDs(c); err == nil { // else gone meanwhile: it holds nothing any more
 			out = append(out, ids)
 		}
+	})
+	if err != nil {
+		return nil, err
 	}
 	return out, nil
 }

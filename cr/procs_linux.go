@@ -82,6 +82,27 @@ func descendants(init int, skip map[int]bool) ([]Proc, error) {
 // walk lists the descendants of init; with full false only PIDs are filled.
 func walk(init int, skip map[int]bool, full bool) ([]Proc, error) {
 	var out []Proc
+	err := visitDescendants(init, skip, func(c int) {
+		if exiting(c) {
+			return // dying: not a live process any more
+		}
+		if !full {
+			out = append(out, Proc{PID: c})
+			return
+		}
+		p, err := readProc(c)
+		if err != nil {
+			return // exited meanwhile
+		}
+		out = append(out, p)
+	})
+	return out, err
+}
+
+// visitDescendants calls visit for every process below init (init
+// excluded), breadth first, parents before children, skipping the pids in
+// skip and their subtrees. Only listing init's own children can fail.
+func visitDescendants(init int, skip map[int]bool, visit func(pid int)) error {
 	queue := []int{init}
 	seen := map[int]bool{init: true}
 	for len(queue) > 0 {
@@ -90,7 +111,7 @@ func walk(init int, skip map[int]bool, full bool) ([]Proc, error) {
 		kids, err := children(pid)
 		if err != nil {
 			if pid == init {
-				return nil, fmt.Errorf("list children of init %d: %w", init, err)
+				return fmt.Errorf("list children of init %d: %w", init, err)
 			}
 			continue
 		}
@@ -100,21 +121,10 @@ func walk(init int, skip map[int]bool, full bool) ([]Proc, error) {
 			}
 			seen[c] = true
 			queue = append(queue, c)
-			if exiting(c) {
-				continue // dying: not a live process any more
-			}
-			if !full {
-				out = append(out, Proc{PID: c})
-				continue
-			}
-			p, err := readProc(c)
-			if err != nil {
-				continue // exited meanwhile
-			}
-			out = append(out, p)
+			visit(c)
 		}
 	}
-	return out, nil
+	return nil
 }
 
 func itoa(i int) string { return strconv.Itoa(i) }
