@@ -903,12 +903,9 @@ func (f *FS) swapPassthrough(old, next *stack) error {
 		if !open {
 			continue
 		}
-		// Passthrough writes bypass the daemon, so the node's resolution
-		// may be stale: find the live inode by path and inode number.
-		p := n.vpath()
-		var s unix.Stat_t
-		if err := unix.Fstatat(old.upper.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW); err != nil || s.Ino != ino {
-			continue // unlinked or replaced: not part of the frozen layer
+		p, s, ok := f.livePath(old.upper, n, ino)
+		if !ok {
+			continue // unlinked: not part of the frozen layer
 		}
 		if err := f.copyUpDirs(next, path.Dir(p)); err != nil {
 			return fmt.Errorf("move open file %s: %w", p, err)
@@ -916,17 +913,42 @@ func (f *FS) swapPassthrough(old, next *stack) error {
 		if err := unix.Renameat(old.upper.fd, p, next.upper.fd, p); err != nil {
 			return fmt.Errorf("move open file %s: %w", p, err)
 		}
-		if err := copyFile(next.upper.fd, p, old.upper.fd, p, &s, next.upper.path+"/"+p, false); err != nil {
+		if err := copyFile(next.upper.fd, p, old.upper.fd, p, s, next.upper.path+"/"+p, false); err != nil {
 			_ = unix.Renameat(next.upper.fd, p, old.upper.fd, p)
 			return fmt.Errorf("freeze open file %s: %w", p, err)
 		}
 		if s.Nlink > 1 {
-			if err := f.relinkMoved(old, next, p, &s); err != nil {
+			if err := f.relinkMoved(old, next, p, s); err != nil {
 				return fmt.Errorf("keep the links of open file %s: %w", p, err)
 			}
 		}
 	}
 	return nil
+}
+
+// livePath finds the name in upper layer u of the backing inode ino of
+// node n's passthrough handles. Passthrough writes bypass the daemon, so
+// the node's resolution may be stale, and its place in the kernel's tree
+// can lag the layer: go-fuse attaches a created node to its parent, and
+// moves a renamed one, only after the handler has returned and released
+// f.mu, so a checkpoint can run in between. The node's path is tried
+// first; when it names another inode (or none), the upper is searched by
+// inode number: the upper holds only the changes since the last
+// checkpoint. ok is false when the inode has no name in u (unlinked).
+func (f *FS) livePath(u *layerDir, n *node, ino uint64) (string, *unix.Stat_t, bool) {
+	var s unix.Stat_t
+	p := n.vpath()
+	if unix.Fstatat(u.fd, p, &s, unix.AT_SYMLINK_NOFOLLOW) == nil && s.Ino == ino {
+		return p, &s, true
+	}
+	names := f.linkNames(u, ino, 1)
+	if len(names) == 0 {
+		return "", nil, false
+	}
+	if unix.Fstatat(u.fd, names[0], &s, unix.AT_SYMLINK_NOFOLLOW) != nil || s.Ino != ino {
+		return "", nil, false
+	}
+	return names[0], &s, true
 }
 
 // relinkMoved keeps a hard link linked on both sides of a checkpoint
@@ -978,9 +1000,8 @@ func (f *FS) retargetPassthrough(old, next *stack) {
 		if !open {
 			continue
 		}
-		p := n.vpath()
-		var live unix.Stat_t
-		if err := unix.Fstatat(old.upper.fd, p, &live, unix.AT_SYMLINK_NOFOLLOW); err != nil || live.Ino != ino {
+		p, _, ok := f.livePath(old.upper, n, ino)
+		if !ok {
 			continue
 		}
 		e, ok := f.resolvePath(next, p)
