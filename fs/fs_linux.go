@@ -111,6 +111,11 @@ type FS struct {
 	ptNodes map[*node]struct{} // nodes with passthrough handles open
 	upper   atomic.Pointer[layerDir]
 
+	// afterCreate, when set (by tests), runs when a Create handler has
+	// released f.mu but before go-fuse attaches the new node to its
+	// parent.
+	afterCreate atomic.Pointer[func()]
+
 	unmountOnce sync.Once
 	unmountErr  error
 	// dev is the mount's device number: its FUSE connection's id (minor)

@@ -76,6 +76,9 @@ func (n *node) finishCreateStat(ctx context.Context, st *stack, name, p string, 
 
 // Create creates and opens a regular file.
 func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*gofs.Inode, gofs.FileHandle, uint32, syscall.Errno) {
+	if h := n.f.afterCreate.Load(); h != nil {
+		defer (*h)()
+	}
 	st, done, errno := n.begin(true)
 	if errno != 0 {
 		return nil, nil, 0, errno

@@ -956,3 +956,36 @@ func TestODirect(t *testing.T) {
 		t.Fatalf("read back %q", got[:11])
 	}
 }
+
+// TestCheckpointBeforeCreatedNodeIsAttached takes a checkpoint in the window
+// between a passthrough Create handler's return and go-fuse attaching the
+// new node to its parent: the file must still move into the new upper, so
+// that writes through the open descriptor never land in the frozen layer.
+func TestCheckpointBeforeCreatedNodeIsAttached(t *testing.T) {
+	fx := mountT(t, nil, Options{Passthrough: true})
+	var once sync.Once
+	hook := func() { once.Do(func() { fx.checkpoint(t) }) }
+	fx.fs.afterCreate.Store(&hook)
+	fh, err := os.OpenFile(fx.p("f"), os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fx.fs.afterCreate.Store(nil)
+	defer fh.Close()
+	fx.fs.mu.RLock()
+	fl := fx.fs.st.frozen
+	fx.fs.mu.RUnlock()
+	if len(fl) == 0 {
+		t.Fatal("the checkpoint in the hook froze no layer")
+	}
+	frozen := fl[len(fl)-1].path
+	if _, err := fh.WriteString("after the checkpoint"); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(frozen, "f")); err != nil || len(b) != 0 {
+		t.Fatalf("frozen layer's f = %q, %v; want an empty file", b, err)
+	}
+	if got := mustRead(t, fx.p("f")); got != "after the checkpoint" {
+		t.Fatalf("view: %q", got)
+	}
+}
