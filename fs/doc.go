@@ -80,4 +80,19 @@
 // content into it; the inode's other names are relinked on both sides):
 // descriptors behave exactly as without passthrough, at a cost
 // proportional to the size of the files held open that way.
+//
+// Options.PassthroughLower also passes read-only opens of files in frozen
+// and lower layers through, to the layer's own file: no daemon round trip
+// per read, and the host's page cache is shared by every mount of the
+// layer (a fork reads a base-image file at native speed instead of
+// through a cold FUSE page cache). The kernel then requires every open of
+// that inode to use the same backing file, so the node is pinned to it:
+// once the name resolves to another file (a copy-up by a write or a
+// metadata change, a switch), an open through the pinned node fails with
+// ESTALE, the kernel's open retries with LOOKUP_REVAL (do_filp_open), and
+// the lookup hands out a new node for the name (same inode number, next
+// generation). A descriptor opened that way keeps reading the content it
+// was opened on across a copy-up and across a switch, as on overlayfs
+// (the conformance exception fd-keeps-old-view); that is why it is an
+// option, off by default.
 package fs

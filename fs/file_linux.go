@@ -84,12 +84,24 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 	// reads and writes the backing file itself. A checkpoint moves such a
 	// file's inode into the new upper (and leaves a copy in the frozen
 	// layer), so the backing stays writable and no frozen layer is written.
+	// With PassthroughLower, read-only opens of a file in a frozen or
+	// lower layer (which never changes) are passed through too; see
+	// node.ptLower for what happens when the name moves on.
 	var s unix.Stat_t
-	inUpperReg := f.opts.Passthrough && l == st.upper && unix.Fstat(fd, &s) == nil &&
-		s.Mode&unix.S_IFMT == unix.S_IFREG
+	reg := f.opts.Passthrough && unix.Fstat(fd, &s) == nil && s.Mode&unix.S_IFMT == unix.S_IFREG
+	inUpperReg := reg && l == st.upper
+	lowerRO := reg && f.opts.PassthroughLower && !write && l != st.upper && s.Nlink == 1
 	canPT := inUpperReg && s.Nlink == 1
 	n.mu.Lock()
 	switch {
+	case n.ptLower != nil:
+		// Pinned to one lower file for good: only that file again.
+		canPT = lowerRO && n.ptLower == l && n.ptIno == s.Ino
+		if !canPT {
+			n.mu.Unlock()
+			unix.Close(fd)
+			return nil, 0, syscall.ESTALE
+		}
 	case n.ptOpen > 0 && inUpperReg && n.ptIno == s.Ino:
 		// The registered backing is this very inode (also when it got
 		// another name since): share it.
@@ -100,6 +112,12 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 		n.mu.Unlock()
 		unix.Close(fd)
 		return nil, 0, syscall.ESTALE
+	case lowerRO && n.cachedOpen == 0 && n.ptIno == 0:
+		// Only on a node that never had a passthrough handle: go-fuse
+		// reuses a node's registered backing until it has processed the
+		// last RELEASE, which comes after ours.
+		canPT = true
+		n.ptLower = l
 	case canPT && n.cachedOpen == 0 && !(write && s.Mode&(unix.S_ISUID|unix.S_ISGID) != 0):
 		// (A write through passthrough never reaches us, so a setuid or
 		// setgid file opened for writing is served by the daemon, which

@@ -54,6 +54,15 @@ type Options struct {
 	// resp. the target's content into it), so open descriptors behave as
 	// without passthrough at a cost proportional to those files' size.
 	Passthrough bool
+	// PassthroughLower (with Passthrough) also passes read-only opens of
+	// files in frozen and lower layers through to the layer's file, so
+	// reading a checkpointed or base-image file costs no daemon round
+	// trip and shares the host's page cache across mounts (forks). Such a
+	// descriptor keeps reading the content it was opened on, as on
+	// overlayfs: a copy-up of the file (a write or metadata change
+	// through another descriptor or path) and a switch that changes the
+	// file do not reach it; new opens see the current view.
+	PassthroughLower bool
 	// Debug logs every FUSE request.
 	Debug bool
 	// Logger receives diagnostics; nil means slog.Default().
@@ -91,6 +100,9 @@ type FS struct {
 	inos    map[inoKey]uint64
 	nextIno uint64
 	nodes   map[uint64]*node
+	// inoGen is the generation of the newest node of an inode number,
+	// for numbers whose node was replaced while pinned (node.ptLower).
+	inoGen map[uint64]uint64
 
 	spareMu sync.Mutex
 	spare   string // a pre-created empty store layer for the next upper
@@ -156,6 +168,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		inos:    map[inoKey]uint64{},
 		nextIno: 2,
 		nodes:   map[uint64]*node{},
+		inoGen:  map[uint64]uint64{},
 		ptNodes: map[*node]struct{}{},
 	}
 	st, err := f.initialStack()
@@ -903,10 +916,10 @@ func (f *FS) swapPassthrough(old, next *stack) error {
 	f.ptMu.Unlock()
 	for _, n := range nodes {
 		n.mu.Lock()
-		open, ino := n.ptOpen > 0, n.ptIno
+		open, ino := n.ptOpen > 0 && n.ptLower == nil, n.ptIno
 		n.mu.Unlock()
 		if !open {
-			continue
+			continue // closed, or reading a frozen or lower file
 		}
 		p, s, ok := f.livePath(old.upper, n, ino)
 		if !ok {
@@ -1000,10 +1013,10 @@ func (f *FS) retargetPassthrough(old, next *stack) {
 	f.ptMu.Unlock()
 	for _, n := range nodes {
 		n.mu.Lock()
-		open, ino := n.ptOpen > 0, n.ptIno
+		open, ino := n.ptOpen > 0 && n.ptLower == nil, n.ptIno
 		n.mu.Unlock()
 		if !open {
-			continue
+			continue // closed, or reading a frozen or lower file
 		}
 		p, _, ok := f.livePath(old.upper, n, ino)
 		if !ok {

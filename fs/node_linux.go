@@ -44,6 +44,15 @@ type node struct {
 	ptWrite    int    // ... of which writable
 	cachedOpen int    // open non-passthrough handles
 	ptIno      uint64 // backing inode of the passthrough handles
+	// ptLower is set once the node served a read-only passthrough handle
+	// on a file in a frozen or lower layer (Options.PassthroughLower),
+	// and stays set: go-fuse may still hold that backing registered after
+	// the last such handle is closed, so the node only ever opens that
+	// very file (ptLower, ptIno) again; once its name resolves elsewhere
+	// (a copy-up, a switch) the name gets a new node (same inode number,
+	// next generation) and opens through this one fail with ESTALE, which
+	// makes the kernel look the name up again.
+	ptLower *layerDir
 }
 
 var (
@@ -228,14 +237,29 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 			cn.setUnlinked(false)
 			return cn.EmbeddedInode()
 		}
+		if cn.StableAttr().Mode == mode && cn.pinnedElsewhere(e) && cn.lowerPinnedAt(n.EmbeddedInode(), name) {
+			// The same file, whose node is pinned to its old backing
+			// (a read passthrough on the lower copy): a new node of
+			// the next generation, the inode number stays.
+			g := max(cn.StableAttr().Gen, f.inoGen[ino]) + 1
+			f.inoGen[ino] = g
+			nn := &node{f: f, gen: gen, srcs: e.srcs}
+			f.nodes[ino] = nn
+			f.inoMu.Unlock()
+			return n.NewInode(ctx, nn, gofs.StableAttr{Mode: mode, Ino: ino, Gen: g})
+		}
 		f.inoMu.Unlock()
 		ino = f.freshIno(e.srcs[0].l, e.st.Ino)
 		f.inoMu.Lock()
 	}
 	cn := &node{f: f, gen: gen, srcs: e.srcs}
 	f.nodes[ino] = cn
+	// The latest generation of the number: an older node of it may still
+	// be alive, pinned to a lower backing (go-fuse would hand that one
+	// out again for the same StableAttr).
+	g := f.inoGen[ino]
 	f.inoMu.Unlock()
-	return n.NewInode(ctx, cn, gofs.StableAttr{Mode: mode, Ino: ino})
+	return n.NewInode(ctx, cn, gofs.StableAttr{Mode: mode, Ino: ino, Gen: g})
 }
 
 // OnForget drops the node from the inode table.
@@ -738,5 +762,22 @@ func (d *dirHandle) Releasedir(ctx context.Context, flags uint32) {
 func (n *node) pinnedElsewhere(e *entry) bool {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if n.ptLower != nil {
+		return e.srcs[0].l != n.ptLower || n.ptIno != e.st.Ino
+	}
 	return n.ptOpen > 0 && (e.srcs[0].l != n.f.upperNow() || n.ptIno != e.st.Ino)
+}
+
+// lowerPinnedAt reports whether n is pinned to a lower backing file
+// (ptLower) while attached as name in directory parent: a new node for
+// that name is the same file after a copy-up and keeps n's inode number.
+func (n *node) lowerPinnedAt(parent *gofs.Inode, name string) bool {
+	n.mu.Lock()
+	pinned := n.ptLower != nil
+	n.mu.Unlock()
+	if !pinned {
+		return false
+	}
+	pn, pp := n.Parent()
+	return pp == parent && pn == name
 }

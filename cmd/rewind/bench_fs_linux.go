@@ -36,6 +36,7 @@ type benchFSOpts struct {
 	skipFOFS bool
 	asJSON   bool
 	pt       bool
+	ptLower  bool
 }
 
 type fsBenchRow struct {
@@ -78,6 +79,7 @@ overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
 	f.BoolVar(&o.skipFOFS, "no-fuse-overlayfs", false, "skip the fuse-overlayfs baseline")
 	f.BoolVar(&o.asJSON, "json", false, "print JSON rows")
 	f.BoolVar(&o.pt, "passthrough", true, "mount rewind with FUSE passthrough for the I/O rows")
+	f.BoolVar(&o.ptLower, "passthrough-lower", false, "with --passthrough, also pass read-only opens of lower and checkpointed files through (fs.Options.PassthroughLower)")
 	return cmd
 }
 
@@ -126,11 +128,16 @@ type fsBenchEnv struct {
 }
 
 func (e *fsBenchEnv) mount(name string, lowers []string, pt bool) (*fs.FS, string, error) {
+	return e.mountOpts(name, fs.Options{Lowers: lowers, Passthrough: pt})
+}
+
+func (e *fsBenchEnv) mountOpts(name string, opts fs.Options) (*fs.FS, string, error) {
 	mp := filepath.Join(e.root, "mnt-"+name)
 	if err := os.MkdirAll(mp, 0o755); err != nil {
 		return nil, "", err
 	}
-	f, err := fs.Mount(e.st, mp, fs.Options{MountID: name, Lowers: lowers, Passthrough: pt})
+	opts.MountID = name
+	f, err := fs.Mount(e.st, mp, opts)
 	return f, mp, err
 }
 
@@ -301,7 +308,8 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 	plainW := filepath.Join(env.root, "plain-w")
 	os.MkdirAll(plainW, 0o755)
 	targets := []fsIOTarget{{name: "plain", dir: plainW, close: func() {}}}
-	f, mp, err := env.mount("io", []string{lower}, o.pt)
+	ioOpts := fs.Options{Lowers: []string{lower}, Passthrough: o.pt, PassthroughLower: o.pt && o.ptLower}
+	f, mp, err := env.mountOpts("io", ioOpts)
 	if err != nil {
 		return nil, fmt.Errorf("bench fs: %w", err)
 	}
@@ -327,18 +335,24 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 		name   string
 		target string
 		run    func(dir, readDir string) error
+		// fresh runs rewind's turn on a new mount of the same lower (a
+		// fork's cold view; fuse-overlayfs is skipped).
+		fresh bool
 	}
 	cases := []ioCase{
-		{fmt.Sprintf("seq write %d MiB", o.ioMiB), "<=1.1x", func(dir, _ string) error {
+		{name: fmt.Sprintf("seq write %d MiB", o.ioMiB), target: "<=1.1x", run: func(dir, _ string) error {
 			return fsWriteRandom(filepath.Join(dir, "seqw"), int64(o.ioMiB)<<20)
 		}},
-		{fmt.Sprintf("seq read %d MiB (lower file)", o.ioMiB), "<=1.1x", func(_, rd string) error {
+		{name: fmt.Sprintf("seq read %d MiB (lower file)", o.ioMiB), target: "<=1.1x", run: func(_, rd string) error {
 			return fsReadAll(filepath.Join(rd, "big"))
 		}},
-		{fmt.Sprintf("seq read %d MiB (written in the view)", o.ioMiB), "<=1.1x", func(dir, _ string) error {
+		{name: fmt.Sprintf("seq read %d MiB (lower file, new mount)", o.ioMiB), target: "<=1.1x", fresh: true, run: func(_, rd string) error {
+			return fsReadAll(filepath.Join(rd, "big"))
+		}},
+		{name: fmt.Sprintf("seq read %d MiB (written in the view)", o.ioMiB), target: "<=1.1x", run: func(dir, _ string) error {
 			return fsReadAll(filepath.Join(dir, "seqw"))
 		}},
-		{fmt.Sprintf("create+write+close %d files", o.small), "<=1.3x", func(dir, _ string) error {
+		{name: fmt.Sprintf("create+write+close %d files", o.small), target: "<=1.3x", run: func(dir, _ string) error {
 			d, err := os.MkdirTemp(dir, "small-")
 			if err != nil {
 				return err
@@ -350,11 +364,11 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			}
 			return nil
 		}},
-		{fmt.Sprintf("stat %d files (warm)", o.stats), "<=1.3x", func(_, rd string) error {
+		{name: fmt.Sprintf("stat %d files (warm)", o.stats), target: "<=1.3x", run: func(_, rd string) error {
 			_, err := fsStatAll(rd)
 			return err
 		}},
-		{"untar Go net+crypto", "<=1.3x", func(dir, _ string) error {
+		{name: "untar Go net+crypto", target: "<=1.3x", run: func(dir, _ string) error {
 			d, err := os.MkdirTemp(dir, "untar-")
 			if err != nil {
 				return err
@@ -387,6 +401,31 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 				readDir := tg.dir
 				if tg.name == "plain" {
 					readDir = lower
+				}
+				if c.fresh && tg.name == "fofs" {
+					continue
+				}
+				if c.fresh && tg.name == "rewind" {
+					_ = fsReadAll(filepath.Join(lower, "big")) // the host's cache is warm, as for plain
+					ff, fmp, err := env.mountOpts(fmt.Sprintf("io-fresh%d", rep), ioOpts)
+					if err != nil {
+						return nil, fmt.Errorf("bench fs: %w", err)
+					}
+					r0, _ := ff.Requests()
+					t0 := time.Now()
+					err = c.run(fmp, fmp)
+					res[tg.name] = append(res[tg.name], float64(time.Since(t0).Nanoseconds())/1000)
+					r1, _ := ff.Requests()
+					if rep == 0 {
+						reqs = map[string]uint64{"READ": r1 - r0}
+					}
+					if uerr := ff.Unmount(); err == nil {
+						err = uerr
+					}
+					if err != nil {
+						return nil, fmt.Errorf("bench fs: %s on a new mount: %w", c.name, err)
+					}
+					continue
 				}
 				if strings.HasPrefix(c.name, "stat") {
 					_, _ = fsStatAll(readDir) // warm
