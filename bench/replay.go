@@ -45,6 +45,9 @@ type Cost struct {
 	Frozen time.Duration
 	// Decision is skip, fs or full (baselines always take full).
 	Decision string
+	// Phases, when the manager knows them, split the call's time by
+	// phase (named like "restore.undo"); Replay summarizes each.
+	Phases map[string]time.Duration
 }
 
 // Usage is the disk and memory a manager holds for its checkpoints.
@@ -116,7 +119,10 @@ type Result struct {
 	FrozenMS float64 `json:"frozen_ms"`
 
 	Decisions map[string]int `json:"decisions,omitempty"`
-	Usage     Usage          `json:"usage"`
+	// Phases summarizes the per-phase times the manager reported for the
+	// search's calls (crash checks excluded), by phase name.
+	Phases map[string]Latency `json:"phases,omitempty"`
+	Usage  Usage              `json:"usage"`
 
 	CrashChecks  int `json:"crash_checks"`
 	CrashCorrect int `json:"crash_correct"`
@@ -180,7 +186,11 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 	var ckptLat, restLat, all []time.Duration
 	var state, state0, exec, frozen time.Duration
 	var pending time.Duration // async work of the last call, not yet masked
+	phases := map[string][]time.Duration{}
 	charge := func(c Cost) {
+		for k, v := range c.Phases {
+			phases[k] = append(phases[k], v)
+		}
 		state += c.Visible
 		state0 += c.Visible + c.Async
 		frozen += c.Frozen
@@ -259,6 +269,12 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 		res.OverheadRatioZeroLLM = (res.ExecMS + res.StateMSZeroLLM) / res.ExecMS
 	}
 	res.Checkpoint, res.Restore = summarize(ckptLat), summarize(restLat)
+	if len(phases) > 0 {
+		res.Phases = map[string]Latency{}
+		for k, v := range phases {
+			res.Phases[k] = summarize(v)
+		}
+	}
 	sa := summarize(all)
 	res.P50MS, res.P99MS = sa.P50MS, sa.P99MS
 	res.Usage = m.Usage()

@@ -43,6 +43,12 @@ func merge(a, b *Result) {
 	// Percentiles cannot be merged exactly: keep the worst trace's.
 	a.P50MS, a.P99MS = max(a.P50MS, b.P50MS), max(a.P99MS, b.P99MS)
 	a.Checkpoint = worst(a.Checkpoint, b.Checkpoint)
+	for k, v := range b.Phases {
+		if a.Phases == nil {
+			a.Phases = map[string]Latency{}
+		}
+		a.Phases[k] = worst(a.Phases[k], v)
+	}
 	a.Restore = worst(a.Restore, b.Restore)
 	if a.Error == "" {
 		a.Error = b.Error
@@ -108,6 +114,22 @@ func (rep *Report) Markdown(w io.Writer) {
 		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s).\n", rep.Speedup, rep.BestBaseline)
 	case rep.BestBaseline != "":
 		fmt.Fprintf(w, "\nrewind-effects spends %.1fx more time on state management than the fastest baseline (%s).\n", 1/rep.Speedup, rep.BestBaseline)
+	}
+	for _, s := range rep.Systems {
+		if len(s.Phases) == 0 || s.Error != "" {
+			continue
+		}
+		fmt.Fprintf(w, "\nWhere %s's time went (calls of the search; \"turn.X\" and \"restore.path.X\" are the calls as the harness saw them, the rest daemon-side phases; checkpoint.* runs asynchronously):\n\n", s.Name)
+		fmt.Fprintf(w, "| phase | n | p50 ms | p99 ms | sum ms |\n|---|---|---|---|---|\n")
+		keys := make([]string, 0, len(s.Phases))
+		for k := range s.Phases {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			l := s.Phases[k]
+			fmt.Fprintf(w, "| %s | %d | %.2f | %.2f | %.1f |\n", k, l.N, l.P50MS, l.P99MS, l.SumMS)
+		}
 	}
 	for _, n := range rep.Notes {
 		fmt.Fprintf(w, "\n%s\n", n)

@@ -95,6 +95,15 @@ func (r *rewindManager) Checkpoint(ctx context.Context) (string, Cost, error) {
 		return "", Cost{}, err
 	}
 	c := Cost{Visible: time.Since(start), Decision: string(res.Decision)}
+	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
+	c.Phases = map[string]time.Duration{
+		"turn." + string(res.Decision): c.Visible,
+		"turn.daemon":                  us(res.Phases.TotalUS),
+		"turn.wait_previous":           us(res.Phases.WaitUS),
+		"turn.probe_window":            us(res.Phases.WindowUS),
+		"turn.decide":                  us(res.Phases.DecideUS),
+		"turn.outside_daemon":          c.Visible - us(res.Phases.TotalUS),
+	}
 	// The rest of the checkpoint runs while the agent waits for its LLM.
 	w := time.Now()
 	ck, err := r.c.Wait(ctx, res.ID)
@@ -102,16 +111,40 @@ func (r *rewindManager) Checkpoint(ctx context.Context) (string, Cost, error) {
 		return "", c, err
 	}
 	c.Async = time.Since(w)
+	c.Phases["checkpoint.durable_wait"] = c.Async
 	if res.Decision != "skip" {
+		// What the checkpoint really was: a full decision whose
+		// processes provably did not change becomes fs-only.
+		c.Decision = string(ck.Decision)
 		c.Frozen = time.Duration(ck.FrozenUS) * time.Microsecond
+		c.Phases["checkpoint."+c.Decision+".took"] = us(ck.TookUS)
+		c.Phases["checkpoint."+c.Decision+".frozen"] = c.Frozen
 	}
 	return res.ID, c, nil
 }
 
 func (r *rewindManager) Restore(ctx context.Context, id string) (Cost, error) {
 	start := time.Now()
-	_, err := r.c.Restore(ctx, r.name, id, 0)
-	return Cost{Visible: time.Since(start), Decision: "full"}, err
+	res, err := r.c.Restore(ctx, r.name, id, 0)
+	c := Cost{Visible: time.Since(start), Decision: "full"}
+	if err != nil {
+		return c, err
+	}
+	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
+	ph := res.Phases
+	c.Phases = map[string]time.Duration{
+		"restore.daemon":           us(ph.TotalUS),
+		"restore.probe_window":     us(ph.WindowUS),
+		"restore.undo." + ph.Undo:  us(ph.UndoUS),
+		"restore.kill":             us(ph.KillUS),
+		"restore.fs_switch":        us(ph.SwitchUS),
+		"restore.proc":             us(ph.ProcUS),
+		"restore.persist":          us(ph.PersistUS),
+		"restore.path." + res.Path: c.Visible,
+		"restore.queue":            us(ph.QueueUS),
+		"restore.outside_daemon":   c.Visible - us(ph.TotalUS+ph.QueueUS),
+	}
+	return c, nil
 }
 
 func (r *rewindManager) Digest(ctx context.Context) (string, error) {

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -8,11 +9,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -363,6 +366,15 @@ type procBackend struct {
 	log    *slog.Logger
 	hide   []string
 	images map[string]bool // cr checkpoints re-registered from disk at start
+
+	digestMu sync.Mutex
+	digests  map[tmplKey]string // shell digests of templates (see templateDigest)
+}
+
+// tmplKey names one template: a cr checkpoint and the pid its process had.
+type tmplKey struct {
+	ck   string
+	orig int
 }
 
 func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
@@ -376,8 +388,44 @@ func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSan
 func (b *procBackend) Release(_ context.Context, part *state.ProcPart) error {
 	if id := part.Data["cr"]; id != "" {
 		b.eng.Drop(id)
+		b.forgetDigests(id)
 	}
 	return nil
+}
+
+// templateDigest returns the shell digest (digest and $?) of the template
+// of process orig in cr checkpoint ck, computed once: a template never
+// runs, so its state never changes.
+func (b *procBackend) templateDigest(ctx context.Context, ck string, orig int) (string, error) {
+	k := tmplKey{ck, orig}
+	b.digestMu.Lock()
+	d, ok := b.digests[k]
+	b.digestMu.Unlock()
+	if ok {
+		return d, nil
+	}
+	st, err := b.eng.TemplateShellDigest(ctx, ck, orig)
+	if err != nil {
+		return "", err
+	}
+	d = st.Digest + " " + strconv.Itoa(st.Status)
+	b.digestMu.Lock()
+	if b.digests == nil {
+		b.digests = map[tmplKey]string{}
+	}
+	b.digests[k] = d
+	b.digestMu.Unlock()
+	return d, nil
+}
+
+func (b *procBackend) forgetDigests(ck string) {
+	b.digestMu.Lock()
+	defer b.digestMu.Unlock()
+	for k := range b.digests {
+		if k.ck == ck {
+			delete(b.digests, k)
+		}
+	}
 }
 
 // Recover: templates die with the daemon; a part with no processes needs
@@ -401,6 +449,118 @@ type procSandbox struct {
 
 	mu    sync.Mutex
 	ckpts map[string]bool // cr checkpoints taken here
+	// origin maps each live process the daemon knows the origin of to
+	// the cr checkpoint process it is (the one checkpointed last) or was
+	// restored from.
+	origin map[int]procOrigin
+}
+
+// procOrigin is where a live process comes from: process orig of cr
+// checkpoint ck. start is the live process's start time, so that a reused
+// pid is never taken for it.
+type procOrigin struct {
+	ck    string
+	orig  int
+	start string
+}
+
+// procStart returns field 22 of /proc/pid/stat (the start time in ticks).
+func procStart(pid int) string {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return ""
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return ""
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return ""
+	}
+	return f[19]
+}
+
+// setOrigins records the origin of the live processes after a checkpoint
+// or a restore (pairs of live pid and checkpointed pid).
+func (p *procSandbox) setOrigins(ck string, pairs [][2]int) {
+	o := make(map[int]procOrigin, len(pairs))
+	for _, pr := range pairs {
+		if st := procStart(pr[0]); st != "" {
+			o[pr[0]] = procOrigin{ck: ck, orig: pr[1], start: st}
+		}
+	}
+	p.mu.Lock()
+	p.origin = o
+	p.mu.Unlock()
+}
+
+// shellDigest digests live shell pid, waiting a little for a shell that is
+// busy: the session's answer is read as soon as the shell has written it,
+// when the shell may not have returned to reading its next command yet.
+func (p *procSandbox) shellDigest(ctx context.Context, pid int) (*cr.ShellState, error) {
+	deadline := time.Now().Add(50 * time.Millisecond)
+	for wait := 100 * time.Microsecond; ; wait = min(2*wait, 5*time.Millisecond) {
+		st, err := p.b.eng.ShellDigest(ctx, p.sb, pid)
+		if err == nil || !errors.Is(err, cr.ErrShellBusy) || time.Now().After(deadline) {
+			return st, err
+		}
+		time.Sleep(wait)
+	}
+}
+
+// Unchanged implements state.UnchangedChecker for sandboxes whose every
+// process is a persistent bash: each live process must be the one the
+// part's template of it was taken from, or a restored copy of that
+// template (same start time since), the part must have no template left
+// without its live process, and each shell's state digest and $? (see
+// cr.Engine.ShellDigest) must equal its template's. Any other process, a
+// busy shell or any error says no.
+func (p *procSandbox) Unchanged(ctx context.Context, part *state.ProcPart) (bool, string) {
+	ck := part.Data["cr"]
+	if part.Data["mode"] != string(cr.ModeTemplate) || ck == "" {
+		return false, "the part has no templates"
+	}
+	rec, err := p.b.eng.Record(ck)
+	if err != nil {
+		return false, err.Error()
+	}
+	live, err := p.b.eng.Processes(p.sb)
+	if err != nil {
+		return false, err.Error()
+	}
+	if len(live) != len(rec.Procs) {
+		return false, fmt.Sprintf("%d live processes, %d in the part", len(live), len(rec.Procs))
+	}
+	want := map[int]bool{}
+	for _, pr := range rec.Procs {
+		want[pr.PID] = true
+	}
+	p.mu.Lock()
+	origin := maps.Clone(p.origin)
+	p.mu.Unlock()
+	for _, lp := range live {
+		o, ok := origin[lp.PID]
+		if !ok || o.ck != ck || !want[o.orig] || o.start != procStart(lp.PID) {
+			return false, fmt.Sprintf("process %d (%s) is not from the part", lp.PID, lp.Comm)
+		}
+		delete(want, o.orig)
+	}
+	for _, lp := range live {
+		o := origin[lp.PID]
+		td, err := p.b.templateDigest(ctx, ck, o.orig)
+		if err != nil {
+			return false, err.Error()
+		}
+		st, err := p.shellDigest(ctx, lp.PID)
+		if err != nil {
+			return false, err.Error()
+		}
+		if st.Digest+" "+strconv.Itoa(st.Status) != td {
+			return false, fmt.Sprintf("the state of shell %d changed", lp.PID)
+		}
+	}
+	return true, fmt.Sprintf("%d shell digests equal", len(live))
 }
 
 func (p *procSandbox) Exec(ctx context.Context, req state.ExecRequest) (int, error) {
@@ -487,6 +647,13 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	p.mu.Lock()
 	p.ckpts[id] = true
 	p.mu.Unlock()
+	if !undo {
+		pairs := make([][2]int, 0, len(ck.Procs))
+		for _, pr := range ck.Procs {
+			pairs = append(pairs, [2]int{pr.PID, pr.PID})
+		}
+		p.setOrigins(id, pairs)
+	}
 	sj, _ := json.Marshal(sessions)
 	part := &state.ProcPart{
 		Templates: []string{id}, Processes: len(ck.Procs), FrozenUS: ck.Frozen.Microseconds(),
@@ -541,6 +708,7 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		if err := p.sb.KillProcesses(ctx, nil); err != nil {
 			return "", err
 		}
+		p.setOrigins(id, nil)
 		return "template", switchFS()
 	}
 	var chMu sync.Mutex
@@ -589,8 +757,14 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 	}
 	chMu.Unlock()
 	if err != nil {
+		p.setOrigins(id, nil) // what runs now is not known
 		return "", err
 	}
+	pairs := make([][2]int, 0, len(res.Procs))
+	for _, r := range res.Procs {
+		pairs = append(pairs, [2]int{r.PID, r.Orig.PID})
+	}
+	p.setOrigins(id, pairs)
 	return res.Path, nil
 }
 
@@ -688,7 +862,52 @@ func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	w.refreshLive()
 	rep, err := w.w.End()
 	w.w = nil
+	if rep != nil {
+		discountCRIUTemp(rep)
+	}
 	return rep, err
+}
+
+// criuTempDir is the directory CRIU creates and removes again in /tmp of
+// the mount namespace it runs in, the sandbox's, on every run that has no
+// kernel-feature cache (kerndat's MOVE_MOUNT_SET_GROUP check): the
+// engine's asynchronous image dumps run while the sandbox's next probe
+// window is open.
+var criuTempDir = regexp.MustCompile(`^/tmp/\.criu\.move_mount_set_group\.[A-Za-z0-9]{6}$`)
+
+// discountCRIUTemp removes from rep the file effects of CRIU's own
+// temporary directory: each path created and deleted again in the window,
+// and nothing else done to it. It changes nothing unless the report's
+// samples are complete (fewer than effect.MaxSamples), so that every
+// change the counters count is known; what remains of the report is the
+// agent's. The sandbox's /tmp itself is left with a new mtime, as after
+// any create and delete.
+func discountCRIUTemp(rep *effect.Report) {
+	f := &rep.FS
+	if len(f.Samples) == 0 || len(f.Samples) >= effect.MaxSamples {
+		return
+	}
+	ops := map[string][]string{}
+	for _, s := range f.Samples {
+		ops[s.Path] = append(ops[s.Path], s.Op)
+	}
+	var n uint64
+	own := map[string]bool{}
+	for p, o := range ops {
+		if criuTempDir.MatchString(p) && len(o) == 2 && o[0] == "create" && o[1] == "delete" {
+			own[p] = true
+			n++
+		}
+	}
+	if n == 0 || f.Created < n || f.Deleted < n {
+		return
+	}
+	f.Created -= n
+	f.Deleted -= n
+	f.Samples = slices.DeleteFunc(f.Samples, func(s effect.PathSample) bool { return own[s.Path] })
+	if len(f.Samples) == 0 {
+		f.Samples = nil
+	}
 }
 
 func (w *probeWindow) Begin(context.Context) error {

@@ -46,6 +46,19 @@ type UndoCheckpointer interface {
 	CheckpointUndo(ctx context.Context, barrier func() error) (*ProcPart, error)
 }
 
+// UnchangedChecker is implemented by process sandboxes that can prove
+// that their processes are still in the state a checkpoint's process part
+// holds, although they ran (a persistent shell writes its own memory on
+// every command, read-only or not). A full checkpoint of the sandbox can
+// then share that part instead of taking a new one.
+type UnchangedChecker interface {
+	// Unchanged reports whether every live process of the sandbox is one
+	// that part holds (the process it was taken from, or a restored copy
+	// of it), none is missing, and each is provably in the state part
+	// saved. It says why not otherwise; any doubt is a "no".
+	Unchanged(ctx context.Context, part *ProcPart) (bool, string)
+}
+
 // FSSizer is implemented by FS back ends that can tell, after the fact,
 // the bytes an fs checkpoint added (its frozen layer). The manager asks in
 // the background, off the checkpoint's critical path, for checkpoints whose

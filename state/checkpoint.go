@@ -3,6 +3,7 @@ package state
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"sort"
 	"strconv"
 	"sync"
@@ -30,6 +31,22 @@ type TurnResult struct {
 	Durable bool   `json:"durable"`
 	// Report is the effect report auto mode decided on (nil otherwise).
 	Report *effect.Report `json:"report,omitempty"`
+	// Phases says where the call's own time went.
+	Phases TurnPhases `json:"phases"`
+}
+
+// TurnPhases is the daemon-side time of one turn call by phase, in
+// microseconds (the checkpoint it starts runs on: see Checkpoint.TookUS).
+type TurnPhases struct {
+	// WaitUS waits for the previous turn's checkpoint to end (its probe
+	// window opens then).
+	WaitUS int64 `json:"wait_us"`
+	// WindowUS closes the probe window and reads its report.
+	WindowUS int64 `json:"window_us"`
+	// DecideUS runs the policy.
+	DecideUS int64 `json:"decide_us"`
+	// TotalUS is the whole call (without Wait).
+	TotalUS int64 `json:"total_us"`
 }
 
 // Turn closes the probe window, decides (or takes req.Mode), and starts
@@ -52,6 +69,8 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	m.mu.Unlock()
 	s.turnMu.Lock()
 	defer s.turnMu.Unlock()
+	start := time.Now()
+	var ph TurnPhases
 
 	mode, reason := req.Mode, "requested"
 	var rep *effect.Report
@@ -66,9 +85,13 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 				return nil, ctx.Err()
 			}
 		}
+		ph.WaitUS = time.Since(start).Microseconds()
+		t := time.Now()
 		rep = m.endWindow(ctx, s)
+		ph.WindowUS = time.Since(t).Microseconds()
 		tr.Report = rep
 	}
+	tDecide := time.Now()
 	if mode == ModeAuto || mode == "" {
 		switch {
 		case win == nil:
@@ -93,6 +116,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 			tr.Reason = reason // why no policy decided
 		}
 		m.obs.Decided(polName, mode)
+		ph.DecideUS = time.Since(tDecide).Microseconds()
 	} else {
 		rep = nil
 	}
@@ -116,6 +140,8 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 		defer m.beginWindow(ctx, s)
 		res := &TurnResult{ID: head.rec.ID, Decision: ModeSkip, Reason: reason, Epoch: s.rec.Epoch, Status: head.rec.Status, Durable: head.rec.Durable, Report: rep}
 		m.mu.Unlock()
+		ph.TotalUS = time.Since(start).Microseconds()
+		res.Phases = ph
 		if req.Wait {
 			return m.waitResult(ctx, res)
 		}
@@ -126,6 +152,9 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 		ID: newID("ck-"), Parent: s.rec.Head, Sandbox: s.rec.ID, Seq: s.seq, Decision: mode, Reason: reason,
 		Status: CkptPending, Created: time.Now().UTC(), Epoch: s.rec.Epoch,
 	})
+	if mode == ModeFull && tr.Decision == ModeFull && !tr.Fallback && rep != nil && pol != nil {
+		c.recheck = &recheck{rep: rep, pol: pol}
+	}
 	m.ckpts[c.rec.ID] = c
 	s.rec.Head = c.rec.ID
 	tr.Applied, tr.Checkpoint = mode, c.rec.ID
@@ -133,6 +162,8 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	res := &TurnResult{ID: c.rec.ID, Decision: mode, Reason: reason, Epoch: s.rec.Epoch, Status: CkptPending, Report: rep}
 	m.mu.Unlock()
 	s.q.async(&m.wg, func() { m.doCheckpoint(s, c) })
+	ph.TotalUS = time.Since(start).Microseconds()
+	res.Phases = ph
 	if req.Wait {
 		return m.waitResult(ctx, res)
 	}
@@ -178,7 +209,23 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		}
 	}
 	mount, proc, removed := s.mount, s.proc, s.removed
+	var parentPart *ProcPart
+	if p := m.ckpts[c.rec.Parent]; mode == ModeFull && c.recheck != nil && p != nil && p.rec.Status == CkptReady && p.rec.Restorable {
+		parentPart, _ = m.procPartFor(p)
+	}
 	m.mu.Unlock()
+	if parentPart != nil && proc != nil && !removed {
+		if d, ok := m.shareProcs(s, c, proc, parentPart); ok {
+			m.mu.Lock()
+			mode = ModeFS
+			c.rec.Decision = ModeFS
+			c.rec.Reason = d
+			c.rec.ProcFrom = m.ckpts[c.rec.Parent].rec.ProcFrom
+			s.reports.setApplied(c.rec.ID, ModeFS)
+			m.mu.Unlock()
+		}
+	}
+	c.recheck = nil
 
 	var (
 		fsID   string
@@ -255,6 +302,40 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		m.makeDurable(s, c, proc, perr == nil)
 	}()
 	m.maybeAutoGC()
+}
+
+// shareProcs decides whether full checkpoint c, which its policy decided
+// on report c.recheck.rep, can share its parent's process part: the
+// process back end proves every live process unchanged since that part
+// (UnchangedChecker), and the policy, asked again on the report with the
+// processes' memory writes and cwd changes discounted (they provably left
+// no trace), no longer wants a full checkpoint. It returns the reason to
+// record. The checkpoint then becomes fs-only, whatever the policy said
+// (it may say skip: the turn has answered with a new id already).
+func (m *Manager) shareProcs(s *sbox, c *ckpt, proc ProcSandbox, part *ProcPart) (string, bool) {
+	uc, ok := proc.(UnchangedChecker)
+	if !ok {
+		return "", false
+	}
+	rep := c.recheck.rep
+	if rep.LostEvents > 0 || rep.Proc.NewLongLived > 0 || rep.Proc.Exited > 0 {
+		m.log.Debug("full checkpoint keeps its own process part", "sandbox", s.rec.Name, "id", c.rec.ID, "why", "processes born or gone", "proc", rep.Proc)
+		return "", false
+	}
+	ctx := context.Background()
+	same, why := uc.Unchanged(ctx, part)
+	if !same {
+		m.log.Debug("full checkpoint keeps its own process part", "sandbox", s.rec.Name, "id", c.rec.ID, "why", why)
+		return "", false
+	}
+	adj := *rep
+	adj.Mem.PagesWritten, adj.Mem.PerProc = 0, nil
+	adj.Proc.CwdChanges = 0
+	d, err := c.recheck.pol.Decide(ctx, &adj)
+	if err != nil || d.Mode == ModeFull || d.Fallback {
+		return "", false
+	}
+	return c.rec.Reason + "; the processes are provably unchanged since the parent's process part (" + why + "), and on the report without their memory and cwd effects the policy says " + string(d.Mode) + " (" + d.Reason + "), so fs", true
 }
 
 // fullCheckpoint takes the process part with the fs checkpoint in its
@@ -398,6 +479,34 @@ type RestoreResult struct {
 	ID    string `json:"id"`
 	Path  string `json:"path"`
 	Epoch uint64 `json:"epoch"`
+	// Phases says where the restore's time went.
+	Phases RestorePhases `json:"phases"`
+}
+
+// RestorePhases is the daemon-side time of one restore by phase, in
+// microseconds. The process back end's part is split at the fs switch:
+// what ran before it (preparing the copies, killing the live processes)
+// and after it (starting the copies, or a CRIU restore).
+type RestorePhases struct {
+	// QueueUS waits for the sandbox's earlier operations.
+	QueueUS int64 `json:"queue_us"`
+	// WindowUS closes the probe window before and reopens it after.
+	WindowUS int64 `json:"window_us"`
+	// UndoUS takes the undo point (0 when the head checkpoint is one).
+	UndoUS int64 `json:"undo_us"`
+	// Undo is "head" when the sandbox was exactly its head checkpoint and
+	// that served as the undo point, "checkpoint" when one was taken.
+	Undo string `json:"undo,omitempty"`
+	// KillUS is the process back end's work before the fs switch.
+	KillUS int64 `json:"kill_us"`
+	// SwitchUS is the fs switch.
+	SwitchUS int64 `json:"fs_switch_us"`
+	// ProcUS is the process back end's work after the fs switch.
+	ProcUS int64 `json:"proc_us"`
+	// PersistUS writes the sandbox's new head and epoch to the store.
+	PersistUS int64 `json:"persist_us"`
+	// TotalUS is the whole restore in the sandbox's order.
+	TotalUS int64 `json:"total_us"`
 }
 
 // Restore brings sandbox name back to checkpoint id: fs first, then the
@@ -425,8 +534,13 @@ func (m *Manager) Restore(ctx context.Context, name, id string, epoch uint64) (*
 	}
 	m.mu.Unlock()
 	var res *RestoreResult
+	queued := time.Now()
 	err = m.op(ctx, name, epoch, func(s *sbox) error {
+		q := time.Since(queued)
 		r, err := m.doRestore(ctx, s, c)
+		if r != nil {
+			r.Phases.QueueUS = q.Microseconds()
+		}
 		res = r
 		return err
 	})
@@ -447,28 +561,51 @@ func (m *Manager) procPartFor(c *ckpt) (*ProcPart, error) {
 
 // cleanHead returns the head checkpoint's parts when the sandbox is known
 // to be exactly its head: no operation ran since the head was taken or
-// restored, and the probe window that just ended saw no effect.
-func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (*ProcPart, string, bool) {
-	if rep == nil || rep.LostEvents > 0 || rep.FSChanged() || rep.ProcChanged() || rep.NetChanged() {
-		return nil, "", false
+// restored, and the probe window that just ended saw no effect. Otherwise
+// it says why not.
+func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (h cleanState, why string) {
+	switch {
+	case rep == nil:
+		return h, "no probe report"
+	case rep.LostEvents > 0:
+		return h, "the probe lost events"
+	case rep.FSChanged():
+		return h, "the probe saw file changes"
+	case rep.Proc.NewLongLived+rep.Proc.Exited+rep.Proc.CwdChanges > 0 || rep.Mem.PagesWritten > 0:
+		// Processes born and reaped in the window (rewind's own forks of
+		// templates among them) leave no process state behind.
+		return h, "the probe saw process changes"
+	case rep.NetChanged():
+		return h, "the probe saw network changes"
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	head := m.ckpts[s.rec.Head]
-	if s.dirty || head == nil || head.rec.Status != CkptReady || head.rec.FS == "" {
-		return nil, "", false
+	switch {
+	case s.dirty:
+		return h, "an operation ran since the head"
+	case head == nil || head.rec.Status != CkptReady || head.rec.FS == "":
+		return h, "no ready head checkpoint"
 	}
 	part, err := m.procPartFor(head)
 	if err != nil {
-		return nil, "", false
+		return h, err.Error()
 	}
-	return part, head.rec.FS, true
+	return cleanState{part: part, fs: head.rec.FS, procFrom: head.rec.ProcFrom}, ""
+}
+
+// cleanState is the head checkpoint of a sandbox that is exactly its head.
+type cleanState struct {
+	part     *ProcPart
+	fs       string
+	procFrom string
 }
 
 func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResult, error) {
 	m.gcMu.RLock()
 	defer m.gcMu.RUnlock()
 	start := time.Now()
+	var ph RestorePhases
 	m.mu.Lock()
 	if c.rec.Status != CkptReady {
 		m.mu.Unlock()
@@ -483,7 +620,9 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	}
 	bg := context.Background() // a restore, once started, is not abandoned half way
 	// The restore's own process work is not an effect of any turn.
+	t := time.Now()
 	rep := m.endWindow(bg, s)
+	ph.WindowUS = time.Since(t).Microseconds()
 	defer m.beginWindow(bg, s)
 	var path string
 	if mount != nil && proc != nil {
@@ -491,8 +630,31 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		// (no operation since it was taken or restored, and the probe saw
 		// no effect), the head is the undo point; otherwise the current
 		// state is saved like any checkpoint.
-		undo, undoFS, headUndo := m.cleanHead(s, rep)
-		if !headUndo {
+		t = time.Now()
+		head, why := m.cleanHead(s, rep)
+		undo, undoFS := head.part, head.fs
+		ph.Undo = "head"
+		m.mu.Lock()
+		procFrom := c.rec.ProcFrom
+		m.mu.Unlock()
+		if why == "" && head.procFrom == procFrom {
+			// The processes are in the state of the target's process
+			// part already (the head and the target share it, and
+			// nothing ran since the head): only the fs changes.
+			ph.UndoUS = time.Since(t).Microseconds()
+			t = time.Now()
+			if err := mount.Switch(bg, fsID); err != nil {
+				m.obs.Restored("", time.Since(start), err)
+				return nil, fmt.Errorf("restore %s: switch fs: %w", c.rec.ID, err)
+			}
+			ph.SwitchUS = time.Since(t).Microseconds()
+			return m.restored(s, c, "fs", start, ph)
+		}
+		if why != "" {
+			ph.Undo = "checkpoint"
+			if m.log.Enabled(bg, slog.LevelDebug) && rep != nil {
+				m.log.Debug("restore takes an undo checkpoint", "sandbox", s.rec.Name, "why", why, "fs", rep.FS, "proc", rep.Proc, "pages", rep.Mem.PagesWritten)
+			}
 			var ferr error
 			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc, true)
 			if err == nil {
@@ -516,14 +678,21 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 				}()
 			}()
 		}
-		undoTook := time.Since(start)
-		var switchTook time.Duration
+		ph.UndoUS = time.Since(t).Microseconds()
+		t = time.Now()
+		var switched, switchEnd time.Time
 		path, err = proc.Restore(bg, part, func() error {
-			t := time.Now()
-			defer func() { switchTook = time.Since(t) }()
+			switched = time.Now()
+			defer func() { switchEnd = time.Now() }()
 			return mount.Switch(bg, fsID)
 		})
-		m.log.Debug("restore phases", "sandbox", s.rec.Name, "undo_checkpoint", undoTook, "fs_switch", switchTook, "restore", time.Since(start)-undoTook)
+		if !switched.IsZero() {
+			ph.KillUS = switched.Sub(t).Microseconds()
+			ph.SwitchUS = switchEnd.Sub(switched).Microseconds()
+			ph.ProcUS = time.Since(switchEnd).Microseconds()
+		} else {
+			ph.KillUS = time.Since(t).Microseconds()
+		}
 		if err != nil {
 			if _, uerr := proc.Restore(bg, undo, func() error { return mount.Switch(bg, undoFS) }); uerr != nil {
 				m.log.Error("restore failed and so did going back", "sandbox", s.rec.Name, "err", uerr)
@@ -553,7 +722,9 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			}
 		}
 		if err == nil {
+			t = time.Now()
 			path, err = p.Restore(bg, part, func() error { return nil })
+			ph.ProcUS = time.Since(t).Microseconds()
 		}
 		if err != nil {
 			p.Close()
@@ -572,6 +743,13 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		s.mount, s.proc, s.win, s.winOpen = mnt, p, w, w != nil
 		m.mu.Unlock()
 	}
+	return m.restored(s, c, path, start, ph)
+}
+
+// restored ends a successful restore of s to c: the new head and epoch,
+// in memory and in the store.
+func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph RestorePhases) (*RestoreResult, error) {
+	bg := context.Background()
 	m.mu.Lock()
 	s.rec.Epoch++
 	s.rec.Head = c.rec.ID
@@ -579,11 +757,19 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	s.rec.Status, s.rec.Note = StatusRunning, ""
 	res := &RestoreResult{ID: c.rec.ID, Path: path, Epoch: s.rec.Epoch}
 	m.mu.Unlock()
+	t := time.Now()
 	if err := m.persist(func(b *batch) { b.putSandboxes = append(b.putSandboxes, cloneSandbox(&s.rec)) }); err != nil {
 		m.log.Error("restore metadata not written", "sandbox", s.rec.Name, "err", err)
 	}
+	ph.PersistUS = time.Since(t).Microseconds()
+	t = time.Now()
+	m.beginWindow(bg, s) // the deferred call then finds it open
+	ph.WindowUS += time.Since(t).Microseconds()
+	ph.TotalUS = time.Since(start).Microseconds()
+	res.Phases = ph
 	m.obs.Restored(path, time.Since(start), nil)
-	m.log.Info("restored", "sandbox", s.rec.Name, "checkpoint", c.rec.ID, "path", path, "epoch", res.Epoch, "took", time.Since(start))
+	m.log.Info("restored", "sandbox", s.rec.Name, "checkpoint", c.rec.ID, "path", path, "epoch", res.Epoch, "took", time.Since(start),
+		"window_us", ph.WindowUS, "undo", ph.Undo, "undo_us", ph.UndoUS, "kill_us", ph.KillUS, "fs_switch_us", ph.SwitchUS, "proc_us", ph.ProcUS, "persist_us", ph.PersistUS)
 	return res, nil
 }
 

@@ -107,6 +107,16 @@ type ckpt struct {
 	rec     Checkpoint
 	ready   chan struct{} // closed when Status leaves pending
 	durable chan struct{} // closed when the durable phase ended
+	// recheck, for a full checkpoint a policy decided, is what it decided
+	// on: the checkpoint asks the policy again, with the processes' memory
+	// and cwd effects discounted, when the process back end proves the
+	// processes unchanged since the parent's process part.
+	recheck *recheck
+}
+
+type recheck struct {
+	rep *effect.Report
+	pol Policy
 }
 
 func newCkpt(rec Checkpoint) *ckpt {

@@ -35,7 +35,10 @@ type TurnReport struct {
 	Reason   string `json:"reason,omitempty"`
 	Fallback bool   `json:"fallback,omitempty"`
 	// Applied is the mode the turn took: the decision, or a stronger one
-	// when the daemon overrode it (say, no earlier checkpoint to share).
+	// when the daemon overrode it (say, no earlier checkpoint to share),
+	// or fs for a full decision whose checkpoint shares its parent's
+	// process part because the processes provably did not change (the
+	// checkpoint's Reason says so).
 	Applied Mode `json:"applied"`
 	// Checkpoint is the id the turn answered (the head's on a skip).
 	Checkpoint string         `json:"checkpoint"`
@@ -62,6 +65,16 @@ type reportRing struct {
 	// added is closed (and replaced) whenever a report is added, to wake
 	// waiting readers.
 	added chan struct{}
+}
+
+// setApplied updates the Applied mode of the report that answered
+// checkpoint id, if the ring still holds it.
+func (r *reportRing) setApplied(id string, mode Mode) {
+	for i := range r.buf {
+		if r.buf[i].Checkpoint == id {
+			r.buf[i].Applied = mode
+		}
+	}
 }
 
 func (r *reportRing) add(size int, tr TurnReport) {

@@ -1,0 +1,131 @@
+package daemon_test
+
+import (
+	"context"
+	"log/slog"
+	"testing"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/client"
+	"github.com/rewind-sandbox/rewind/daemon"
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// turn ends a turn in auto mode and returns the checkpoint it answered with
+// and what that checkpoint really was once taken (a full decision becomes
+// fs when the shell provably did not change).
+func turn(t *testing.T, c *client.Client, name string) (string, *state.Checkpoint) {
+	t.Helper()
+	ctx := context.Background()
+	res, err := c.Turn(ctx, name, api.TurnRequest{Mode: "auto"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ck, err := c.Wait(ctx, res.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Decision == state.ModeSkip {
+		return res.ID, &state.Checkpoint{ID: res.ID, Decision: state.ModeSkip}
+	}
+	return res.ID, ck
+}
+
+// TestRealUnchangedShellSharesItsProcessPart drives a persistent bash in a
+// real sandbox under the effects policy: bash writes its own memory on
+// every command, yet a command that leaves its state alone (true, ls) must
+// not cost a new process checkpoint, while one that changes it (X=1, cd)
+// must; and restoring each checkpoint must bring back the shell's state.
+func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
+	d := startRealWith(t, t.TempDir(), func(cfg *daemon.Config) {
+		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
+		t.Fatal(err)
+	}
+	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run("mkdir -p /w && cd /w && X=0")
+	_, base := turn(t, c, "sh")
+	if base.Decision != state.ModeFull {
+		t.Fatalf("first turn: %s (%s), want full", base.Decision, base.Reason)
+	}
+
+	run("true")
+	_, ckTrue := turn(t, c, "sh")
+	run("ls / >/dev/null")
+	_, ckLs := turn(t, c, "sh")
+	for name, ck := range map[string]*state.Checkpoint{"true": ckTrue, "ls": ckLs} {
+		if ck.Decision == state.ModeFull {
+			t.Fatalf("%s: a full checkpoint (%s); the shell did not change", name, ck.Reason)
+		}
+		if ck.Decision == state.ModeFS && ck.ProcFrom != base.ID {
+			t.Fatalf("%s: fs checkpoint shares the processes of %s, want %s", name, ck.ProcFrom, base.ID)
+		}
+	}
+
+	run("X=1")
+	_, ckX := turn(t, c, "sh")
+	if ckX.Decision != state.ModeFull || ckX.ProcFrom != ckX.ID {
+		t.Fatalf("X=1: %s from %s (%s), want a full checkpoint of its own", ckX.Decision, ckX.ProcFrom, ckX.Reason)
+	}
+	run("echo data > /w/f")
+	_, ckFile := turn(t, c, "sh")
+	if ckFile.Decision != state.ModeFS || ckFile.ProcFrom != ckX.ID {
+		t.Fatalf("file write: %s from %s (%s), want fs sharing %s", ckFile.Decision, ckFile.ProcFrom, ckFile.Reason, ckX.ID)
+	}
+	run("cd /tmp")
+	_, ckCd := turn(t, c, "sh")
+	if ckCd.Decision != state.ModeFull {
+		t.Fatalf("cd: %s (%s), want full", ckCd.Decision, ckCd.Reason)
+	}
+
+	// Right after a turn nothing has run: restoring the checkpoint just
+	// taken, or one that shares its process part, only switches the fs,
+	// with the head as the undo point.
+	fsOnly := func(ck string) {
+		t.Helper()
+		res, err := c.Restore(ctx, "sh", ck, 0)
+		if err != nil {
+			t.Fatalf("restore %s: %v", ck, err)
+		}
+		if res.Path != "fs" || res.Phases.Undo != "head" {
+			t.Fatalf("restore %s: path %s, undo %s; want fs, head", ck, res.Path, res.Phases.Undo)
+		}
+	}
+	shellState := func() string { return run(`echo "$X $PWD $(cat /w/f 2>/dev/null)"`) }
+	fsOnly(ckCd.ID)
+	for _, tc := range []struct {
+		ck   string
+		want string
+	}{
+		{ckTrue.ID, "0 /w"},
+		{ckFile.ID, "1 /w data"},
+		{ckLs.ID, "0 /w"},
+		{ckCd.ID, "1 /tmp data"},
+		{ckFile.ID, "1 /w data"},
+	} {
+		if _, err := c.Restore(ctx, "sh", tc.ck, 0); err != nil {
+			t.Fatalf("restore %s: %v", tc.ck, err)
+		}
+		if got := shellState(); got != tc.want {
+			t.Fatalf("after restoring %s: %q, want %q", tc.ck, got, tc.want)
+		}
+	}
+	run("echo more >> /w/f")
+	_, ckMore := turn(t, c, "sh")
+	if ckMore.Decision != state.ModeFS {
+		t.Fatalf("append: %s (%s), want fs", ckMore.Decision, ckMore.Reason)
+	}
+	fsOnly(ckFile.ID) // a sibling's checkpoint with the same processes
+	if got := shellState(); got != "1 /w data" {
+		t.Fatalf("after restoring %s: %q", ckFile.ID, got)
+	}
+	run("echo data > /w/f")
+	if got := shellState(); got != "1 /w data" {
+		t.Fatalf("at the end: %q", got)
+	}
+}
