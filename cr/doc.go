@@ -12,6 +12,18 @@
 // session or group id, which a CRIU restore of that exact pid would meet
 // as "File exists", and CRIU can always dump it again.
 //
+// Templates cannot be hidden from the sandbox: a process cannot leave its
+// PID namespace, so the agent sees them and, being root there, can signal
+// them. What it cannot do is change them: a template is made undumpable
+// while every process of the sandbox is still held, so without
+// CAP_SYS_PTRACE (which sandboxes never have) no agent process can open its
+// /proc/PID/mem, environ, maps or descriptors, write it with
+// process_vm_writev, or attach (the engine's tracer is attached anyway);
+// signals other than SIGKILL are absorbed by the tracer. A killed template
+// or spare is noticed when it is next forked, and the restore falls back to
+// the image (or fails, saying so, if there is none). Copies get the
+// original's dumpable flag back just before they run.
+//
 // A restore forks the templates again (the copies are made before the old
 // processes are killed, so the page-table copy does not compete with their
 // teardown), kills the live processes, runs the caller's file-system switch
@@ -33,7 +45,11 @@
 // fork; their checkpoints take the CRIU path (Mode "criu"): every process is
 // stopped, dumped with --leave-running, and restored with exact pids, trees
 // and fresh stdio passed as inherited pipes. CRIU runs inside the sandbox's
-// namespaces and cgroups (cr/criu).
+// namespaces and cgroups (cr/criu), as root with every capability, so it is
+// kept from everything of the sandbox's it would use for itself: no
+// configuration file, plugin, program or kernel-feature cache of the
+// sandbox is read or run (cr/criu's kdat_linux.go says how), and a CRIU
+// that blocks is killed when its context ends.
 //
 // ShellDigest asks a template-forked copy of a persistent bash for its
 // state (variables, functions, aliases, options, traps, jobs, cwd, umask,

@@ -78,8 +78,6 @@ type Engine struct {
 	// aux are copies being dumped (pid -> sandbox id); they outlive a
 	// dropped checkpoint until criu is done with them.
 	aux map[int]string
-	// kdat is CRIU's kernel-feature cache for fresh fork children.
-	kdat kdatCache
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.
@@ -213,6 +211,8 @@ type template struct {
 	spare   *inject.Proc // pre-forked warmed copy (Config.Warm)
 	warming *inject.Proc // spare being pre-faulted
 	dirty   int64
+	// undumpable: the original was not dumpable (copies stay so).
+	undumpable bool
 }
 
 type ckpt struct {
@@ -550,10 +550,49 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 			}
 			return fail(fmt.Errorf("fork template of %d: %w", ip.Pid(), err))
 		}
-		tmpls = append(tmpls, &template{sandbox: t.ID(), orig: procs[i], proc: tp})
+		tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
+		tmpls = append(tmpls, tm)
+		// Before any process of the sandbox runs again.
+		if err := guard(tm, true); err != nil {
+			for _, tm := range tmpls {
+				_ = tm.proc.Kill()
+			}
+			return fail(fmt.Errorf("guard template of %d: %w", ip.Pid(), err))
+		}
 	}
 	release()
 	return tmpls, time.Since(start), nil
+}
+
+// guard makes a template undumpable. A template lives in the sandbox's PID
+// namespace, where the agent's processes run as root, but without
+// CAP_SYS_PTRACE: an undumpable process's memory (/proc/PID/mem,
+// process_vm_writev), descriptors, environment and maps are closed to them,
+// so they cannot change what a restore brings back (ptrace itself is taken:
+// the engine is attached). They can still kill it: a dead template is
+// noticed when it is next forked, and the image is used (see Restore).
+// With get, it first records whether the original was dumpable; the
+// copies released from the template get that back (release).
+func guard(tm *template, get bool) error {
+	if get {
+		d, err := tm.proc.Syscall(unix.SYS_PRCTL, unix.PR_GET_DUMPABLE)
+		if err != nil {
+			return err
+		}
+		tm.undumpable = d != 1
+	}
+	_, err := tm.proc.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, 0)
+	return err
+}
+
+// release makes a copy of tm dumpable again if the original was, just
+// before it runs as the live process.
+func release(tm *template, cp *inject.Proc) error {
+	if tm.undumpable {
+		return nil
+	}
+	_, err := cp.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, 1)
+	return err
 }
 
 // prepareTemplate gives the template /dev/null as stdio (so it holds no
@@ -957,6 +996,9 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 			}
 		} else {
 			ms = append(ms, made{tm: tm, p: cp})
+		}
+		if err := release(tm, cp); err != nil {
+			return fail(fmt.Errorf("copy of template %d: %w", tm.proc.Pid(), err))
 		}
 		if opts.Stdio == nil {
 			continue

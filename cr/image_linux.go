@@ -27,6 +27,8 @@ type image struct {
 	stdio [3]string
 	// stopped is true when the root was already stopped before the dump.
 	stopped bool
+	// undumpable: as template.undumpable (ModeTemplate).
+	undumpable bool
 }
 
 func (e *Engine) criuRunner() (*criu.Runner, error) {
@@ -40,6 +42,17 @@ func (e *Engine) criuRunner() (*criu.Runner, error) {
 		return nil, err
 	}
 	e.runner = r
+	// CRIU's kernel-feature cache (about a second to make) is ready before
+	// most runs need it; a run that comes first waits for it.
+	if !e.closing {
+		e.bg.Add(1)
+		go func() {
+			defer e.bg.Done()
+			if _, err := r.Kdat(context.Background()); err != nil {
+				e.log.Info("no criu kernel-feature cache: every criu run probes the kernel", "err", err)
+			}
+		}()
+	}
 	return r, nil
 }
 
@@ -132,7 +145,7 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 		if derr != nil {
 			return derr
 		}
-		imgs = append(imgs, image{orig: tm.orig, dir: dir, stopped: true})
+		imgs = append(imgs, image{orig: tm.orig, dir: dir, stopped: true, undumpable: tm.undumpable})
 	}
 	e.mu.Lock()
 	c.images = imgs
@@ -281,7 +294,12 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 			_ = ip.Kill()
 			return fail(err)
 		}
-		tmpls = append(tmpls, &template{sandbox: t.ID(), orig: im.orig, proc: ip})
+		tm := &template{sandbox: t.ID(), orig: im.orig, proc: ip, undumpable: im.undumpable}
+		tmpls = append(tmpls, tm)
+		// The image is of an undumpable copy; older images may not be.
+		if err := guard(tm, false); err != nil {
+			return fail(err)
+		}
 	}
 	return tmpls, nil
 }
@@ -294,14 +312,7 @@ func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts Res
 	if c.rec.Mode == ModeCRIU {
 		return e.restoreTrees(ctx, c, t, opts)
 	}
-	// The restored templates stay stopped: nothing of the agent runs in t
-	// while CRIU's cache is there.
-	e.startKdat()
-	seeded := e.seedKdat(t.InitPID())
 	tmpls, err := e.templatesFromImage(ctx, c, t)
-	if seeded {
-		unseedKdat(t.InitPID())
-	}
 	if err != nil {
 		return nil, err
 	}

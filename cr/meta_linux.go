@@ -18,6 +18,8 @@ type metaImage struct {
 	Dir     string    `json:"dir"` // relative to the checkpoint's image dir
 	Stdio   [3]string `json:"stdio"`
 	Stopped bool      `json:"stopped"`
+	// Undumpable: the original process was not dumpable.
+	Undumpable bool `json:"undumpable,omitempty"`
 }
 
 type meta struct {
@@ -34,7 +36,7 @@ func writeMeta(c *ckpt) error {
 		if err != nil {
 			return err
 		}
-		m.Images = append(m.Images, metaImage{Orig: im.orig, Dir: rel, Stdio: im.stdio, Stopped: im.stopped})
+		m.Images = append(m.Images, metaImage{Orig: im.orig, Dir: rel, Stdio: im.stdio, Stopped: im.stopped, Undumpable: im.undumpable})
 	}
 	for ns, st := range c.stoppedNS {
 		if st {
@@ -87,7 +89,7 @@ func (e *Engine) LoadImages() ([]Checkpoint, error) {
 				c = nil
 				break
 			}
-			c.images = append(c.images, image{orig: im.Orig, dir: filepath.Join(dir, im.Dir), stdio: im.Stdio, stopped: im.Stopped})
+			c.images = append(c.images, image{orig: im.Orig, dir: filepath.Join(dir, im.Dir), stdio: im.Stdio, stopped: im.Stopped, undumpable: im.Undumpable})
 		}
 		if c == nil {
 			continue

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -127,8 +128,7 @@ func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts Resto
 					if fd == 0 {
 						flags = unix.O_RDONLY
 					}
-					// The path names a file inside the sandbox.
-					f, err = os.OpenFile(fmt.Sprintf("/proc/%d/root%s", t.InitPID(), paths[fd]), flags|unix.O_CLOEXEC, 0)
+					f, err = openInSandbox(t.InitPID(), paths[fd], flags)
 					if err != nil {
 						return out, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
 					}
@@ -178,4 +178,31 @@ func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts Resto
 func subtree(pid int) []Proc {
 	ps, _ := descendants(pid, nil)
 	return ps
+}
+
+// openInSandbox opens path, a file inside the sandbox of init, from the
+// host side without following any of the sandbox's symlinks out of it:
+// "/proc/1/fd/N" (a descriptor the sandbox init holds, see Stdio) is the
+// init's own descriptor; any other path is resolved beneath the sandbox's
+// root, its symlinks read as rooted there. (Through /proc/<init>/root an
+// absolute symlink of the sandbox would name a host file.)
+func openInSandbox(init int, path string, flags int) (*os.File, error) {
+	if rest, ok := strings.CutPrefix(path, "/proc/1/fd/"); ok {
+		if n, err := strconv.Atoi(rest); err == nil && n >= 0 && strconv.Itoa(n) == rest {
+			return os.OpenFile(fmt.Sprintf("/proc/%d/fd/%d", init, n), flags|unix.O_CLOEXEC, 0)
+		}
+	}
+	root, err := unix.Open(fmt.Sprintf("/proc/%d/root", init), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open sandbox root: %w", err)
+	}
+	defer unix.Close(root)
+	fd, err := unix.Openat2(root, path, &unix.OpenHow{
+		Flags:   uint64(flags | unix.O_CLOEXEC | unix.O_NOCTTY),
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("open %s in the sandbox: %w", path, err)
+	}
+	return os.NewFile(uintptr(fd), path), nil
 }

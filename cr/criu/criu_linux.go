@@ -59,6 +59,8 @@ type Runner struct {
 	// libs are the host's loader and library directories criu runs with
 	// inside a sandbox (nil for a static criu).
 	libs *hostLibs
+	// kdat is CRIU's kernel-feature cache (see Kdat).
+	kdat kdatCache
 }
 
 // NewRunner finds criu (see Find) and prepares a private wrapper directory.
@@ -103,8 +105,9 @@ func (r *Runner) Close() error {
 // daemon never do: a later freeze of the sandbox would freeze criu in the
 // middle of its work.
 func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
+	env, args := r.hardening()
 	if nsPID == 0 {
-		return r.Path, nil
+		return r.script("host", "#!/bin/sh\n"+env+"exec '"+r.Path+"'"+args+" \"$@\"\n")
 	}
 	// Key by pid and start time: a pid reused by a later sandbox's init
 	// must not pick up a stale script.
@@ -116,8 +119,7 @@ func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 	if joinCgroups {
 		name += "-cg"
 	}
-	p := filepath.Join(r.WrapDir, name)
-	if _, err := os.Stat(p); err == nil {
+	if p := filepath.Join(r.WrapDir, name); fileExists(p) {
 		return p, nil
 	}
 	nsenter, err := exec.LookPath("nsenter")
@@ -135,13 +137,28 @@ func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 			fmt.Fprintf(&b, "echo $$ > '%s' || exit 97\n", f)
 		}
 	}
-	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- %s \"$@\"\n", nsenter, nsPID, r.libs.exec())
+	b.WriteString(env)
+	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- %s%s \"$@\"\n", nsenter, nsPID, r.libs.exec(), args)
+	return r.script(name, b.String())
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
+
+// script writes an executable script into WrapDir (once).
+func (r *Runner) script(name, text string) (string, error) {
+	p := filepath.Join(r.WrapDir, name)
+	if fileExists(p) {
+		return p, nil
+	}
 	tmp := p + ".tmp"
 	// Hold ForkLock while the script is open for writing: a child forked
 	// meanwhile (any goroutine's os/exec) would inherit the write fd until
 	// its exec, and exec'ing the script then fails with ETXTBSY.
 	syscall.ForkLock.Lock()
-	err = os.WriteFile(tmp, []byte(b.String()), 0o700)
+	err := os.WriteFile(tmp, []byte(text), 0o700)
 	syscall.ForkLock.Unlock()
 	if err != nil {
 		return "", err
@@ -233,6 +250,8 @@ func baseOpts(log string) *rpc.CriuOpts {
 		ExtUnixSk:       ptr(true),
 		FileLocks:       ptr(true),
 		OrphanPtsMaster: ptr(false),
+		// Only for where CRIU keeps its cache (see hardening).
+		Unprivileged: ptr(true),
 		// criu already runs in the sandbox's cgroups (see wrapper).
 		ManageCgroupsMode: ptr(rpc.CriuCgMode_IGNORE),
 		// The sandbox's network namespace is private: nothing to lock,
@@ -256,15 +275,15 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 	if err != nil {
 		return fmt.Errorf("criu dump: %w", err)
 	}
-	c, bin, err := r.criu(w, dir)
+	c, run, done, err := r.criu(ctx, w, dir)
 	if err != nil {
 		return fmt.Errorf("criu dump: %w", err)
 	}
-	defer bin.Close()
+	defer done()
 	opts := baseOpts(DumpLog)
 	opts.Pid = ptr(int32(o.Pid))
 	opts.LeaveRunning = ptr(o.LeaveRunning)
-	if err := runCtx(ctx, c, func() error { return c.Dump(opts, nil) }); err != nil {
+	if err := runCtx(ctx, run, func() error { return c.Dump(opts, nil) }); err != nil {
 		return &Error{Op: "dump", Log: filepath.Join(o.Dir, DumpLog), Err: err}
 	}
 	return nil
@@ -306,11 +325,11 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
-	c, bin, err := r.criu(w, dir)
+	c, run, done, err := r.criu(ctx, w, dir)
 	if err != nil {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
-	defer bin.Close()
+	defer done()
 	for k, f := range o.Inherit {
 		c.AddInheritFd(k, f)
 	}
@@ -321,7 +340,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		if err != nil {
 			return 0, fmt.Errorf("criu restore: %w", err)
 		}
-		stop, err := r.startLazyPages(lw, o.Dir)
+		stop, err := r.startLazyPages(ctx, lw, o.Dir)
 		if err != nil {
 			return 0, &Error{Op: "lazy-pages", Log: filepath.Join(o.Dir, LazyLog), Err: err}
 		}
@@ -329,7 +348,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		opts.LazyPages = ptr(true)
 	}
 	n := &notify{}
-	if err := runCtx(ctx, c, func() error { return c.Restore(opts, n) }); err != nil {
+	if err := runCtx(ctx, run, func() error { return c.Restore(opts, n) }); err != nil {
 		return 0, &Error{Op: "restore", Log: filepath.Join(o.Dir, RestoreLog), Err: err}
 	}
 	return int(n.pid), nil
@@ -341,7 +360,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 // run as a command. The returned stop reaps the daemon in the background:
 // it exits by itself once every page is in, and must not be killed before
 // (the restored process would fault on missing pages).
-func (r *Runner) startLazyPages(wrapper, dir string) (func(), error) {
+func (r *Runner) startLazyPages(ctx context.Context, wrapper, dir string) (func(), error) {
 	bin, err := os.Open(r.Path)
 	if err != nil {
 		return nil, err
@@ -352,15 +371,21 @@ func (r *Runner) startLazyPages(wrapper, dir string) (func(), error) {
 		return nil, err
 	}
 	defer d.Close()
+	run, runDone, err := r.runDir(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer run.Close()
 	sock := filepath.Join(dir, "lazy-pages.socket")
 	_ = os.Remove(sock)
 	cmd := exec.Command(wrapper, "lazy-pages", "--images-dir", "/proc/self/fd/4", "-o", LazyLog, "-v4")
-	cmd.ExtraFiles = append([]*os.File{bin, d}, r.libs.files()...)
+	cmd.ExtraFiles = append(append([]*os.File{bin, d}, r.libs.files()...), run)
 	if err := cmd.Start(); err != nil {
+		runDone()
 		return nil, err
 	}
 	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	go func() { done <- cmd.Wait(); runDone() }()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := os.Stat(sock); err == nil {
@@ -381,34 +406,50 @@ func (r *Runner) startLazyPages(wrapper, dir string) (func(), error) {
 	return func() { go func() { <-done }() }, nil
 }
 
-// criu prepares a go-criu handle: the criu binary becomes fd 3 and the
-// image dir fd 4 of the criu process (go-criu passes inherited files as
-// 3, 4, ... in key order).
-func (r *Runner) criu(wrapper string, dir *os.File) (*gocriu.Criu, *os.File, error) {
+// criu prepares a go-criu handle: the criu binary becomes fd 3, the image
+// dir fd 4, the host's loader and libraries 5 and on, and the run's private
+// directory (runDir) the next (go-criu passes inherited files as 3, 4, ...
+// in key order). done releases them once criu has exited.
+func (r *Runner) criu(ctx context.Context, wrapper string, dir *os.File) (c *gocriu.Criu, run *os.File, done func(), err error) {
 	bin, err := os.Open(r.Path)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	c := gocriu.MakeCriu()
+	run, runDone, err := r.runDir(ctx)
+	if err != nil {
+		bin.Close()
+		return nil, nil, nil, err
+	}
+	c = gocriu.MakeCriu()
 	c.SetCriuPath(wrapper)
 	c.AddInheritFd("00-criu-binary", bin)
 	c.AddInheritFd("01-images-dir", dir)
 	r.libs.addTo(c)
-	return c, bin, nil
+	c.AddInheritFd("03-criu-run", run)
+	return c, run, func() { bin.Close(); run.Close(); runDone() }, nil
 }
 
-// runCtx runs f, killing criu if ctx ends first.
-func runCtx(ctx context.Context, c *gocriu.Criu, f func() error) error {
+// runCtx runs f, the go-criu call of run dir, killing criu if ctx ends
+// first (go-criu's own Cleanup then reaps it).
+func runCtx(ctx context.Context, dir *os.File, f func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- f() }()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
-		_ = c.Cleanup()
-		<-done
-		return ctx.Err()
 	}
+	t := time.NewTicker(10 * time.Millisecond)
+	defer t.Stop()
+	for !killRun(dir.Name()) {
+		select {
+		case <-done:
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+	<-done
+	return ctx.Err()
 }
 
 // cgroupProcsFiles returns the cgroup.procs files of every cgroup pid is in

@@ -3,6 +3,7 @@ package criu
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -79,8 +80,14 @@ func TestWrapperUsesHostLoader(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer dir.Close()
+	run, runDone, err := r.runDir(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer runDone()
+	defer run.Close()
 	cmd := exec.Command(w, "--version")
-	cmd.ExtraFiles = append([]*os.File{bin, dir}, r.libs.files()...)
+	cmd.ExtraFiles = append(append([]*os.File{bin, dir}, r.libs.files()...), run)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	done := make(chan error, 1)

@@ -1,0 +1,197 @@
+package criu
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// criu runs inside a sandbox's mount namespace, where every path it opens
+// for itself is the sandbox's, and the sandbox is hostile. Left alone, a
+// CRIU 4.1.1 there reads its configuration from /etc/criu/default.conf and
+// $HOME/.criu/default.conf (an action-script then runs agent code as root
+// with every capability), loads plugins from /usr/lib/criu/, trusts a
+// kernel-feature cache at /run/criu.kdat (forged features, or a symlink to a
+// FIFO that blocks it), and, without a valid cache, probes the kernel by
+// exec'ing "sh -c iptables ..." through $PATH. So every criu the runner
+// starts gets:
+//
+//   - --no-default-config, and no CRIU_CONFIG_FILE: no configuration file;
+//   - --libdir, $PATH, $HOME and $XDG_RUNTIME_DIR naming a private
+//     directory of this process (a per-run copy made by runDir, passed as an
+//     inherited descriptor and named through criu's own /proc/self/fd), so
+//     no plugin, no program and no user file is found in the sandbox;
+//   - --unprivileged, whose only use here is that CRIU then reads and saves
+//     its cache in $XDG_RUNTIME_DIR, that private directory, instead of
+//     /run: it loads the cache Kdat made (by a privileged `criu check` in
+//     namespaces of its own, nothing of any sandbox involved). Otherwise
+//     --unprivileged only skips cgroup dumps (cgroups are ignored here
+//     anyway), time namespaces (none here) and a chroot into a root that is
+//     already criu's own; rewind runs criu as root, so every capability
+//     check still passes.
+//
+// A missing or stale cache now only costs a slow probe that finds no
+// programs to run; the sandbox's own /run/criu.kdat, whatever it is, is
+// never opened.
+
+// wrapperPidName is the file of a run directory where the wrapper script
+// writes its pid (see killRun).
+const wrapperPidName = "wrapper.pid"
+
+// kdatName is CRIU's cache file name.
+const kdatName = "criu.kdat"
+
+// maxKdat bounds the cache file the runner keeps.
+const maxKdat = 1 << 20
+
+// kdatCache is CRIU's cache as Kdat made it.
+type kdatCache struct {
+	mu   sync.Mutex
+	done bool
+	data []byte
+	err  error
+}
+
+// Kdat returns CRIU's kernel-feature cache, made once per runner by `criu
+// check` in new PID, network, UTS, IPC and mount namespaces with a private
+// tmpfs on /run, and copied into every run's private directory. The first
+// caller makes it (about a second); a failure is kept, and runs then probe
+// the kernel themselves.
+func (r *Runner) Kdat(ctx context.Context) ([]byte, error) {
+	r.kdat.mu.Lock()
+	defer r.kdat.mu.Unlock()
+	if !r.kdat.done {
+		r.kdat.data, r.kdat.err = r.makeKdat(ctx)
+		r.kdat.done = true
+	}
+	return r.kdat.data, r.kdat.err
+}
+
+// makeKdat runs `criu check` where it can save its cache and returns it.
+func (r *Runner) makeKdat(ctx context.Context) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	// criu check exits non-zero when an optional feature is missing: only
+	// the cache matters. Loopback is up, as in a sandbox (CRIU probes TCP
+	// repair on it). This runs in the host's file system: its programs
+	// and files are the host's.
+	script := `mount -t tmpfs -o size=1m,mode=0700 rewind-kdat /run || exit 1; ip link set lo up || exit 1; "$0" --no-default-config check >/dev/null 2>&1; exec cat /run/criu.kdat`
+	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", "--net", "--uts", "--ipc", "sh", "-c", script, r.Path)
+	var out bytes.Buffer
+	cmd.Stdout = &limitedWriter{w: &out, n: maxKdat}
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("criu check in private namespaces: %w", err)
+	}
+	if out.Len() == 0 || out.Len() >= maxKdat {
+		return nil, fmt.Errorf("criu check left a cache of %d bytes", out.Len())
+	}
+	return out.Bytes(), nil
+}
+
+// limitedWriter keeps at most n bytes.
+type limitedWriter struct {
+	w io.Writer
+	n int
+}
+
+func (l *limitedWriter) Write(p []byte) (int, error) {
+	k := len(p)
+	if k > l.n {
+		p = p[:l.n]
+	}
+	l.n -= len(p)
+	if _, err := l.w.Write(p); err != nil {
+		return 0, err
+	}
+	return k, nil
+}
+
+// runDir makes the private directory of one criu run: empty but for a copy
+// of the cache (criu may replace or remove its copy; no other run sees
+// that). The caller closes the returned directory and calls done once criu
+// has exited.
+func (r *Runner) runDir(ctx context.Context) (*os.File, func(), error) {
+	data, _ := r.Kdat(ctx) // without a cache criu probes (see above)
+	d, err := os.MkdirTemp(r.WrapDir, "run-")
+	if err != nil {
+		return nil, nil, fmt.Errorf("criu run directory: %w", err)
+	}
+	done := func() { _ = os.RemoveAll(d) }
+	if data != nil {
+		if err := os.WriteFile(filepath.Join(d, kdatName), data, 0o600); err != nil {
+			done()
+			return nil, nil, fmt.Errorf("criu run directory: %w", err)
+		}
+	}
+	f, err := os.Open(d)
+	if err != nil {
+		done()
+		return nil, nil, fmt.Errorf("criu run directory: %w", err)
+	}
+	return f, done, nil
+}
+
+// runFD is the descriptor number of the run directory in criu: after the
+// binary (3), the image directory (4) and the host's loader and libraries.
+func (r *Runner) runFD() int { return 5 + len(r.libs.files()) }
+
+// hardening is the part of the wrapper script that sets criu's environment
+// and the command line prefix that follows the binary (see above).
+func (r *Runner) hardening() (env, args string) {
+	run := "/proc/self/fd/" + strconv.Itoa(r.runFD())
+	env = "unset CRIU_CONFIG_FILE CRIU_LIBS_DIR\n" +
+		"echo $$ >" + run + "/" + wrapperPidName + " || exit 96\n" +
+		"export PATH=" + run + " HOME=" + run + " XDG_RUNTIME_DIR=" + run + "\n"
+	return env, " --no-default-config --unprivileged --libdir " + run
+}
+
+// killRun SIGKILLs the criu of the run whose directory is dir, and its
+// wrapper: the wrapper script execs nsenter (or criu), whose child is criu.
+// go-criu only closes its socket on cancellation and waits, which never
+// ends while criu is blocked (say, opening a FIFO of the sandbox). It
+// returns false if the wrapper has not written its pid yet.
+func killRun(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, wrapperPidName))
+	if err != nil {
+		return false
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 {
+		return false
+	}
+	// The wrapper is a child of this process that nobody has waited for
+	// (its pid cannot be reused). Its child, criu, cannot be reaped before
+	// it dies: one that is still listed after its pidfd is open is the
+	// same process.
+	children := func() []string {
+		c, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
+		return strings.Fields(string(c))
+	}
+	for _, k := range children() {
+		kid, err := strconv.Atoi(k)
+		if err != nil {
+			continue
+		}
+		fd, err := unix.PidfdOpen(kid, 0)
+		if err != nil {
+			continue
+		}
+		if slices.Contains(children(), k) {
+			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+		}
+		unix.Close(fd)
+	}
+	_ = unix.Kill(pid, unix.SIGKILL)
+	return true
+}
