@@ -432,7 +432,14 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 				}
 				if strings.HasPrefix(c.name, "seq read") {
 					_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
-					_ = fsReadAll(filepath.Join(tg.dir, "seqw"))
+					seqw := filepath.Join(tg.dir, "seqw")
+					if _, err := os.Stat(seqw); err != nil {
+						// The seq write row did not run (--rows).
+						if err := fsWriteRandom(seqw, int64(o.ioMiB)<<20); err != nil {
+							return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
+						}
+					}
+					_ = fsReadAll(seqw)
 				}
 				before := f.RequestCounts()
 				t0 := time.Now()
