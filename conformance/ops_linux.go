@@ -383,8 +383,13 @@ func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code)
 func (o *opState) run(ctx context.Context, argv []string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, shTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
-	cmd.Dir = o.root
+	// env changes into the root after its exec, not cmd.Dir before it:
+	// between clone and execve the Go runtime of this process, which also
+	// serves the FUSE mount, cannot always schedule the server's reader, so
+	// a chdir into the mount there can wait forever (seen in CI: the child
+	// hung in the GETATTR of its chdir, holding the connection open).
+	cmd := exec.CommandContext(ctx, "env", append([]string{"-C", o.root, "--"}, argv...)...)
+	cmd.Dir = "/"
 	cmd.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "LC_ALL=C", "HOME=/nonexistent",
 		"PYTHONDONTWRITEBYTECODE=1", "PYTHONHASHSEED=0", "SOURCE_DATE_EPOCH=0", "TZ=UTC"}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
