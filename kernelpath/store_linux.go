@@ -54,7 +54,9 @@ func InitStore(opts StoreImage) (StoreConfig, error) {
 	if !probeReflink(state) {
 		return cfg, fmt.Errorf("init-store: %s mounted on %s but reflink (FICLONE) does not work there", img, state)
 	}
-	if _, err := layer.OpenStore(state); err != nil {
+	// The daemon's layer store lives in STATE/layers (its state manager
+	// keeps STATE/meta).
+	if _, err := layer.OpenStore(filepath.Join(state, "layers")); err != nil {
 		return cfg, fmt.Errorf("init-store: %w", err)
 	}
 	if opts.ConfigPath != "" {

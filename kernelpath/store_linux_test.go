@@ -104,6 +104,11 @@ func TestSelfTest(t *testing.T) {
 			if r.FSType != kind || r.Freeze != FreezeReflink || r.Ioctl || r.LiveFDsFollow || r.Checkpoint <= 0 || r.Switch <= 0 {
 				t.Fatalf("self-test report: %+v", r)
 			}
+			// On btrfs the rejected alternative (a subvolume snapshot) is
+			// measured too, so doctor can explain the choice with numbers.
+			if (kind == "btrfs") != (r.Snapshot > 0) || (kind == "btrfs") != strings.Contains(r.Detail, "btrfs read-only snapshot") {
+				t.Fatalf("self-test on %s: snapshot %v, detail %q", kind, r.Snapshot, r.Detail)
+			}
 			t.Log(r.Detail)
 			if ents, _ := os.ReadDir(dir); len(ents) > 0 {
 				t.Fatalf("self-test left %v behind", ents)
