@@ -737,3 +737,28 @@ func lastLine(s string) string {
 	}
 	return s
 }
+
+// ChooseFS picks the file-system backend for sandboxes created with --fs
+// auto, by capability and by a short self-test, as the daemon does at
+// start: the kernel path (native overlayfs) when overlayfs answers the
+// layer-switch ioctl and the kernel path's self-test on stateDir's file
+// system passes (a scratch 100-entry checkpoint and a switch, timed);
+// FUSE otherwise. The reason says why, with the measured numbers when the
+// self-test ran.
+func ChooseFS(stateDir string) Choice {
+	dir := existingParent(stateDir)
+	switch err := kernelpath.ProbeSwitchIoctl(dir); {
+	case errors.Is(err, kernelpath.ErrIoctlAbsent):
+		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel switch cannot move a running sandbox's open fds and cwd to the new view, so sandboxes use the FUSE overlay (--fs kernel forces native overlayfs; `rewind doctor` shows the kernel path's measured numbers)"}
+	case err != nil:
+		return Choice{"fuse", "layer-switch ioctl probe failed (" + errnoDetail(err) + "): using the FUSE overlay"}
+	}
+	rep, err := kernelpath.SelfTest(dir)
+	switch {
+	case err != nil:
+		return Choice{"fuse", "the layer-switch ioctl is present but the kernel path's self-test failed (" + errnoDetail(err) + "): using the FUSE overlay"}
+	case !rep.LiveFDsFollow:
+		return Choice{"fuse", "self-test: " + rep.Detail + "; open fds do not follow a switch: using the FUSE overlay"}
+	}
+	return Choice{"kernel", "self-test: " + rep.Detail}
+}

@@ -17,3 +17,8 @@ func probeHost(_ context.Context, opts Options) *Report {
 			Detail: "rewind needs Linux (namespaces, FUSE, overlayfs, CRIU); this is " + runtime.GOOS}},
 	}
 }
+
+// ChooseFS picks FUSE off Linux (where no backend works).
+func ChooseFS(string) Choice {
+	return Choice{"fuse", "rewind needs Linux; this is " + runtime.GOOS}
+}

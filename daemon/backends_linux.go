@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
+	"github.com/rewind-sandbox/rewind/compat"
 	"github.com/rewind-sandbox/rewind/cr"
 	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/fs"
@@ -58,7 +59,12 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("host root: %w", err))
 	}
 	closers = append(closers, func() { unix.Unmount(hostRoot, unix.MNT_DETACH) })
-	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log, compactDepth: cfg.CompactDepth}
+	// --fs auto: native overlayfs only where it can switch a running
+	// sandbox's root in place (the patched kernel's ioctl, checked by a
+	// short self-test on the state dir's file system), FUSE otherwise.
+	choice := compat.ChooseFS(st.Dir())
+	log.Info("fs backend for --fs auto", "backend", choice.Backend, "reason", choice.Reason)
+	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log, compactDepth: cfg.CompactDepth, auto: choice.Backend}
 	if fsb.compactDepth == 0 {
 		fsb.compactDepth = DefaultCompactDepth
 	}
@@ -85,7 +91,7 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		}
 	}
 
-	be := &backendSet{fs: fsb, proc: pb, names: map[string]string{"fs": "fuse", "proc": "sandbox+cr"}}
+	be := &backendSet{fs: fsb, proc: pb, names: map[string]string{"fs": fsb.auto, "proc": "sandbox+cr"}}
 	be.collectors = append(be.collectors,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "rewind_template_pool_templates", Help: "Template processes held by the process checkpoint engine."},
 			func() float64 { return float64(eng.Stats().Templates) }),
@@ -126,6 +132,31 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 	return be, nil
 }
 
+// mountStore mounts the state dir's image (rewind init-store) when the
+// store config names this state dir and it is not mounted yet.
+func mountStore(cfg Config, log *slog.Logger) error {
+	path := cfg.StoreConfig
+	if path == "" {
+		path = kernelpath.DefaultStoreConfig
+	}
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	sc, err := kernelpath.LoadStoreConfig(path)
+	if err != nil {
+		return err
+	}
+	if filepath.Clean(sc.StateDir) != cfg.StateDir {
+		log.Debug("store config is for another state dir", "config", path, "state_dir", sc.StateDir)
+		return nil
+	}
+	if err := kernelpath.EnsureStore(sc); err != nil {
+		return fmt.Errorf("store config %s: %w", path, err)
+	}
+	log.Info("state dir on its store image", "state", cfg.StateDir, "image", sc.Image, "fs", sc.FS)
+	return nil
+}
+
 // bindHostRoot bind-mounts the host's root file system (not its submounts:
 // no /proc, /sys, /dev, /run and no sandbox mounts, so a sandbox root built
 // on it can never recurse into itself) read-only at dir.
@@ -159,6 +190,9 @@ type fsBackend struct {
 	// compactDepth: frozen layers that start a background compaction
 	// (<= 0: never).
 	compactDepth int
+	// auto is the backend --fs auto means on this host ("fuse" or
+	// "kernel", from compat.ChooseFS at daemon start).
+	auto string
 
 	mu    sync.Mutex
 	dirty bool
@@ -185,7 +219,7 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 	if _, err := b.st.Mount(id); err == nil {
 		b.st.RemoveMount(id)
 	}
-	if spec.Kind == "kernel" {
+	if b.ResolveKind(spec.Kind) == "kernel" {
 		return b.mountKernel(id, mp, spec, from)
 	}
 	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log})
@@ -209,6 +243,18 @@ func (b *fsBackend) mountKernel(id, mp string, spec state.FSSpec, from string) (
 		return nil, fmt.Errorf("--fs kernel needs overlayfs with the layer-switch ioctl (this kernel offers %q checkpoints, which cannot switch a running sandbox's root in place): use --fs fuse", mode)
 	}
 	return &fsMount{f: f, b: b}, nil
+}
+
+// ResolveKind implements state.FSKindResolver: "auto" (or "") is the
+// backend chosen at daemon start.
+func (b *fsBackend) ResolveKind(kind string) string {
+	if kind == "" || kind == "auto" {
+		if b.auto == "" {
+			return "fuse"
+		}
+		return b.auto
+	}
+	return kind
 }
 
 func (b *fsBackend) Mount(_ context.Context, id string, spec state.FSSpec) (state.FSMount, error) {

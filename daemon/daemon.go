@@ -54,6 +54,11 @@ type Config struct {
 	// WarmForks bounds the fork children prepared ahead of a repeated
 	// fork (state.Config.WarmForks); 0 prepares none.
 	WarmForks int
+	// StoreConfig is the store config `rewind init-store` writes ("" =
+	// kernelpath.DefaultStoreConfig). If it names this daemon's state dir,
+	// the real backend mounts its image there before using the state dir
+	// (after a reboot, for example). A missing file means no image.
+	StoreConfig string
 	// Version is reported by GET /v1/version.
 	Version string
 	Logger  *slog.Logger
@@ -110,6 +115,11 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	cfg.StateDir = stateDir
+	if cfg.Backend == "" || cfg.Backend == "real" {
+		if err := mountStore(cfg, log); err != nil {
+			return err
+		}
+	}
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return fmt.Errorf("state dir: %w", err)
 	}

@@ -59,6 +59,14 @@ type UnchangedChecker interface {
 	Unchanged(ctx context.Context, part *ProcPart) (bool, string)
 }
 
+// FSKindResolver is implemented by FS back ends that resolve the fs kind
+// "auto" to the backend they use on this host ("fuse" or "kernel"): the
+// manager records the resolved kind in the sandbox record, so a sandbox
+// says which backend it runs on and its forks and restores keep it.
+type FSKindResolver interface {
+	ResolveKind(kind string) string
+}
+
 // FSSizer is implemented by FS back ends that can tell, after the fact,
 // the bytes an fs checkpoint added (its frozen layer). The manager asks in
 // the background, off the checkpoint's critical path, for checkpoints whose

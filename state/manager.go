@@ -470,6 +470,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 		}
 		pol = p
 	}
+	if r, ok := m.cfg.FS.(FSKindResolver); ok {
+		req.FS = r.ResolveKind(req.FS)
+	}
 	rec := Sandbox{
 		ID: newID("sb-"), Name: req.Name, Bases: req.Bases, FSKind: req.FS, Policy: req.Policy,
 		Status: StatusRunning, Epoch: 1, Created: time.Now().UTC(),

@@ -22,6 +22,7 @@ import (
 	"github.com/rewind-sandbox/rewind/api"
 	"github.com/rewind-sandbox/rewind/client"
 	"github.com/rewind-sandbox/rewind/daemon"
+	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/state"
 )
 
@@ -686,6 +687,7 @@ func newDaemonCmd() *cobra.Command {
 	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 0, "private memory all templates may hold (0: 4 GiB)")
 	cmd.Flags().IntVar(&cfg.CompactDepth, "compact-depth", daemon.DefaultCompactDepth, "merge a sandbox's frozen layers in the background once its stack is this deep (-1: never)")
 	cmd.Flags().IntVar(&cfg.WarmForks, "warm-forks", 64, "fork children to prepare ahead of a repeated fork of a checkpoint (0: none)")
+	cmd.Flags().StringVar(&cfg.StoreConfig, "store-config", "", "store config written by rewind init-store, whose image is mounted on the state dir at start (default "+kernelpath.DefaultStoreConfig+")")
 	cmd.Flags().StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	return cmd
 }
