@@ -41,6 +41,10 @@ type FS struct {
 	chain   []string           // layers frozen from the live upper, bottom first
 	live    []string           // frozen layers the live overlay uses (the mount record's)
 	takenFP map[string]entryFP
+
+	// teardown counts detached overlays still being torn down in the
+	// background (Switch); Unmount waits for them.
+	teardown sync.WaitGroup
 }
 
 // maxChain bounds the delta layers stacked by consecutive checkpoints: at
@@ -426,7 +430,16 @@ func (f *FS) switchRemount(upper string, oldLayers []string, oldUpper string) er
 		return err
 	}
 	defer unix.Close(mfd)
-	oldGone, err := replace(mfd, f.mp)
+	oldGone, pin, err := replace(mfd, f.mp)
+	if pin >= 0 {
+		// The old overlay's teardown (a sync of the upper's file system)
+		// runs when its last reference goes: here, in the background.
+		f.teardown.Add(1)
+		go func() {
+			defer f.teardown.Done()
+			unix.Close(pin)
+		}()
+	}
 	if err != nil && oldGone {
 		// The fallback without MOVE_MOUNT_BENEATH failed after the old view
 		// was detached: mount the previous stack again (same upper) so the
@@ -630,6 +643,7 @@ func (f *FS) Unmount() error {
 	if f.closed {
 		return nil
 	}
+	defer f.teardown.Wait()
 	if cur := mountID(f.mp); f.mntID != 0 && cur != f.mntID {
 		// Our overlay is no longer there (detached as stale, or replaced by
 		// a newer mount of the same id): never unmount someone else's.
