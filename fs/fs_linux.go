@@ -1063,6 +1063,15 @@ func (f *FS) retargetPassthrough(old, next *stack) {
 			f.log.Warn("retarget open file", "path", p, "err", err)
 			continue
 		}
+		var ls unix.Stat_t
+		if unix.Fstatat(next.upper.fd, p, &ls, unix.AT_SYMLINK_NOFOLLOW) == nil && ls.Nlink > 1 {
+			// The live inode's other names in the discarded upper would
+			// count in its link count until that layer is removed in the
+			// background.
+			for _, q := range f.linkNames(old.upper, ls.Ino, uint64(ls.Nlink)-1) {
+				_ = unix.Unlinkat(old.upper.fd, q, 0)
+			}
+		}
 		if e.st.Nlink > 1 {
 			// The target's other names of that inode now name the live
 			// one in the new upper, so the link holds.
