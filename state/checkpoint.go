@@ -503,7 +503,8 @@ type RestorePhases struct {
 	SwitchUS int64 `json:"fs_switch_us"`
 	// ProcUS is the process back end's work after the fs switch.
 	ProcUS int64 `json:"proc_us"`
-	// PersistUS writes the sandbox's new head and epoch to the store.
+	// PersistUS writes the sandbox's new head and epoch to the store (0
+	// when that runs in the background: see Sandbox.EpochLimit).
 	PersistUS int64 `json:"persist_us"`
 	// TotalUS is the whole restore in the sandbox's order.
 	TotalUS int64 `json:"total_us"`
@@ -746,20 +747,50 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	return m.restored(s, c, path, start, ph)
 }
 
+// epochReserve is how many epochs past the current one a sandbox's stored
+// record vouches for (Sandbox.EpochLimit): restores within the reserve
+// write their new head and epoch to the store in the background.
+const epochReserve = 1024
+
 // restored ends a successful restore of s to c: the new head and epoch,
-// in memory and in the store.
+// in memory and in the store. A running sandbox's record is written in
+// the background unless the new epoch passes the stored EpochLimit (then
+// a new limit is written first, synchronously): a crash may lose the
+// record, and recovery starts the sandbox's epochs above the limit, so no
+// epoch handed out before the crash is ever accepted after it.
 func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph RestorePhases) (*RestoreResult, error) {
 	bg := context.Background()
 	m.mu.Lock()
+	wasRunning := s.rec.Status == StatusRunning
 	s.rec.Epoch++
+	sync := !wasRunning || s.rec.Epoch > s.rec.EpochLimit
+	if s.rec.Epoch > s.rec.EpochLimit {
+		s.rec.EpochLimit = s.rec.Epoch + epochReserve
+	}
 	s.rec.Head = c.rec.ID
 	s.dirty = false
 	s.rec.Status, s.rec.Note = StatusRunning, ""
 	res := &RestoreResult{ID: c.rec.ID, Path: path, Epoch: s.rec.Epoch}
 	m.mu.Unlock()
 	t := time.Now()
-	if err := m.persist(func(b *batch) { b.putSandboxes = append(b.putSandboxes, cloneSandbox(&s.rec)) }); err != nil {
-		m.log.Error("restore metadata not written", "sandbox", s.rec.Name, "err", err)
+	write := func() {
+		err := m.persist(func(b *batch) {
+			if !s.removed {
+				b.putSandboxes = append(b.putSandboxes, cloneSandbox(&s.rec))
+			}
+		})
+		if err != nil {
+			m.log.Error("restore metadata not written", "sandbox", s.rec.Name, "err", err)
+		}
+	}
+	if sync {
+		write()
+	} else {
+		m.wg.Add(1)
+		go func() {
+			defer m.wg.Done()
+			write()
+		}()
 	}
 	ph.PersistUS = time.Since(t).Microseconds()
 	t = time.Now()

@@ -231,7 +231,7 @@ func (m *Manager) recover(ctx context.Context) error {
 				m.log.Warn("process cleanup after restart", "sandbox", sb.Name, "err", err)
 			}
 			sb.Status = StatusStopped
-			sb.Epoch++
+			sb.Epoch = max(sb.Epoch, sb.EpochLimit) + 1
 			if rebooted {
 				sb.Note = "host rebooted; restore a checkpoint to bring it back"
 			} else {

@@ -63,16 +63,21 @@ const (
 
 // Sandbox is the persistent description of one sandbox.
 type Sandbox struct {
-	ID      string    `json:"id"`
-	Name    string    `json:"name"`
-	Bases   []string  `json:"bases,omitempty"`
-	FSKind  string    `json:"fs"`
-	Policy  string    `json:"policy,omitempty"`
-	Status  string    `json:"status"`
-	Epoch   uint64    `json:"epoch"`
-	Head    string    `json:"head,omitempty"`
-	Turns   uint64    `json:"turns"`
-	Created time.Time `json:"created"`
+	ID     string   `json:"id"`
+	Name   string   `json:"name"`
+	Bases  []string `json:"bases,omitempty"`
+	FSKind string   `json:"fs"`
+	Policy string   `json:"policy,omitempty"`
+	Status string   `json:"status"`
+	Epoch  uint64   `json:"epoch"`
+	// EpochLimit bounds every epoch handed out while this record was the
+	// stored one: restores write their new epoch in the background, so
+	// after a crash the store may hold an older epoch than a client saw,
+	// and recovery continues above EpochLimit.
+	EpochLimit uint64    `json:"epoch_limit,omitempty"`
+	Head       string    `json:"head,omitempty"`
+	Turns      uint64    `json:"turns"`
+	Created    time.Time `json:"created"`
 	// Origin is the checkpoint a forked sandbox was created from.
 	Origin string `json:"origin,omitempty"`
 	// Copy is the copy number of a forked sandbox (1..N), 0 otherwise.
