@@ -600,3 +600,68 @@ func TestRestoreFromCleanHead(t *testing.T) {
 		t.Fatalf("/f = %q", got)
 	}
 }
+
+// TestRestoreKeepsProcessesOfSharedPart: when the target shares its process
+// part with a clean head, a restore only switches the fs and leaves the
+// processes (and their state) alone.
+func TestRestoreKeepsProcessesOfSharedPart(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "write", "/f", "one")
+	e.run("a", "set", "v", "one")
+	c1 := e.turn("a", state.ModeFull, true)
+	e.run("a", "write", "/f", "two")
+	c2 := e.turn("a", state.ModeFS, true)
+	if r := e.restore("a", c1.ID); r.Path != "fs" || r.Phases.Undo != "head" {
+		t.Fatalf("restore of a checkpoint sharing the clean head's processes: path %s, undo %s", r.Path, r.Phases.Undo)
+	}
+	if got := e.run("a", "cat", "/f") + " " + e.run("a", "get", "v"); got != "one one" {
+		t.Fatalf("after the restore: %q", got)
+	}
+	// Not clean (an operation ran): the regular path, with an undo point.
+	e.run("a", "set", "v", "changed")
+	if r := e.restore("a", c2.ID); r.Path == "fs" || r.Phases.Undo != "checkpoint" {
+		t.Fatalf("restore of a dirty sandbox: path %s, undo %s", r.Path, r.Phases.Undo)
+	}
+	if got := e.run("a", "cat", "/f") + " " + e.run("a", "get", "v"); got != "two one" {
+		t.Fatalf("after the second restore: %q", got)
+	}
+}
+
+// TestEpochsAfterLostRestoreRecords: restores write their record in the
+// background; a crash that loses those writes must still never let an
+// epoch handed out before it be accepted after it.
+func TestEpochsAfterLostRestoreRecords(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	c := e.turn("a", state.ModeFull, true)
+	first := e.restore("a", c.ID)
+	old, err := e.m.Get("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := first.Epoch
+	for i := 0; i < 5; i++ {
+		last = e.restore("a", c.ID).Epoch
+	}
+	// The store as a crash right after the first restore's write leaves it.
+	if err := e.m.StoreSandboxForTest(old); err != nil {
+		t.Fatal(err)
+	}
+	e.m.CrashForTest()
+	e.open(false, "boot-1")
+	sb, err := e.m.Get("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sb.Epoch <= last {
+		t.Fatalf("epoch after recovery %d, but %d was handed out before the crash", sb.Epoch, last)
+	}
+	r := e.restore("a", c.ID)
+	if r.Epoch <= sb.Epoch {
+		t.Fatalf("restore after recovery: epoch %d", r.Epoch)
+	}
+	if _, err := e.m.Exec(e.ctx, "a", last, state.ExecRequest{Argv: []string{"echo"}}); !errors.Is(err, state.ErrStaleEpoch) {
+		t.Fatalf("an epoch from before the crash: %v", err)
+	}
+}
