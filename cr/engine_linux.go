@@ -655,6 +655,9 @@ func (e *Engine) makeSpare(tm *template) {
 	e.mu.Unlock()
 	if dropped {
 		_ = sp.Kill()
+		e.mu.Lock()
+		delete(e.aux, sp.Pid()) // dropTemplates made it a helper until now
+		e.mu.Unlock()
 	}
 }
 
@@ -1086,16 +1089,36 @@ func (e *Engine) dropTemplates(c *ckpt) {
 	e.mu.Lock()
 	tms := c.templates
 	c.templates = nil
+	var spares []*inject.Proc
 	for _, tm := range tms {
 		tm.dropped = true
+		// They stay helpers (TemplatePIDs) until they are gone, so that a
+		// listing of the live processes taken meanwhile never counts them
+		// as the agent's. A spare being warmed is makeSpare's to kill.
+		e.aux[tm.proc.Pid()] = tm.sandbox
+		if tm.spare != nil {
+			e.aux[tm.spare.Pid()] = tm.sandbox
+			spares = append(spares, tm.spare)
+		}
+		if tm.warming != nil {
+			e.aux[tm.warming.Pid()] = tm.sandbox
+		}
 	}
 	e.mu.Unlock()
+	for _, sp := range spares {
+		_ = sp.Kill()
+	}
 	for _, tm := range tms {
-		if tm.spare != nil {
-			_ = tm.spare.Kill()
-		}
 		_ = tm.proc.Kill()
 	}
+	e.mu.Lock()
+	for _, tm := range tms {
+		delete(e.aux, tm.proc.Pid())
+	}
+	for _, sp := range spares {
+		delete(e.aux, sp.Pid())
+	}
+	e.mu.Unlock()
 }
 
 // DropSandbox drops every checkpoint of sandbox sb (call before the sandbox
