@@ -680,11 +680,18 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	// Which session each process serves, to give restored copies their
 	// session's stdio back.
 	sessions := map[string]string{}
+	var shells []int
 	for _, s := range p.sb.Sessions() {
 		if pid := s.PID(); pid > 0 {
 			sessions[strconv.Itoa(pid)] = s.ID()
+			shells = append(shells, pid)
 		}
 	}
+	// A session's answer is read as soon as its process has written it,
+	// maybe before it is back in its read of the next command: give it a
+	// moment, so the checkpoint holds it waiting (and a shell's template
+	// can be asked for its state), not in the middle of that write.
+	settle(shells)
 	id := newCRID()
 	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier, Ephemeral: undo})
 	if err != nil {
@@ -811,7 +818,49 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		pairs = append(pairs, [2]int{r.PID, r.Orig.PID})
 	}
 	p.setOrigins(id, pairs)
+	pids := make([]int, 0, len(res.Procs))
+	for _, r := range res.Procs {
+		pids = append(pids, r.PID)
+	}
+	settle(pids)
 	return res.Path, nil
+}
+
+// settleTimeout bounds how long a restore waits for its copies to settle.
+const settleTimeout = 5 * time.Millisecond
+
+// settle waits, briefly, until none of pids is running (or stopped):
+// each has blocked in a system call. A copy released from its template
+// resumes the system call it was checkpointed in (a shell's read of its
+// next command) only once it is scheduled; had it not run before the next
+// probe window opens, that window would count it as having run (written
+// memory, for the probe's estimate), and the sandbox would no longer be
+// exactly its head. A process that keeps running past the deadline is
+// simply left to run.
+func settle(pids []int) {
+	deadline := time.Now().Add(settleTimeout)
+	for _, pid := range pids {
+		for time.Now().Before(deadline) {
+			st, err := procStateOf(pid)
+			if err != nil || (st != 'R' && st != 't' && st != 'T') {
+				break
+			}
+			time.Sleep(20 * time.Microsecond)
+		}
+	}
+}
+
+// procStateOf returns the state letter of /proc/pid/stat.
+func procStateOf(pid int) (byte, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || i+2 >= len(b) {
+		return 0, fmt.Errorf("bad stat of %d", pid)
+	}
+	return b[i+2], nil
 }
 
 func (p *procSandbox) Close() error {

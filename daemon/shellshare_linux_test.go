@@ -83,9 +83,9 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 		t.Fatalf("cd: %s (%s), want full", ckCd.Decision, ckCd.Reason)
 	}
 
-	// Right after a turn nothing has run: restoring the checkpoint just
-	// taken, or one that shares its process part, only switches the fs,
-	// with the head as the undo point.
+	// Right after a turn or a restore nothing has run: restoring the
+	// checkpoint just taken or restored, or one that shares its process
+	// part, only switches the fs, with the head as the undo point.
 	fsOnly := func(ck string) {
 		t.Helper()
 		res, err := c.Restore(ctx, "sh", ck, 0)
@@ -111,6 +111,7 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 		if _, err := c.Restore(ctx, "sh", tc.ck, 0); err != nil {
 			t.Fatalf("restore %s: %v", tc.ck, err)
 		}
+		fsOnly(tc.ck) // right after a restore, nothing ran either
 		if got := shellState(); got != tc.want {
 			t.Fatalf("after restoring %s: %q, want %q", tc.ck, got, tc.want)
 		}
