@@ -290,6 +290,10 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 // of a run without a crash — the same files and background jobs as the live
 // sandbox had, and the cwd and variables the trace's commands set (a
 // baseline that restarted the shell has lost them even before the crash).
+// The check is the harness's own observation, not part of the search, and
+// none of its calls is charged: it ends with one more restore of id, so the
+// search goes on from the recovered state itself, not from that state plus
+// the commands that read its digest.
 func crashCheck(ctx context.Context, m Manager, id string, want shellState) (bool, error) {
 	live, err := m.Digest(ctx)
 	if err != nil {
@@ -300,6 +304,9 @@ func crashCheck(ctx context.Context, m Manager, id string, want shellState) (boo
 	}
 	got, err := m.Digest(ctx)
 	if err != nil {
+		return false, err
+	}
+	if _, err := m.Restore(ctx, id); err != nil {
 		return false, err
 	}
 	liveFiles, _, _ := strings.Cut(live, " cwd=")

@@ -654,7 +654,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		if why != "" {
 			ph.Undo = "checkpoint"
 			if m.log.Enabled(bg, slog.LevelDebug) && rep != nil {
-				m.log.Debug("restore takes an undo checkpoint", "sandbox", s.rec.Name, "why", why, "fs", rep.FS, "proc", rep.Proc, "pages", rep.Mem.PagesWritten)
+				m.log.Debug("restore takes an undo checkpoint", "sandbox", s.rec.Name, "why", why, "fs", rep.FS, "proc", rep.Proc, "pages", rep.Mem.PagesWritten, "per_proc", rep.Mem.PerProc)
 			}
 			var ferr error
 			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc, true)
