@@ -1074,48 +1074,66 @@ func (e *Engine) imageReady(c *ckpt) bool {
 func (e *Engine) Drop(id string) {
 	e.mu.Lock()
 	c, ok := e.ckpts[id]
+	var r retired
 	if ok {
 		delete(e.ckpts, id)
+		r = e.retireLocked(c)
 	}
 	e.mu.Unlock()
 	if !ok {
 		return
 	}
-	e.dropTemplates(c)
+	e.kill(r)
 	e.removeImage(c)
 }
 
 func (e *Engine) dropTemplates(c *ckpt) {
 	e.mu.Lock()
-	tms := c.templates
+	r := e.retireLocked(c)
+	e.mu.Unlock()
+	e.kill(r)
+}
+
+// retired are templates taken from their checkpoint, to be killed.
+type retired struct {
+	tms    []*template
+	spares []*inject.Proc
+}
+
+// retireLocked takes c's templates away (e.mu held). They stay helpers
+// (TemplatePIDs) until kill is done with them, so that a listing of the
+// live processes taken meanwhile never counts them as the agent's. A spare
+// being warmed is makeSpare's to kill.
+func (e *Engine) retireLocked(c *ckpt) retired {
+	r := retired{tms: c.templates}
 	c.templates = nil
-	var spares []*inject.Proc
-	for _, tm := range tms {
+	for _, tm := range r.tms {
 		tm.dropped = true
-		// They stay helpers (TemplatePIDs) until they are gone, so that a
-		// listing of the live processes taken meanwhile never counts them
-		// as the agent's. A spare being warmed is makeSpare's to kill.
 		e.aux[tm.proc.Pid()] = tm.sandbox
 		if tm.spare != nil {
 			e.aux[tm.spare.Pid()] = tm.sandbox
-			spares = append(spares, tm.spare)
+			r.spares = append(r.spares, tm.spare)
 		}
 		if tm.warming != nil {
 			e.aux[tm.warming.Pid()] = tm.sandbox
 		}
 	}
-	e.mu.Unlock()
-	for _, sp := range spares {
+	return r
+}
+
+// kill kills retired templates and their spares.
+func (e *Engine) kill(r retired) {
+	for _, sp := range r.spares {
 		_ = sp.Kill()
 	}
-	for _, tm := range tms {
+	for _, tm := range r.tms {
 		_ = tm.proc.Kill()
 	}
 	e.mu.Lock()
-	for _, tm := range tms {
+	for _, tm := range r.tms {
 		delete(e.aux, tm.proc.Pid())
 	}
-	for _, sp := range spares {
+	for _, sp := range r.spares {
 		delete(e.aux, sp.Pid())
 	}
 	e.mu.Unlock()

@@ -697,6 +697,9 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	if err != nil {
 		return nil, err
 	}
+	// The processes were stopped for their templates: let the shells get
+	// back into their read before the next probe window opens.
+	settle(shells)
 	p.mu.Lock()
 	p.ckpts[id] = true
 	p.mu.Unlock()

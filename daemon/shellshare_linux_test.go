@@ -86,15 +86,23 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 	// Right after a turn or a restore nothing has run: restoring the
 	// checkpoint just taken or restored, or one that shares its process
 	// part, only switches the fs, with the head as the undo point.
+	// (The probe counts a process that merely ran as having written
+	// memory: should the shell be scheduled once more after a window
+	// opened, the head is not provably clean and the regular path is
+	// right. A second restore right after then finds it clean.)
 	fsOnly := func(ck string) {
 		t.Helper()
-		res, err := c.Restore(ctx, "sh", ck, 0)
-		if err != nil {
-			t.Fatalf("restore %s: %v", ck, err)
+		var res *api.RestoreResult
+		for try := 0; try < 3; try++ {
+			var err error
+			if res, err = c.Restore(ctx, "sh", ck, 0); err != nil {
+				t.Fatalf("restore %s: %v", ck, err)
+			}
+			if res.Path == "fs" && res.Phases.Undo == "head" {
+				return
+			}
 		}
-		if res.Path != "fs" || res.Phases.Undo != "head" {
-			t.Fatalf("restore %s: path %s, undo %s; want fs, head", ck, res.Path, res.Phases.Undo)
-		}
+		t.Fatalf("restore %s: path %s, undo %s; want fs, head", ck, res.Path, res.Phases.Undo)
 	}
 	shellState := func() string { return run(`echo "$X $PWD $(cat /w/f 2>/dev/null)"`) }
 	fsOnly(ckCd.ID)
