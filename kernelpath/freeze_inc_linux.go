@@ -90,6 +90,9 @@ func freezeDelta(src, dst string, prev map[string]entryFP, reflink bool, fstype 
 	if !reflink || fstype != "btrfs" {
 		c.small = smallFileXFS
 	}
+	if err := c.knowSetgid(); err != nil {
+		return nil, 0, err
+	}
 	z := &incFreezer{treeCopier: c, prev: prev, prevDirs: map[uint64]string{}, children: map[string][]string{}}
 	for p, e := range prev {
 		if e.mode&unix.S_IFMT == unix.S_IFDIR {
@@ -149,7 +152,7 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 			if err != nil {
 				return fmt.Errorf("/%s: %w", cp, err)
 			}
-			if err := z.copyEntry(ufd, dfd, name, cp); err != nil {
+			if err := z.copyEntryStat(ufd, dfd, name, cp, &st); err != nil {
 				return fmt.Errorf("/%s: %w", cp, err)
 			}
 			z.changed++

@@ -68,6 +68,23 @@ type treeCopier struct {
 	// noOvl drops every trusted.overlay.* xattr (incremental freeze sets
 	// the flags itself).
 	noOvl bool
+	// rootSetgid, when set, is whether every directory files are created
+	// in has the setgid bit: a freeze creates its directories (mode 0700,
+	// inheriting only the layer root's setgid bit) and gives them their
+	// modes after their children, so the layer root decides. Nil: ask the
+	// directory for each file.
+	rootSetgid *bool
+}
+
+// knowSetgid sets c.rootSetgid from the layer root dstRoot.
+func (c *treeCopier) knowSetgid() error {
+	var st unix.Stat_t
+	if err := unix.Fstat(c.dstRoot, &st); err != nil {
+		return fmt.Errorf("layer root: %w", err)
+	}
+	g := st.Mode&unix.S_ISGID != 0
+	c.rootSetgid = &g
+	return nil
 }
 
 // smallFileXFS is the size up to which a frozen file's data is copied
@@ -95,6 +112,10 @@ func freezeTree(src, dst string, reflink bool, fstype string) (map[string]entryF
 		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask()}
 	if !reflink || fstype != "btrfs" {
 		c.small = smallFileXFS
+	}
+	if err := c.knowSetgid(); err != nil {
+		unix.Close(sfd)
+		return nil, err
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(sfd, &st); err != nil {
@@ -141,6 +162,13 @@ func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
 	if err := unix.Fstatat(src, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return err
 	}
+	return c.copyEntryStat(src, dst, name, rel, &st)
+}
+
+// copyEntryStat is copyEntry for an entry the caller has just stat'ed
+// (the sandbox is frozen meanwhile): one syscall less per entry.
+func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Stat_t) error {
+	st := *stp
 	c.fp[rel] = fpOf(&st)
 	const oflags = unix.O_NOFOLLOW | unix.O_CLOEXEC
 	switch st.Mode & unix.S_IFMT {
@@ -393,6 +421,9 @@ func dirFlags(fd int) (opaque bool, redirect string) {
 // parentSetgid reports whether directory fd dir has the setgid bit (new
 // entries then inherit its group).
 func (c *treeCopier) parentSetgid(dir int) bool {
+	if c.rootSetgid != nil {
+		return *c.rootSetgid
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(dir, &st); err != nil {
 		return true

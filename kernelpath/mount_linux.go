@@ -45,6 +45,12 @@ type FS struct {
 	// teardown counts detached overlays still being torn down in the
 	// background (Switch); Unmount waits for them.
 	teardown sync.WaitGroup
+
+	// The background sync of checkpoint records (syncSoon).
+	syncMu    sync.Mutex
+	syncing   bool // a sync goroutine runs
+	syncAgain bool // a record came while it ran: sync once more
+	syncWG    sync.WaitGroup
 }
 
 // maxChain bounds the delta layers stacked by consecutive checkpoints: at
@@ -327,12 +333,46 @@ func (f *FS) saveCheckpoint(c layer.Checkpoint) error {
 	if err := layer.WriteFileAtomic(p, b, false); err != nil {
 		return err
 	}
+	f.syncSoon()
+	return nil
+}
+
+// syncDelay is how long the background sync of checkpoint records waits
+// for more checkpoints to share one syncfs: frequent checkpoints (a tree
+// search takes one every few milliseconds) then pay one sync per window
+// rather than one each, which slowed the next checkpoint's own writes
+// (100-entry delta p50 1.9-2.2 ms with one sync per checkpoint, 1.6 ms
+// without any, on loop XFS).
+const syncDelay = 20 * time.Millisecond
+
+// syncSoon syncs the store's file system in the background, once for all
+// the checkpoints recorded within syncDelay (and again if more come while
+// it syncs). Unmount waits for it.
+func (f *FS) syncSoon() {
+	f.syncMu.Lock()
+	defer f.syncMu.Unlock()
+	if f.syncing {
+		f.syncAgain = true
+		return
+	}
+	f.syncing = true
+	f.syncWG.Add(1)
 	go func() {
-		if err := syncFS(p); err != nil {
-			f.log.Debug("kernelpath: background sync of checkpoint record", "err", err)
+		defer f.syncWG.Done()
+		for {
+			time.Sleep(syncDelay)
+			if err := syncFS(f.st.Dir()); err != nil {
+				f.log.Debug("kernelpath: background sync of checkpoint records", "err", err)
+			}
+			f.syncMu.Lock()
+			again := f.syncAgain
+			f.syncAgain, f.syncing = false, again
+			f.syncMu.Unlock()
+			if !again {
+				return
+			}
 		}
 	}()
-	return nil
 }
 
 // syncFS syncs the file system holding path.
@@ -643,6 +683,7 @@ func (f *FS) Unmount() error {
 	if f.closed {
 		return nil
 	}
+	defer f.syncWG.Wait()
 	defer f.teardown.Wait()
 	if cur := mountID(f.mp); f.mntID != 0 && cur != f.mntID {
 		// Our overlay is no longer there (detached as stale, or replaced by
