@@ -26,9 +26,12 @@
 //
 // A restore forks the templates again (the copies are made before the old
 // processes are killed, so the page-table copy does not compete with their
-// teardown), kills the live processes, runs the caller's file-system switch
-// and releases the copies with fresh stdio opened inside them from paths
-// the caller supplies. With Config.Warm a pre-forked, pre-faulted spare of
+// teardown, and a failed fork leaves them running), sends SIGKILL to the
+// live processes and, while they die, gives the copies their own sessions
+// and fresh stdio opened inside them from paths the caller supplies; once
+// the old processes are exiting it runs the caller's file-system switch and
+// releases the copies. All the ptrace work of one restore is one hand-over
+// to the tracer thread. With Config.Warm a pre-forked, pre-faulted spare of
 // each template waits ready (async-warm): a restore then needs no fork and
 // the restored process meets no copy-on-write faults.
 //

@@ -732,6 +732,25 @@ func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, err
 	return killed, nil
 }
 
+// signalLive sends SIGKILL to every live process of t but keep, without
+// waiting (killLive then waits).
+func (e *Engine) signalLive(t Target, keep []int) {
+	skip := e.templatePids(t.ID())
+	for _, p := range keep {
+		skip[p] = true
+	}
+	procs, err := walk(t.InitPID(), skip, false)
+	if err != nil {
+		return
+	}
+	for _, p := range procs {
+		if fd, err := unix.PidfdOpen(p.PID, 0); err == nil {
+			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+			unix.Close(fd)
+		}
+	}
+}
+
 // waitGone waits until the killed processes are reaped, so their pids are
 // free again (CRIU restores exact pids).
 func waitGone(ctx context.Context, pids []int) error {
@@ -804,7 +823,10 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		// processes still run, so the fork does not compete with their
 		// teardown; then the old ones are killed, the fs switched, and the
 		// copies released.
-		ms, err := e.prepareCopies(c, opts, true)
+		// The live processes are sent SIGKILL as soon as the copies
+		// exist (a failed fork leaves them running), so they die while
+		// the copies' sessions and stdio are set up.
+		ms, err := e.prepareCopies(c, opts, true, func(pids []int) { e.signalLive(t, pids) })
 		if err == nil {
 			if _, err := e.killLive(ctx, t, copyPids(ms)); err != nil {
 				killCopies(ms)
@@ -944,7 +966,7 @@ type made struct {
 // spawn forks every template of c (or takes its warmed spare), wires stdio
 // and lets the copies run. On error every copy made so far is killed.
 func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored, error) {
-	ms, err := e.prepareCopies(c, opts, useSpare)
+	ms, err := e.prepareCopies(c, opts, useSpare, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -965,13 +987,26 @@ func copyPids(ms []made) []int {
 	return out
 }
 
-// prepareCopies makes the stopped copies.
-func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]made, error) {
+// prepareCopies makes the stopped copies, in one hand-over to the tracer
+// thread (see inject.Tracer.Do). afterForks, if set, runs once every copy
+// exists, before their sessions and stdio are set up, with their pids.
+func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int)) (ms []made, err error) {
+	err = e.tracer.Do(func() error {
+		var err error
+		ms, err = e.prepareCopiesOn(c, opts, useSpare, afterForks)
+		return err
+	})
+	return ms, err
+}
+
+// prepareCopiesOn is prepareCopies on the tracer thread.
+func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int)) ([]made, error) {
 	var ms []made
 	fail := func(err error) ([]made, error) {
 		killCopies(ms)
 		return nil, err
 	}
+	var fresh []bool
 	for _, tm := range e.tmpls(c) {
 		var cp *inject.Proc
 		if useSpare && e.cfg.Warm {
@@ -984,21 +1019,29 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 				cp = nil
 			}
 		}
-		if cp == nil {
+		forked := cp == nil
+		if forked {
 			var err error
 			cp, err = tm.proc.Fork(true)
 			if err != nil {
 				return fail(fmt.Errorf("fork template %d of %d: %w", tm.proc.Pid(), tm.orig.PID, err))
 			}
-			ms = append(ms, made{tm: tm, p: cp})
-			// Every copy leads its own session, as the sandbox's
-			// sessions do: nothing it holds refers to a pid a later
-			// CRIU restore may need, and CRIU can dump it again.
+		}
+		ms = append(ms, made{tm: tm, p: cp})
+		fresh = append(fresh, forked)
+	}
+	if afterForks != nil {
+		afterForks(copyPids(ms))
+	}
+	for i := range ms {
+		tm, cp := ms[i].tm, ms[i].p
+		// Every copy leads its own session, as the sandbox's sessions
+		// do: nothing it holds refers to a pid a later CRIU restore may
+		// need, and CRIU can dump it again. (A spare does already.)
+		if fresh[i] {
 			if err := cp.Setsid(); err != nil {
 				return fail(err)
 			}
-		} else {
-			ms = append(ms, made{tm: tm, p: cp})
 		}
 		if err := release(tm, cp); err != nil {
 			return fail(fmt.Errorf("copy of template %d: %w", tm.proc.Pid(), err))
@@ -1010,7 +1053,7 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 		if err != nil {
 			return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
 		}
-		ms[len(ms)-1].st = st
+		ms[i].st = st
 		if st == nil {
 			continue
 		}
@@ -1024,15 +1067,21 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool) ([]m
 // startCopies lets prepared copies run and calls their Started hooks.
 func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, error) {
 	out := make([]Restored, 0, len(ms))
-	for i, m := range ms {
-		if err := m.p.Detach(); err != nil {
-			killCopies(ms[i:])
-			for _, r := range out {
-				_ = unix.Kill(r.PID, unix.SIGKILL)
+	err := e.tracer.Do(func() error {
+		for i, m := range ms {
+			if err := m.p.Detach(); err != nil {
+				killCopies(ms[i:])
+				for _, r := range out {
+					_ = unix.Kill(r.PID, unix.SIGKILL)
+				}
+				return err
 			}
-			return nil, err
+			out = append(out, Restored{Orig: m.tm.orig, PID: m.p.Pid()})
 		}
-		out = append(out, Restored{Orig: m.tm.orig, PID: m.p.Pid()})
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	for _, m := range ms {
 		if m.st != nil && m.st.Started != nil {

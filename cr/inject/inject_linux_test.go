@@ -287,3 +287,32 @@ func TestKillFrozenDoesNotBlockTracer(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// Calls made on the tracer thread (inside Do) run inline instead of
+// waiting for the thread they are on.
+func TestNestedDoRunsInline(t *testing.T) {
+	tr := NewTracer()
+	defer tr.Close()
+	done := make(chan error, 1)
+	go func() {
+		var inner int
+		done <- tr.Do(func() error {
+			outer := unix.Gettid()
+			return tr.Do(func() error {
+				inner = unix.Gettid()
+				if inner != outer {
+					return fmt.Errorf("inner call on thread %d, outer on %d", inner, outer)
+				}
+				return nil
+			})
+		})
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nested Do deadlocks")
+	}
+}
