@@ -54,6 +54,15 @@
 // sandbox is read or run (cr/criu's kdat_linux.go says how), and a CRIU
 // that blocks is killed when its context ends.
 //
+// Terminals have no CRIU path: a pseudo-terminal slave whose master is the
+// daemon's can only be restored by CRIU into the restoring criu's own
+// terminal, or with the master handed back over RPC, which go-criu cannot
+// receive. A process holding a terminal (a TTY session) therefore gets no
+// image: its checkpoint is templates only (Parts.ImageErr says why, the
+// pool evicts it only once it is hinted unreachable, and a restore without
+// the template fails with that reason), and a checkpoint that would need the CRIU path for it (a tree,
+// a multi-threaded process) fails at once, before anything is stopped.
+//
 // ShellDigest asks a template-forked copy of a persistent bash for its
 // state (variables, functions, aliases, options, traps, jobs, cwd, umask,
 // descriptors, limits) under a seccomp filter, and leaves the shell itself

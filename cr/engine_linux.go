@@ -852,6 +852,16 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		e.log.Warn("template restore failed, using the image", "checkpoint", id, "err", err)
 		e.dropTemplates(c)
 	}
+	// A template miss without an image fails before anything is killed.
+	if c.rec.Mode == ModeTemplate && !e.imageReady(c) {
+		e.mu.Lock()
+		why := c.image.ImageErr
+		e.mu.Unlock()
+		if why != nil {
+			return nil, fmt.Errorf("restore %s: no templates, and no image (%v): %w", id, why, ErrUnknown)
+		}
+		return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
+	}
 	killed, err := e.killLive(ctx, t, nil)
 	if err != nil {
 		return nil, fmt.Errorf("restore %s: %w", id, err)
@@ -879,9 +889,6 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		return res, nil
 	}
 	// Template miss: recreate the templates from the image, then fork.
-	if !e.imageReady(c) {
-		return nil, fmt.Errorf("restore %s: no templates and no image: %w", id, ErrUnknown)
-	}
 	if err := e.restoreTemplatesFromImage(ctx, c, t); err != nil {
 		return nil, fmt.Errorf("restore %s from image: %w", id, err)
 	}

@@ -109,6 +109,9 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 	}
 	var imgs []image
 	for i, tm := range e.tmpls(c) {
+		if err := checkNoTerminal(tm.proc.Pid(), tm.orig.PID); err != nil {
+			return err
+		}
 		cp, err := e.dumpCopy(tm, t.InitPID())
 		if err != nil {
 			if cp > 0 {

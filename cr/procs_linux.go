@@ -1,6 +1,7 @@
 package cr
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -148,4 +149,41 @@ func exiting(pid int) bool {
 	}
 	flags, err := strconv.ParseUint(f[6], 10, 64)
 	return err == nil && flags&pfExiting != 0
+}
+
+// errTerminal: CRIU cannot restore a terminal here. A pseudo-terminal slave
+// without its master in the image (the master is the daemon's) needs the
+// restoring criu's own stdin to be a terminal, or the master sent back over
+// RPC (--orphan-pts-master), which go-criu cannot receive; so a process
+// holding one gets no CRIU image, and a TTY session has templates only.
+var errTerminal = errors.New("holds a terminal, which CRIU cannot restore here")
+
+// terminalFd returns a descriptor of pid open on a terminal and its path,
+// or -1.
+func terminalFd(pid int) (int, string) {
+	dir := "/proc/" + strconv.Itoa(pid) + "/fd"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return -1, ""
+	}
+	for _, e := range ents {
+		l, err := os.Readlink(dir + "/" + e.Name())
+		if err != nil {
+			continue
+		}
+		if strings.HasPrefix(l, "/dev/pts/") || l == "/dev/ptmx" || l == "/dev/tty" || strings.HasPrefix(l, "/dev/tty") || l == "/dev/console" {
+			n, _ := strconv.Atoi(e.Name())
+			return n, l
+		}
+	}
+	return -1, ""
+}
+
+// checkNoTerminal returns errTerminal (with the descriptor) if pid holds a
+// terminal.
+func checkNoTerminal(pid, shown int) error {
+	if fd, path := terminalFd(pid); fd >= 0 {
+		return fmt.Errorf("process %d %w (fd %d: %s)", shown, errTerminal, fd, path)
+	}
+	return nil
 }

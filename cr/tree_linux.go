@@ -27,6 +27,11 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 	if err != nil {
 		return err
 	}
+	for _, p := range procs {
+		if err := checkNoTerminal(p.PID, p.PID); err != nil {
+			return err
+		}
+	}
 	start := time.Now()
 	var stopped []int
 	wasStopped := map[int]bool{}
