@@ -133,6 +133,9 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	if mode == ModeFS && head != nil && head.rec.Status == CkptReady && !head.rec.Restorable {
 		mode, reason = ModeFull, reason+"; the parent's processes are not restorable, so full"
 	}
+	if (mode == ModeSkip || mode == ModeFS) && procsLasting(tr.Report) {
+		s.procsDiverged = true
+	}
 	if mode == ModeSkip {
 		s.dirty = false // the state is the head's
 		tr.Applied, tr.Checkpoint = mode, head.rec.ID
@@ -214,8 +217,10 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		parentPart, _ = m.procPartFor(p)
 	}
 	m.mu.Unlock()
+	converted := false
 	if parentPart != nil && proc != nil && !removed {
 		if d, ok := m.shareProcs(s, c, proc, parentPart); ok {
+			converted = true
 			m.mu.Lock()
 			mode = ModeFS
 			c.rec.Decision = ModeFS
@@ -281,6 +286,9 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 	c.rec.Status, c.rec.Restorable = CkptReady, true
 	if s.rec.Head == c.rec.ID {
 		s.dirty = false // later operations are ordered after this point
+		if mode == ModeFull || converted {
+			s.procsDiverged = false
+		}
 	}
 	m.mu.Unlock()
 
@@ -572,7 +580,7 @@ func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (h cleanState, why stri
 		return h, "the probe lost events"
 	case rep.FSChanged():
 		return h, "the probe saw file changes"
-	case rep.Proc.NewLongLived+rep.Proc.Exited+rep.Proc.CwdChanges > 0 || rep.Mem.PagesWritten > 0:
+	case procsLasting(rep):
 		// Processes born and reaped in the window (rewind's own forks of
 		// templates among them) leave no process state behind.
 		return h, "the probe saw process changes"
@@ -585,6 +593,8 @@ func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (h cleanState, why stri
 	switch {
 	case s.dirty:
 		return h, "an operation ran since the head"
+	case s.procsDiverged:
+		return h, "the processes may differ from the head's process part"
 	case head == nil || head.rec.Status != CkptReady || head.rec.FS == "":
 		return h, "no ready head checkpoint"
 	}
@@ -593,6 +603,13 @@ func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (h cleanState, why stri
 		return h, err.Error()
 	}
 	return cleanState{part: part, fs: head.rec.FS, procFrom: head.rec.ProcFrom}, ""
+}
+
+// procsLasting reports whether a window's report shows process effects
+// that last (or may: no report), as opposed to processes born and reaped
+// within it.
+func procsLasting(rep *effect.Report) bool {
+	return rep == nil || rep.LostEvents > 0 || rep.Proc.NewLongLived+rep.Proc.Exited+rep.Proc.CwdChanges > 0 || rep.Mem.PagesWritten > 0
 }
 
 // cleanState is the head checkpoint of a sandbox that is exactly its head.
@@ -769,6 +786,9 @@ func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph Re
 	}
 	s.rec.Head = c.rec.ID
 	s.dirty = false
+	if path != "fs" {
+		s.procsDiverged = false // the processes are the target's
+	}
 	s.rec.Status, s.rec.Note = StatusRunning, ""
 	res := &RestoreResult{ID: c.rec.ID, Path: path, Epoch: s.rec.Epoch}
 	m.mu.Unlock()

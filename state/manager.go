@@ -95,12 +95,18 @@ type sbox struct {
 	mount   FSMount
 	proc    ProcSandbox
 	win     ProbeWindow
-	winOpen bool       // a probe window is open (guarded by m.mu)
-	dirty   bool       // an operation ran since the head was taken or restored (m.mu)
-	turnMu  sync.Mutex // serializes the synchronous part of turns
-	policy  Policy
-	removed bool
-	reports reportRing // recent turn reports (m.mu)
+	winOpen bool // a probe window is open (guarded by m.mu)
+	dirty   bool // an operation ran since the head was taken or restored (m.mu)
+	// procsDiverged: the live processes may differ from the head's process
+	// part, because a skip or fs-only turn kept an earlier part despite
+	// lasting process effects (a policy that does not track processes, or
+	// a requested mode). Cleared by a checkpoint with its own or a proven
+	// process part and by a restore of the processes (m.mu).
+	procsDiverged bool
+	turnMu        sync.Mutex // serializes the synchronous part of turns
+	policy        Policy
+	removed       bool
+	reports       reportRing // recent turn reports (m.mu)
 }
 
 type ckpt struct {

@@ -665,3 +665,24 @@ func TestEpochsAfterLostRestoreRecords(t *testing.T) {
 		t.Fatalf("an epoch from before the crash: %v", err)
 	}
 }
+
+// TestRestoreAfterProcessesDiverged: an fs-only turn that keeps an earlier
+// process part although the processes changed (a requested mode here; a
+// policy that ignores processes likewise) leaves the live processes unlike
+// the head's part: a later restore must recreate the processes, not only
+// switch the fs.
+func TestRestoreAfterProcessesDiverged(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "set", "v", "one")
+	c1 := e.turn("a", state.ModeFull, true)
+	e.run("a", "set", "v", "two")
+	e.run("a", "write", "/f", "two")
+	e.turn("a", state.ModeFS, true) // shares c1's processes: v=one
+	if r := e.restore("a", c1.ID); r.Path == "fs" {
+		t.Fatalf("restore after a turn that kept c1's processes despite a change: path fs")
+	}
+	if got := e.run("a", "get", "v"); got != "one" {
+		t.Fatalf("v = %q after restoring c1", got)
+	}
+}
