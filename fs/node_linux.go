@@ -243,23 +243,30 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 			// the next generation, the inode number stays.
 			g := max(cn.StableAttr().Gen, f.inoGen[ino]) + 1
 			f.inoGen[ino] = g
-			nn := &node{f: f, gen: gen, srcs: e.srcs}
-			f.nodes[ino] = nn
 			f.inoMu.Unlock()
-			return n.NewInode(ctx, nn, gofs.StableAttr{Mode: mode, Ino: ino, Gen: g})
+			return n.newChild(ctx, &node{f: f, gen: gen, srcs: e.srcs}, gofs.StableAttr{Mode: mode, Ino: ino, Gen: g})
 		}
 		f.inoMu.Unlock()
 		ino = f.freshIno(e.srcs[0].l, e.st.Ino)
 		f.inoMu.Lock()
 	}
-	cn := &node{f: f, gen: gen, srcs: e.srcs}
-	f.nodes[ino] = cn
 	// The latest generation of the number: an older node of it may still
 	// be alive, pinned to a lower backing (go-fuse would hand that one
 	// out again for the same StableAttr).
 	g := f.inoGen[ino]
 	f.inoMu.Unlock()
-	return n.NewInode(ctx, cn, gofs.StableAttr{Mode: mode, Ino: ino, Gen: g})
+	return n.newChild(ctx, &node{f: f, gen: gen, srcs: e.srcs}, gofs.StableAttr{Mode: mode, Ino: ino, Gen: g})
+}
+
+// newChild initializes cn's inode and only then publishes it in the inode
+// table, where concurrent lookups read its attributes.
+func (n *node) newChild(ctx context.Context, cn *node, sa gofs.StableAttr) *gofs.Inode {
+	ch := n.NewInode(ctx, cn, sa)
+	f := n.f
+	f.inoMu.Lock()
+	f.nodes[sa.Ino] = cn
+	f.inoMu.Unlock()
+	return ch
 }
 
 // OnForget drops the node from the inode table.
