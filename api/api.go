@@ -106,6 +106,11 @@ type TurnRequest struct {
 	Mode  string `json:"mode,omitempty"`
 	Wait  bool   `json:"wait,omitempty"`
 	Epoch uint64 `json:"epoch,omitempty"`
+	// Defer (auto mode) answers with a new checkpoint id at once and lets
+	// the checkpoint close the probe window and decide (see
+	// state.TurnRequest.Defer); the checkpoint's decision is known once
+	// it is ready (GET /v1/checkpoints/{id}, or wait).
+	Defer bool `json:"defer,omitempty"`
 }
 
 // TurnResult answers a turn. ElapsedUS is the daemon-side time of the call;

@@ -90,7 +90,9 @@ func (r *rewindManager) Run(ctx context.Context, cmd string) error {
 
 func (r *rewindManager) Checkpoint(ctx context.Context) (string, Cost, error) {
 	start := time.Now()
-	res, err := r.c.Turn(ctx, r.name, api.TurnRequest{Mode: "auto"})
+	// Deferred: the probe read and the policy's decision run with the
+	// checkpoint, off the call, as the checkpoint's own work does.
+	res, err := r.c.Turn(ctx, r.name, api.TurnRequest{Mode: "auto", Defer: true})
 	if err != nil {
 		return "", Cost{}, err
 	}
@@ -113,8 +115,9 @@ func (r *rewindManager) Checkpoint(ctx context.Context) (string, Cost, error) {
 	c.Async = time.Since(w)
 	c.Phases["checkpoint.durable_wait"] = c.Async
 	if res.Decision != "skip" {
-		// What the checkpoint really was: a full decision whose
-		// processes provably did not change becomes fs-only.
+		// What the checkpoint really was (decided by the checkpoint for a
+		// deferred turn; and a full decision whose processes provably did
+		// not change becomes fs-only).
 		c.Decision = string(ck.Decision)
 		c.Frozen = time.Duration(ck.FrozenUS) * time.Microsecond
 		c.Phases["checkpoint."+c.Decision+".took"] = us(ck.TookUS)

@@ -295,7 +295,7 @@ func (s *server) doTurn(w http.ResponseWriter, r *http.Request, force state.Mode
 	if force != "" {
 		mode = force
 	}
-	res, err := s.m.Turn(r.Context(), r.PathValue("name"), state.TurnRequest{Mode: mode, Wait: req.Wait, Epoch: req.Epoch})
+	res, err := s.m.Turn(r.Context(), r.PathValue("name"), state.TurnRequest{Mode: mode, Wait: req.Wait, Epoch: req.Epoch, Defer: req.Defer && force == ""})
 	if err != nil {
 		writeErr(w, err)
 		return

@@ -67,6 +67,20 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 		}
 	}
 
+	// The same with the decision deferred to the checkpoint.
+	run("pwd")
+	dres, err := c.Turn(ctx, "sh", api.TurnRequest{Mode: "auto", Defer: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ckPwd, err := c.Wait(ctx, dres.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dres.Decision != state.ModeAuto || ckPwd.Decision != state.ModeFS || ckPwd.ProcFrom != base.ID {
+		t.Fatalf("deferred pwd: answered %s, took %s from %s (%s); want auto, fs from %s", dres.Decision, ckPwd.Decision, ckPwd.ProcFrom, ckPwd.Reason, base.ID)
+	}
+
 	run("X=1")
 	_, ckX := turn(t, c, "sh")
 	if ckX.Decision != state.ModeFull || ckX.ProcFrom != ckX.ID {

@@ -18,6 +18,15 @@ type TurnRequest struct {
 	// Wait blocks until the checkpoint is durable.
 	Wait  bool
 	Epoch uint64
+	// Defer, in auto mode, answers at once with a new checkpoint id and
+	// leaves closing the probe window and the policy's decision to the
+	// checkpoint itself (ordered before any later operation on the
+	// sandbox, like the checkpoint's own work): the turn call costs no
+	// probe read and no policy run. The result's Decision is then auto;
+	// the checkpoint's Decision (Wait) says what the turn took. A decision
+	// to skip becomes an fs checkpoint, which freezes nothing new when
+	// nothing changed: the id is handed out already.
+	Defer bool
 }
 
 // TurnResult answers a turn at once; the checkpoint work runs on.
@@ -69,6 +78,11 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	m.mu.Unlock()
 	s.turnMu.Lock()
 	defer s.turnMu.Unlock()
+	if req.Defer && (req.Mode == ModeAuto || req.Mode == "") && win != nil && pol != nil {
+		if res, ok, err := m.deferTurn(ctx, s, req, win, pol, polName); ok || err != nil {
+			return res, err
+		}
+	}
 	start := time.Now()
 	var ph TurnPhases
 
@@ -93,28 +107,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	}
 	tDecide := time.Now()
 	if mode == ModeAuto || mode == "" {
-		switch {
-		case win == nil:
-			mode, reason = ModeFull, "auto: no effect probe for this sandbox, so full"
-		case rep == nil:
-			mode, reason = ModeFull, "auto: the probe failed, so full"
-		case pol == nil:
-			mode, reason = ModeFull, "auto: no policy loaded, so full"
-		default:
-			d, err := pol.Decide(ctx, rep)
-			if err != nil {
-				mode, reason = ModeFull, "auto: policy error ("+err.Error()+"), so full"
-			} else {
-				mode, reason = d.Mode, d.Reason
-				tr.Decision, tr.Reason, tr.Fallback = d.Mode, d.Reason, d.Fallback
-				if rep.LostEvents > 0 && mode == ModeSkip {
-					mode, reason = ModeFull, "probe lost events, so full"
-				}
-			}
-		}
-		if tr.Decision == "" {
-			tr.Reason = reason // why no policy decided
-		}
+		mode, reason = m.decide(ctx, win, rep, pol, &tr)
 		m.obs.Decided(polName, mode)
 		ph.DecideUS = time.Since(tDecide).Microseconds()
 	} else {
@@ -171,6 +164,100 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 		return m.waitResult(ctx, res)
 	}
 	return res, nil
+}
+
+// decide is auto mode's decision on a window's report (tr gets the
+// policy's verdict).
+func (m *Manager) decide(ctx context.Context, win ProbeWindow, rep *effect.Report, pol Policy, tr *TurnReport) (Mode, string) {
+	var mode Mode
+	var reason string
+	switch {
+	case win == nil:
+		mode, reason = ModeFull, "auto: no effect probe for this sandbox, so full"
+	case rep == nil:
+		mode, reason = ModeFull, "auto: the probe failed, so full"
+	case pol == nil:
+		mode, reason = ModeFull, "auto: no policy loaded, so full"
+	default:
+		d, err := pol.Decide(ctx, rep)
+		if err != nil {
+			mode, reason = ModeFull, "auto: policy error ("+err.Error()+"), so full"
+		} else {
+			mode, reason = d.Mode, d.Reason
+			tr.Decision, tr.Reason, tr.Fallback = d.Mode, d.Reason, d.Fallback
+			if rep.LostEvents > 0 && mode == ModeSkip {
+				mode, reason = ModeFull, "probe lost events, so full"
+			}
+		}
+	}
+	if tr.Decision == "" {
+		tr.Reason = reason // why no policy decided
+	}
+	return mode, reason
+}
+
+// deferTurn is Turn with TurnRequest.Defer: a new checkpoint at once,
+// whose own work, in the sandbox's order, closes the window and decides.
+// It declines (false) when there is no earlier checkpoint (the first one
+// is full whatever the report says).
+func (m *Manager) deferTurn(ctx context.Context, s *sbox, req TurnRequest, win ProbeWindow, pol Policy, polName string) (*TurnResult, bool, error) {
+	start := time.Now()
+	m.mu.Lock()
+	if _, err := m.lookup(s.rec.ID, req.Epoch); err != nil {
+		m.mu.Unlock()
+		return nil, true, err
+	}
+	if m.ckpts[s.rec.Head] == nil {
+		m.mu.Unlock()
+		return nil, false, nil
+	}
+	s.seq++
+	c := newCkpt(Checkpoint{
+		ID: newID("ck-"), Parent: s.rec.Head, Sandbox: s.rec.ID, Seq: s.seq, Decision: ModeAuto, Reason: "deferred: decided by the checkpoint",
+		Status: CkptPending, Created: time.Now().UTC(), Epoch: s.rec.Epoch,
+	})
+	m.ckpts[c.rec.ID] = c
+	s.rec.Head = c.rec.ID
+	res := &TurnResult{ID: c.rec.ID, Decision: ModeAuto, Reason: c.rec.Reason, Epoch: s.rec.Epoch, Status: CkptPending}
+	m.mu.Unlock()
+	s.q.async(&m.wg, func() {
+		m.decideDeferred(s, c, win, pol, polName)
+		m.doCheckpoint(s, c)
+	})
+	res.Phases.TotalUS = time.Since(start).Microseconds()
+	if req.Wait {
+		ck, err := m.Wait(ctx, res.ID)
+		if err != nil {
+			return nil, true, err
+		}
+		res.Decision, res.Reason, res.Status, res.Durable = ck.Decision, ck.Reason, ck.Status, ck.Durable
+	}
+	return res, true, nil
+}
+
+// decideDeferred closes the window of deferred checkpoint c's turn and
+// decides what c takes, in the sandbox's order.
+func (m *Manager) decideDeferred(s *sbox, c *ckpt, win ProbeWindow, pol Policy, polName string) {
+	ctx := context.Background()
+	tr := TurnReport{Requested: ModeAuto}
+	rep := m.endWindow(ctx, s)
+	tr.Report = rep
+	mode, reason := m.decide(ctx, win, rep, pol, &tr)
+	m.obs.Decided(polName, mode)
+	if mode == ModeSkip {
+		mode, reason = ModeFS, reason+"; the deferred turn has handed out a new checkpoint id, so fs (nothing new to freeze if nothing changed)"
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if mode == ModeFS && procsLasting(rep) {
+		s.procsDiverged = true
+	}
+	c.rec.Decision, c.rec.Reason = mode, reason
+	if mode == ModeFull && tr.Decision == ModeFull && !tr.Fallback && rep != nil && pol != nil {
+		c.recheck = &recheck{rep: rep, pol: pol}
+	}
+	tr.Applied, tr.Checkpoint = mode, c.rec.ID
+	m.recordTurn(s, tr)
 }
 
 func (m *Manager) waitResult(ctx context.Context, res *TurnResult) (*TurnResult, error) {

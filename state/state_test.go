@@ -686,3 +686,52 @@ func TestRestoreAfterProcessesDiverged(t *testing.T) {
 		t.Fatalf("v = %q after restoring c1", got)
 	}
 }
+
+// TestDeferredTurn: a deferred turn answers with a new id at once; the
+// checkpoint closes the window and decides, before any later operation.
+func TestDeferredTurn(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "set", "v", "one")
+	first := e.turn("a", state.ModeAuto, true)
+	deferred := func() *state.Checkpoint {
+		t.Helper()
+		r, err := e.m.Turn(e.ctx, "a", state.TurnRequest{Mode: state.ModeAuto, Defer: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Decision != state.ModeAuto || r.ID == "" {
+			t.Fatalf("deferred turn answered %+v", r)
+		}
+		c, err := e.m.Wait(e.ctx, r.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	e.run("a", "write", "/f", "two")
+	files := deferred()
+	if files.Decision != state.ModeFS || files.Parent != first.ID || files.ProcFrom != first.ID {
+		t.Fatalf("files only: %+v", files)
+	}
+	nothing := deferred()
+	if nothing.Decision != state.ModeFS || nothing.Parent != files.ID {
+		t.Fatalf("nothing changed: %+v", nothing)
+	}
+	e.run("a", "set", "v", "three")
+	procs := deferred()
+	if procs.Decision != state.ModeFull || procs.ProcFrom != procs.ID {
+		t.Fatalf("process change: %+v", procs)
+	}
+	e.restore("a", files.ID)
+	if got := e.run("a", "cat", "/f") + " " + e.run("a", "get", "v"); got != "two one" {
+		t.Fatalf("after restoring the deferred fs checkpoint: %q", got)
+	}
+	rs, err := e.m.Reports(e.ctx, "a", 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(rs.Reports); n != 4 || rs.Reports[3].Applied != state.ModeFull || rs.Reports[1].Applied != state.ModeFS {
+		t.Fatalf("turn reports: %+v", rs.Reports)
+	}
+}
