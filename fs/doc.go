@@ -53,10 +53,16 @@
 // truncate by a caller without CAP_FSETID is then done by the daemon
 // (file capabilities are dropped by the host on every write, truncate
 // and chown of the upper copy). FS.RequestCounts counts what remains, by
-// opcode. What still costs a round trip on every file: the LOOKUP before
-// a CREATE, the parent directory's GETATTR after it (default_permissions
-// must re-check a directory whose attributes a change invalidated), and
-// the security.capability check before a chown.
+// opcode. What still costs a round trip on every file, all of it asked by
+// the kernel (6.18): the LOOKUP before a CREATE (a new name has no
+// dentry; misses are cached as negative entries, and a switch invalidates
+// those of the paths it changes like any other), the parent directory's
+// GETATTR after it (fuse_dir_changed invalidates the directory's mode and
+// owner with the rest, and default_permissions re-reads them before the
+// next permission check; without default_permissions the kernel would
+// check nothing on cached dentries at all), the security.capability
+// check on a new file's first write (S_NOSEC is only learned that way)
+// and the one before every chown.
 //
 // # Checkpoint cost
 //
