@@ -51,8 +51,10 @@
 // namespaces and cgroups (cr/criu), as root with every capability, so it is
 // kept from everything of the sandbox's it would use for itself: no
 // configuration file, plugin, program or kernel-feature cache of the
-// sandbox is read or run (cr/criu's kdat_linux.go says how), and a CRIU
-// that blocks is killed when its context ends.
+// sandbox is read or run (cr/criu's kdat_linux.go says how), a restore
+// whose image names a file now reached through a symlink of the sandbox is
+// refused (criu.ErrImagePath), and a CRIU that blocks is killed when its
+// context ends.
 //
 // Terminals have no CRIU path: a pseudo-terminal slave whose master is the
 // daemon's can only be restored by CRIU into the restoring criu's own

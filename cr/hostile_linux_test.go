@@ -315,3 +315,51 @@ func TestTemplatesClosedToTheAgent(t *testing.T) {
 		t.Fatalf("template copy: %q", got)
 	}
 }
+
+// A file the image names that the sandbox turned into a symlink after the
+// dump (here to a look-alike file: CRIU would accept it) is not followed:
+// the restore is refused before criu runs.
+func TestCRIURestoreRefusesSymlinkedImagePath(t *testing.T) {
+	r := needCRIU(t)
+	sb := startReal(t)
+	ctx := ctxT(t)
+	root := sb.Root()
+	must(os.WriteFile(filepath.Join(root, "tmp/a"), []byte("data\n"), 0o644))
+	if _, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "s", Argv: []string{"sh", "-c", "exec sleep 1000 3</tmp/a"}, Dir: "/"}); err != nil {
+		t.Fatal(err)
+	}
+	var p Proc
+	if !waitUntil(ctx, 10*time.Second, func() bool {
+		procs, err := descendants(sb.InitPID(), nil)
+		if err != nil || len(procs) != 1 || procs[0].Comm != "sleep" {
+			return false
+		}
+		p = procs[0]
+		return true
+	}) {
+		t.Fatal("no sleep")
+	}
+	must(unix.Kill(p.PID, unix.SIGSTOP))
+	if !waitUntil(ctx, 10*time.Second, func() bool { st, _ := procState(p.PID); return st == 'T' }) {
+		t.Fatal("target did not stop")
+	}
+	dir := filepath.Join(t.TempDir(), "img")
+	if err := r.Dump(ctx, criu.DumpOptions{NSInit: sb.InitPID(), Pid: p.NSPID, Dir: dir}); err != nil {
+		t.Fatal(err)
+	}
+	if !waitUntil(ctx, 10*time.Second, func() bool { _, err := os.Stat("/proc/" + itoa(p.PID)); return err != nil }) {
+		t.Fatal("dumped process still there")
+	}
+	must(os.WriteFile(filepath.Join(root, "tmp/b"), []byte("data\n"), 0o644))
+	must(os.Remove(filepath.Join(root, "tmp/a")))
+	must(os.Symlink("/tmp/b", filepath.Join(root, "tmp/a")))
+	if _, err := r.Restore(ctx, criu.RestoreOptions{NSInit: sb.InitPID(), Dir: dir}); !errors.Is(err, criu.ErrImagePath) {
+		t.Fatalf("restore through a symlink: %v, want %v", err, criu.ErrImagePath)
+	}
+	// Put back, it restores.
+	must(os.Remove(filepath.Join(root, "tmp/a")))
+	must(os.Rename(filepath.Join(root, "tmp/b"), filepath.Join(root, "tmp/a")))
+	if _, err := r.Restore(ctx, criu.RestoreOptions{NSInit: sb.InitPID(), Dir: dir}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -316,6 +316,11 @@ func (n *notify) PostRestore(pid int32) error { n.pid = pid; return nil }
 // a child of NSInit's PID 1) and returns its pid as criu reports it (in the
 // namespace of NSInit).
 func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
+	if o.NSInit != 0 {
+		if err := checkImagePaths(o.Dir, o.NSInit); err != nil {
+			return 0, fmt.Errorf("criu restore: %w", err)
+		}
+	}
 	dir, err := os.Open(o.Dir)
 	if err != nil {
 		return 0, fmt.Errorf("criu restore: %w", err)
