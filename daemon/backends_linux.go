@@ -821,11 +821,13 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		pairs = append(pairs, [2]int{r.PID, r.Orig.PID})
 	}
 	p.setOrigins(id, pairs)
-	pids := make([]int, 0, len(res.Procs))
+	var shells []int
 	for _, r := range res.Procs {
-		pids = append(pids, r.PID)
+		if _, ok := sessions[strconv.Itoa(r.Orig.PID)]; ok {
+			shells = append(shells, r.PID)
+		}
 	}
-	settle(pids)
+	settle(shells)
 	return res.Path, nil
 }
 

@@ -399,6 +399,10 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 	m.maybeAutoGC()
 }
 
+// unchangedTimeout bounds UnchangedChecker.Unchanged: past it, the
+// checkpoint takes its own process part.
+const unchangedTimeout = time.Second
+
 // shareProcs decides whether full checkpoint c, which its policy decided
 // on report c.recheck.rep, can share its parent's process part: the
 // process back end proves every live process unchanged since that part
@@ -417,7 +421,10 @@ func (m *Manager) shareProcs(s *sbox, c *ckpt, proc ProcSandbox, part *ProcPart)
 		m.log.Debug("full checkpoint keeps its own process part", "sandbox", s.rec.Name, "id", c.rec.ID, "why", "processes born or gone", "proc", rep.Proc)
 		return "", false
 	}
-	ctx := context.Background()
+	// A digest takes milliseconds; one that does not (agent code in the
+	// shell's copy that never ends) must not hold the sandbox's queue.
+	ctx, cancel := context.WithTimeout(context.Background(), unchangedTimeout)
+	defer cancel()
 	same, why := uc.Unchanged(ctx, part)
 	if !same {
 		m.log.Debug("full checkpoint keeps its own process part", "sandbox", s.rec.Name, "id", c.rec.ID, "why", why)
