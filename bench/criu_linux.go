@@ -116,9 +116,37 @@ func (c *criuBaseline) snap(id string) string { return filepath.Join(c.root, "sn
 func (c *criuBaseline) criu(args ...string) error {
 	out, err := exec.Command(c.bin, args...).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("criu %s: %v: %s", args[0], err, lastLines(string(out), 3))
+		msg := string(out)
+		// With -o, CRIU writes its errors to the log in the images dir.
+		if dir, log := argAfter(args, "-D"), argAfter(args, "-o"); dir != "" && log != "" {
+			if b, rerr := os.ReadFile(filepath.Join(dir, log)); rerr == nil {
+				msg += errorLines(string(b))
+			}
+		}
+		return fmt.Errorf("criu %s: %v: %s", args[0], err, lastLines(msg, 3))
 	}
 	return nil
+}
+
+// argAfter returns the argument that follows flag in args ("" if none).
+func argAfter(args []string, flag string) string {
+	for i, a := range args[:max(len(args)-1, 0)] {
+		if a == flag {
+			return args[i+1]
+		}
+	}
+	return ""
+}
+
+// errorLines keeps the lines of a CRIU log that report an error.
+func errorLines(log string) string {
+	var b strings.Builder
+	for _, l := range strings.Split(log, "\n") {
+		if strings.Contains(l, "Error") || strings.Contains(l, "rror (") {
+			b.WriteString(l + "\n")
+		}
+	}
+	return b.String()
 }
 
 func lastLines(s string, n int) string {
