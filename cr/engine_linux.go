@@ -501,25 +501,33 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 	}
 	var live []*inject.Proc
 	release := func() {
-		for _, p := range live {
-			_ = p.Detach()
-		}
+		_ = e.tracer.Do(func() error {
+			for _, p := range live {
+				_ = p.Detach()
+			}
+			return nil
+		})
 	}
 	fail := func(err error) ([]*template, time.Duration, error) {
 		terr := thaw()
 		release()
 		return nil, 0, errors.Join(err, terr)
 	}
-	for _, p := range procs {
-		ip, err := e.tracer.Seize(p.PID)
-		if err != nil {
-			return fail(err)
+	if err := e.tracer.Do(func() error {
+		for _, p := range procs {
+			ip, err := e.tracer.Seize(p.PID)
+			if err != nil {
+				return err
+			}
+			if err := ip.Interrupt(); err != nil {
+				_ = unix.PtraceDetach(p.PID)
+				return err
+			}
+			live = append(live, ip)
 		}
-		if err := ip.Interrupt(); err != nil {
-			_ = e.tracer.Do(func() error { return unix.PtraceDetach(p.PID) })
-			return fail(err)
-		}
-		live = append(live, ip)
+		return nil
+	}); err != nil {
+		return fail(err)
 	}
 	// With a freezer the processes are stopped already: the barrier runs
 	// before they even reach their ptrace stops.
@@ -531,10 +539,15 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 	if err := thaw(); err != nil {
 		return fail(fmt.Errorf("thaw: %w", err))
 	}
-	for _, ip := range live {
-		if err := ip.Stopped(); err != nil {
-			return fail(err)
+	if err := e.tracer.Do(func() error {
+		for _, ip := range live {
+			if err := ip.Stopped(); err != nil {
+				return err
+			}
 		}
+		return nil
+	}); err != nil {
+		return fail(err)
 	}
 	if !canFreeze && barrier != nil {
 		if err := barrier(); err != nil {
@@ -542,23 +555,27 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 		}
 	}
 	var tmpls []*template
-	for i, ip := range live {
-		tp, err := ip.Fork(true)
-		if err != nil {
-			for _, tm := range tmpls {
-				_ = tm.proc.Kill()
+	// One hand-over to the tracer thread for every fork and guard.
+	err := e.tracer.Do(func() error {
+		for i, ip := range live {
+			tp, err := ip.Fork(true)
+			if err != nil {
+				return fmt.Errorf("fork template of %d: %w", ip.Pid(), err)
 			}
-			return fail(fmt.Errorf("fork template of %d: %w", ip.Pid(), err))
-		}
-		tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
-		tmpls = append(tmpls, tm)
-		// Before any process of the sandbox runs again.
-		if err := guard(tm, true); err != nil {
-			for _, tm := range tmpls {
-				_ = tm.proc.Kill()
+			tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
+			tmpls = append(tmpls, tm)
+			// Before any process of the sandbox runs again.
+			if err := guard(tm, true); err != nil {
+				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)
 			}
-			return fail(fmt.Errorf("guard template of %d: %w", ip.Pid(), err))
 		}
+		return nil
+	})
+	if err != nil {
+		for _, tm := range tmpls {
+			_ = tm.proc.Kill()
+		}
+		return fail(err)
 	}
 	release()
 	return tmpls, time.Since(start), nil
