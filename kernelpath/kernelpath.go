@@ -45,9 +45,11 @@
 //     (st_dev/st_ino duplicates break tar, cp -a, du and find's loop
 //     detection);
 //   - a snapshot is O(1) in the entries but commits a btrfs transaction
-//     with a device flush: 3-6 ms p50 on a loop image here (0.7 ms with
-//     nobarrier), more than the reflink delta at 100 entries (1.5-2 ms);
-//     it would win only from a few hundred changed entries on.
+//     with a device flush: 2-6 ms p50 on a loop image here (0.7 ms with
+//     nobarrier), about what the reflink delta costs at 100 entries
+//     (1.6-2.8 ms); it would win from a few hundred changed entries on
+//     (the 1000-entry delta costs 17-28 ms), were it not for the two
+//     points above.
 //
 // All layers therefore live in one directory tree.
 //
