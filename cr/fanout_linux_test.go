@@ -4,10 +4,14 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/cr/criu"
 )
 
 func TestFork16Independent(t *testing.T) {
@@ -76,6 +80,72 @@ func TestMultiThreadedTakesCRIUPath(t *testing.T) {
 	}
 	if res.Path != "criu" {
 		t.Fatalf("path %s", res.Path)
+	}
+	if got := pyChat(t, <-sessions, "import threading; print(x, threading.active_count())"); got != "42 2" {
+		t.Fatalf("restored: %q", got)
+	}
+}
+
+// TestCRIURestoreRetriesWhilePidTaken: a pid of the image that the
+// engine's check cannot see taken (here a process of the sandbox's PID
+// namespace entered from outside, not below its init, as the kernel's
+// release of a reaped pid can lag its exit from /proc) fails CRIU's
+// clone ("Can't fork for N: File exists"); the restore tries again until
+// the pid is free and succeeds.
+func TestCRIURestoreRetriesWhilePidTaken(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "python3", "-u", "-c", "import threading, time\nthreading.Thread(target=lambda: time.sleep(100000), daemon=True).start()\n"+pyLoop)
+	live := session{in: sb.in, out: sb.out}
+	pyChat(t, live, "x = 42")
+	e := newEngine(t, Config{ImagesDir: t.TempDir()})
+	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "mt"}); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	dir := e.ckpts["mt"].images[0].dir
+	e.mu.Unlock()
+	need, err := imagePids(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.killLive(ctxT(t), sb, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitPidsFree(ctxT(t), sb.InitPID(), need, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Squat the image's first pid for a second: set the namespace's last
+	// pid just below it and fork.
+	squat := exec.Command("nsenter", "-t", fmt.Sprint(sb.InitPID()), "-p", "--", "sh", "-c",
+		fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid && sleep 1; true", need[0]-1))
+	if err := squat.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = squat.Process.Kill(); _ = squat.Wait() })
+	if !waitUntil(ctxT(t), 10*time.Second, func() bool {
+		ps, _ := descendants(squat.Process.Pid, nil)
+		for _, p := range ps {
+			if ids, err := readNSIDs(p.PID); err == nil && ids.pid == need[0] {
+				return true
+			}
+		}
+		return false
+	}) {
+		t.Fatalf("no process took pid %d", need[0])
+	}
+	if hs, err := pidHolders(sb.InitPID(), need, nil); err != nil || len(hs) != 0 {
+		t.Fatalf("the check sees the squatter: %v %v", hs, err)
+	}
+	stdio, sessions := freshStdio(t, sb)
+	res, err := e.Restore(ctxT(t), sb, "mt", RestoreOptions{Stdio: stdio})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "criu" {
+		t.Fatalf("path %s", res.Path)
+	}
+	if _, err := os.Stat(filepath.Join(dir, criu.RestoreLog+".1")); err != nil {
+		t.Fatalf("no failed attempt kept: %v", err)
 	}
 	if got := pyChat(t, <-sessions, "import threading; print(x, threading.active_count())"); got != "42 2" {
 		t.Fatalf("restored: %q", got)

@@ -271,10 +271,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 		return nil, err
 	}
 	for _, im := range imgs {
-		if err := e.imagePidsFree(ctx, t, im.dir); err != nil {
-			return fail(err)
-		}
-		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Lazy: e.cfg.LazyPages})
+		nspid, err := e.restoreImage(ctx, r, t, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Lazy: e.cfg.LazyPages})
 		if err != nil {
 			return fail(err)
 		}

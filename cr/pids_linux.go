@@ -13,6 +13,8 @@ import (
 
 	"github.com/checkpoint-restore/go-criu/v8/crit/images/pstree"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/rewind-sandbox/rewind/cr/criu"
 )
 
 // CRIU image magics (criu/include/magic.h): a pstree image starts with the
@@ -245,4 +247,32 @@ func (e *Engine) imagePidsFree(ctx context.Context, t Target, dir string) error 
 		return err
 	}
 	return waitPidsFree(ctx, t.InitPID(), need, e.templatePids(t.ID()))
+}
+
+// restoreImage restores the image in o.Dir into t once every pid it
+// recreates is free there (imagePidsFree), and again while CRIU still finds
+// one of them taken (criu.PidTaken): the kernel frees a reaped task's pid a
+// moment after the task has left /proc and its parent's children, so the
+// check can pass just before the pid is free; and a process of t's
+// namespace outside init's tree (one entered with setns) holds pids the
+// check cannot see. A failed attempt's log is kept as restore.log.N.
+func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o criu.RestoreOptions) (int, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for attempt := 1; ; attempt++ {
+		if err := e.imagePidsFree(ctx, t, o.Dir); err != nil {
+			return 0, err
+		}
+		nspid, err := r.Restore(ctx, o)
+		if err == nil || !criu.PidTaken(err) {
+			return nspid, err
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return 0, fmt.Errorf("%w (a pid of the image stayed taken after %d attempts)", err, attempt)
+		}
+		msg := err.Error() // names the log's first error line: read it before the rename
+		log := filepath.Join(o.Dir, criu.RestoreLog)
+		_ = os.Rename(log, fmt.Sprintf("%s.%d", log, attempt))
+		e.log.Info("restore retry: a pid of the image was taken", "dir", o.Dir, "attempt", attempt, "err", msg)
+		time.Sleep(time.Duration(attempt) * time.Millisecond)
+	}
 }

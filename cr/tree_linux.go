@@ -144,13 +144,7 @@ func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts Resto
 				}
 			}
 		}
-		if err := e.imagePidsFree(ctx, t, im.dir); err != nil {
-			for _, f := range opened {
-				f.Close()
-			}
-			return out, err
-		}
-		nspid, err := r.Restore(ctx, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Inherit: inherit})
+		nspid, err := e.restoreImage(ctx, r, t, criu.RestoreOptions{NSInit: t.InitPID(), Dir: im.dir, Inherit: inherit})
 		for _, f := range opened {
 			f.Close()
 		}

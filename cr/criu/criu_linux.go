@@ -196,6 +196,34 @@ func (e *Error) Error() string {
 
 func (e *Error) Unwrap() error { return e.Err }
 
+// PidTaken reports whether err is a restore that failed because a pid or
+// thread id of the image was in use when CRIU created that task (clone3
+// with set_tid: EEXIST). A caller that made sure the pids were free before
+// may retry: the kernel frees a reaped task's pid only after the task is
+// gone from /proc and from its parent's children, so a check can see a
+// pid free a moment before it is.
+func PidTaken(err error) bool {
+	var e *Error
+	if !errors.As(err, &e) || e.Op != "restore" {
+		return false
+	}
+	b, rerr := os.ReadFile(e.Log)
+	if rerr != nil {
+		return false
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if !strings.Contains(l, "Error") {
+			continue
+		}
+		// cr-restore.c fork_with_pid and pie/restorer.c (threads, -EEXIST).
+		if strings.Contains(l, "Can't fork for") && strings.HasSuffix(strings.TrimSpace(l), "File exists") ||
+			strings.Contains(l, "Unable to create a thread: -17") {
+			return true
+		}
+	}
+	return false
+}
+
 func lastErrorLine(log string) string {
 	b, err := os.ReadFile(log)
 	if err != nil {
