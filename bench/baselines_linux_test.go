@@ -4,8 +4,12 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
@@ -155,5 +159,62 @@ func TestBaselineRestoresFiles(t *testing.T) {
 				t.Fatalf("after rollback g exists (err %v)", err)
 			}
 		})
+	}
+}
+
+// TestCRIUBaselineIgnoresLongMountLines: CRIU 4.1.1 reads mountinfo in
+// 4 KiB lines and fails a dump on a longer one ("Bad format in mountinfo"),
+// and the overlays of a sandbox with many layers (a concurrent test, or the
+// rewind daemon on the same host) have such lines. The baseline's processes
+// live in a mount namespace of their own, as in a container, so such a
+// mount, whether it was there before the baseline started or appears
+// later, never fails its dumps. The mounts here are made in a private
+// mount namespace of this test's thread, so that no other test sees them.
+func TestCRIUBaselineIgnoresLongMountLines(t *testing.T) {
+	testenv.RequireRoot(t)
+	ctx := context.Background()
+	runtime.LockOSThread() // never unlocked: the thread dies with the test's goroutine
+	if err := unix.Unshare(unix.CLONE_NEWNS | unix.CLONE_FS); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	longMount := func(name string) {
+		p := filepath.Join(dir, name)
+		if err := os.Mkdir(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		// The source is printed in mountinfo: 4000 bytes of it make the
+		// line longer than CRIU's buffer.
+		if err := unix.Mount(strings.Repeat("x", 4000), p, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = unix.Unmount(p, unix.MNT_DETACH) })
+		b, err := os.ReadFile("/proc/thread-self/mountinfo")
+		if err != nil || !strings.Contains(string(b), strings.Repeat("x", 4000)) {
+			t.Fatalf("long mount not in mountinfo (%v)", err)
+		}
+	}
+	longMount("before")
+	m := NewCRIUBaseline(t.TempDir())
+	if err := m.Start(ctx, []string{"echo one > $R/f"}); err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	longMount("after")
+	id, _, err := m.Checkpoint(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Run(ctx, "echo two > $R/f"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Restore(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := m.Checkpoint(ctx); err != nil {
+		t.Fatalf("dump of the restored shell: %v", err)
 	}
 }

@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -25,10 +26,16 @@ import (
 // pids are free again as soon as it is killed, and it keeps its cwd,
 // variables and background jobs across restores — the one baseline that
 // recovers process state, at CRIU's cost.
+//
+// As in a container, the shell and every criu call run in a mount
+// namespace of the baseline's own (see mountNS): CRIU parses the mountinfo
+// of the namespace it dumps, and fails on any line of 4 KiB or more, which
+// the overlays of a sandbox with many layers elsewhere on the host have.
 type criuBaseline struct {
 	dirBase
 	parent string
 	bin    string
+	mnt    *mountNS
 	pid    int // host pid of the shell (its namespace's init)
 	// Our ends of the shell's stdio, and the pipe inodes the shell holds
 	// (CRIU names the pipes it must reconnect by them).
@@ -49,6 +56,9 @@ func (c *criuBaseline) Start(ctx context.Context, setup []string) error {
 	if err := c.init(c.parent); err != nil {
 		return err
 	}
+	if c.mnt, err = newMountNS(); err != nil {
+		return err
+	}
 	c.repo = filepath.Join(c.root, "repo")
 	if err := os.Mkdir(c.repo, 0o755); err != nil {
 		return err
@@ -60,10 +70,12 @@ func (c *criuBaseline) Start(ctx context.Context, setup []string) error {
 }
 
 // startNSShell starts bash as PID 1 of a new PID namespace, in its own
-// session, with pipes for stdio.
+// session and the baseline's mount namespace, with pipes for stdio.
 func (c *criuBaseline) startNSShell() error {
-	cmd := exec.Command("bash", "--noprofile", "--norc")
-	cmd.Dir = c.repo
+	// Descriptors we inherited without close-on-exec would reach the
+	// shell, and CRIU cannot dump a file of another mount namespace: the
+	// shell closes all but its stdio first (as a container runtime does).
+	cmd := c.mnt.commandIn(c.repo, "bash", "--noprofile", "--norc", "-c", closeFDs+"exec bash --noprofile --norc")
 	cmd.Env = append(os.Environ(), "R="+c.repo, "PS1=", "HOME="+c.repo)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
 	inR, inW, err := os.Pipe()
@@ -114,7 +126,7 @@ func inode(f *os.File) uint64 {
 func (c *criuBaseline) snap(id string) string { return filepath.Join(c.root, "snaps", id) }
 
 func (c *criuBaseline) criu(args ...string) error {
-	out, err := exec.Command(c.bin, args...).CombinedOutput()
+	out, err := c.mnt.command(append([]string{c.bin}, args...)...).CombinedOutput()
 	if err != nil {
 		msg := string(out)
 		// With -o, CRIU writes its errors to the log in the images dir.
@@ -219,7 +231,7 @@ func (c *criuBaseline) Restore(ctx context.Context, id string) (Cost, error) {
 	}
 	pidfile := filepath.Join(c.root, "restore.pid")
 	os.Remove(pidfile)
-	cmd := exec.Command(c.bin, "restore", "-D", filepath.Join(dir, "img"), "-o", "restore-"+strconv.Itoa(c.n)+".log",
+	cmd := c.mnt.command(c.bin, "restore", "-D", filepath.Join(dir, "img"), "-o", "restore-"+strconv.Itoa(c.n)+".log",
 		"--restore-detached", "--pidfile", pidfile, "--tcp-established", "--ext-unix-sk", "--file-locks",
 		"--inherit-fd", fmt.Sprintf("fd[3]:pipe:[%d]", inIno), "--inherit-fd", fmt.Sprintf("fd[4]:pipe:[%d]", outIno))
 	cmd.ExtraFiles = []*os.File{inR, outW}
@@ -265,4 +277,120 @@ func waitGone(pid int) {
 	}
 }
 
-func (c *criuBaseline) Close() error { return c.closeBase() }
+func (c *criuBaseline) Close() error {
+	err := c.closeBase()
+	c.mnt.close()
+	return err
+}
+
+// closeFDs is bash that closes every descriptor but 0, 1 and 2.
+const closeFDs = `for f in /proc/self/fd/*; do n=${f##*/}; [ "$n" -gt 2 ] && eval "exec $n>&-" 2>/dev/null; done; `
+
+// criuLineMax is the size of CRIU 4.1.1's line buffer for mountinfo
+// (BUF_SIZE of criu/proc_parse.c): a longer line, newline included, fails
+// every dump of a process that sees the mount.
+const criuLineMax = 4096
+
+// mountNS is a private mount namespace, held by a process that exits when
+// we close its stdin (or die). It is a copy of the host's mounts when it
+// was made, minus those CRIU cannot parse; later host mounts do not
+// propagate into it.
+type mountNS struct {
+	holder *exec.Cmd
+	stdin  *os.File
+	ns     string // /proc/<holder>/ns/mnt
+}
+
+func newMountNS() (*mountNS, error) {
+	inR, inW, err := os.Pipe()
+	if err != nil {
+		return nil, err
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		inR.Close()
+		inW.Close()
+		return nil, err
+	}
+	defer outR.Close()
+	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "--", "sh", "-c", "echo; exec cat >/dev/null")
+	cmd.Stdin, cmd.Stdout = inR, outW
+	err = cmd.Start()
+	inR.Close()
+	outW.Close()
+	if err != nil {
+		inW.Close()
+		return nil, fmt.Errorf("mount namespace: %w", err)
+	}
+	m := &mountNS{holder: cmd, stdin: inW, ns: fmt.Sprintf("/proc/%d/ns/mnt", cmd.Process.Pid)}
+	if _, err := bufio.NewReader(outR).ReadString('\n'); err != nil {
+		m.close()
+		return nil, fmt.Errorf("mount namespace: holder: %w", err)
+	}
+	if err := m.dropLongMounts(); err != nil {
+		m.close()
+		return nil, err
+	}
+	return m, nil
+}
+
+// dropLongMounts detaches every mount of the namespace whose mountinfo line
+// CRIU cannot read (with its submounts).
+func (m *mountNS) dropLongMounts() error {
+	for range 5 {
+		b, err := os.ReadFile(filepath.Join(filepath.Dir(filepath.Dir(m.ns)), "mountinfo"))
+		if err != nil {
+			return fmt.Errorf("mount namespace: %w", err)
+		}
+		var long []string
+		for _, l := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(l); len(l)+1 >= criuLineMax && len(f) > 4 {
+				long = append(long, unescapeMountinfo(f[4]))
+			}
+		}
+		if len(long) == 0 {
+			return nil
+		}
+		for _, p := range long {
+			// A mount below one detached before is gone already.
+			_ = m.command("umount", "-l", p).Run()
+		}
+	}
+	return errors.New("mount namespace: cannot detach the mounts whose mountinfo lines CRIU cannot read")
+}
+
+// unescapeMountinfo undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMountinfo(s string) string {
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(n))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// command returns a command that runs argv in the namespace (nsenter
+// execs argv: no process is added).
+func (m *mountNS) command(argv ...string) *exec.Cmd {
+	return exec.Command("nsenter", append([]string{"--mount=" + m.ns, "--"}, argv...)...)
+}
+
+// commandIn is command, run in directory dir (entering a mount namespace
+// resets the working directory to its root).
+func (m *mountNS) commandIn(dir string, argv ...string) *exec.Cmd {
+	return exec.Command("nsenter", append([]string{"--mount=" + m.ns, "--wdns=" + dir, "--"}, argv...)...)
+}
+
+func (m *mountNS) close() {
+	if m == nil {
+		return
+	}
+	m.stdin.Close()
+	_ = m.holder.Wait()
+}
