@@ -114,10 +114,10 @@ func TestCRIURestoreRetriesWhilePidTaken(t *testing.T) {
 	if err := waitPidsFree(ctxT(t), sb.InitPID(), need, nil); err != nil {
 		t.Fatal(err)
 	}
-	// Squat the image's first pid for a second: set the namespace's last
+	// Squat the image's first pid for 3 s: set the namespace's last
 	// pid just below it and fork.
 	squat := exec.Command("nsenter", "-t", fmt.Sprint(sb.InitPID()), "-p", "--", "sh", "-c",
-		fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid && sleep 1; true", need[0]-1))
+		fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid && sleep 3; true", need[0]-1))
 	if err := squat.Start(); err != nil {
 		t.Fatal(err)
 	}
