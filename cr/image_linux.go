@@ -319,7 +319,16 @@ func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts Res
 	tmp := &ckpt{rec: c.rec, templates: tmpls}
 	defer func() {
 		for _, tm := range tmpls {
+			pid := tm.proc.Pid()
 			_ = tm.proc.Kill()
+			// Kill stops waiting for the exit after a moment (see
+			// inject.Proc.Kill); under load a template could then still
+			// be in t when Restore returns. Wait (briefly) until it is
+			// reaped, so t holds only the restored processes.
+			waitUntil(ctx, time.Second, func() bool {
+				_, err := os.Stat("/proc/" + strconv.Itoa(pid))
+				return err != nil
+			})
 		}
 	}()
 	return e.spawn(tmp, opts, false)
