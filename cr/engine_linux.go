@@ -653,6 +653,17 @@ func (e *Engine) makeSpare(tm *template) {
 			return nil
 		}
 		e.mu.Lock()
+		if tm.dropped {
+			// Dropped during the fork (Drop does not wait for the
+			// sandbox lock), so retireLocked did not see this spare:
+			// it is a helper until it is gone, never a live process of
+			// the agent for the next checkpoint to seize.
+			e.aux[sp.Pid()] = tm.sandbox
+			e.mu.Unlock()
+			_ = sp.Kill()
+			e.forgetWhenGone(sp.Pid())
+			return nil
+		}
 		tm.warming = sp
 		e.mu.Unlock()
 		return sp
@@ -672,9 +683,7 @@ func (e *Engine) makeSpare(tm *template) {
 	e.mu.Unlock()
 	if dropped {
 		_ = sp.Kill()
-		e.mu.Lock()
-		delete(e.aux, sp.Pid()) // dropTemplates made it a helper until now
-		e.mu.Unlock()
+		e.forgetWhenGone(sp.Pid()) // dropTemplates made it a helper until now
 	}
 }
 
@@ -1202,14 +1211,44 @@ func (e *Engine) kill(r retired) {
 	for _, tm := range r.tms {
 		_ = tm.proc.Kill()
 	}
-	e.mu.Lock()
+	pids := make([]int, 0, len(r.tms)+len(r.spares))
 	for _, tm := range r.tms {
-		delete(e.aux, tm.proc.Pid())
+		pids = append(pids, tm.proc.Pid())
 	}
 	for _, sp := range r.spares {
-		delete(e.aux, sp.Pid())
+		pids = append(pids, sp.Pid())
+	}
+	e.forgetWhenGone(pids...)
+}
+
+// forgetWhenGone stops counting killed helpers pids as helpers once each
+// is exiting (listings skip those). Kill waits only briefly for a killed
+// tracee: SIGKILL takes effect when the process is next scheduled, which
+// for a large one still in a fork or fault can be later, and until then
+// it looks alive; forgotten at once, it would be listed as one of the
+// agent's processes and the next checkpoint would try to seize it.
+func (e *Engine) forgetWhenGone(pids ...int) {
+	var later []int
+	e.mu.Lock()
+	for _, p := range pids {
+		if exiting(p) {
+			delete(e.aux, p)
+		} else {
+			later = append(later, p)
+		}
 	}
 	e.mu.Unlock()
+	if len(later) == 0 {
+		return
+	}
+	go func() {
+		for _, p := range later {
+			waitUntil(context.Background(), 10*time.Second, func() bool { return exiting(p) })
+			e.mu.Lock()
+			delete(e.aux, p)
+			e.mu.Unlock()
+		}
+	}()
 }
 
 // DropSandbox drops every checkpoint of sandbox sb (call before the sandbox
