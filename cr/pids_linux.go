@@ -2,7 +2,6 @@ package cr
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -17,13 +16,8 @@ import (
 	"github.com/rewind-sandbox/rewind/cr/criu"
 )
 
-// CRIU image magics (criu/include/magic.h): a pstree image starts with the
-// common magic, then its own.
-const (
-	imgCommonMagic  = 0x54564319
-	imgServiceMagic = 0x55105940
-	pstreeMagic     = 0x50273030
-)
+// pstreeMagic is the magic of CRIU's pstree image (criu/include/magic.h).
+const pstreeMagic = 0x50273030
 
 // imagePids returns every pid and thread id (as seen in the sandbox's PID
 // namespace) that a CRIU restore of the image in dir recreates exactly.
@@ -35,33 +29,16 @@ func imagePids(dir string) ([]int, error) {
 	bad := func(why string) ([]int, error) {
 		return nil, fmt.Errorf("process tree of image %s: %s", dir, why)
 	}
-	if len(b) < 8 {
-		return bad("too short")
+	ents, err := criu.ImageEntries(b, pstreeMagic)
+	if err != nil {
+		return bad(err.Error())
 	}
-	m := binary.LittleEndian.Uint32(b)
-	if m == imgCommonMagic || m == imgServiceMagic {
-		b = b[4:]
-		m = binary.LittleEndian.Uint32(b)
-	}
-	if m != pstreeMagic {
-		return bad(fmt.Sprintf("magic %#x is not a pstree image", m))
-	}
-	b = b[4:]
 	seen := map[int]bool{}
-	for len(b) > 0 {
-		if len(b) < 4 {
-			return bad("truncated entry")
-		}
-		n := int(binary.LittleEndian.Uint32(b))
-		b = b[4:]
-		if n > len(b) {
-			return bad("truncated entry")
-		}
+	for _, raw := range ents {
 		var e pstree.PstreeEntry
-		if err := proto.Unmarshal(b[:n], &e); err != nil {
+		if err := proto.Unmarshal(raw, &e); err != nil {
 			return bad(err.Error())
 		}
-		b = b[n:]
 		seen[int(e.GetPid())] = true
 		for _, t := range e.GetThreads() {
 			seen[int(t)] = true

@@ -1,7 +1,6 @@
 package criu
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -27,12 +26,6 @@ import (
 // barrier): the restore is refused before criu runs.
 var ErrImagePath = errors.New("a file of the image is now reached through a symlink of the sandbox")
 
-// imgCommonMagic and imgServiceMagic may precede an image's own magic.
-const (
-	imgCommonMagic  = 0x54564319
-	imgServiceMagic = 0x55105940
-)
-
 // checkImagePaths checks every regular-file path of the image in dir
 // against the root of the sandbox of nsInit (see ErrImagePath). Paths that
 // no longer exist are left to criu.
@@ -45,28 +38,16 @@ func checkImagePaths(dir string, nsInit int) error {
 		return fmt.Errorf("read files of image: %w", err)
 	}
 	bad := func(why string) error { return fmt.Errorf("files of image %s: %s", dir, why) }
-	if len(b) < 8 {
-		return bad("too short")
+	ents, err := ImageEntries(b, 0)
+	if err != nil {
+		return bad(err.Error())
 	}
-	if m := binary.LittleEndian.Uint32(b); m == imgCommonMagic || m == imgServiceMagic {
-		b = b[4:]
-	}
-	b = b[4:]
 	var names []string
-	for len(b) > 0 {
-		if len(b) < 4 {
-			return bad("truncated entry")
-		}
-		n := int(binary.LittleEndian.Uint32(b))
-		b = b[4:]
-		if n > len(b) {
-			return bad("truncated entry")
-		}
+	for _, raw := range ents {
 		var e fdinfo.FileEntry
-		if err := proto.Unmarshal(b[:n], &e); err != nil {
+		if err := proto.Unmarshal(raw, &e); err != nil {
 			return bad(err.Error())
 		}
-		b = b[n:]
 		if r := e.GetReg(); r != nil && strings.HasPrefix(r.GetName(), "/") {
 			names = append(names, r.GetName())
 		}
