@@ -47,6 +47,15 @@ func btrfsIoctl(dirfd int, req uintptr, arg unsafe.Pointer) error {
 
 // btrfsSubvolCreate creates subvolume name in directory dir.
 func btrfsSubvolCreate(dir, name string) error {
+	if err := btrfsNameIoctl(dir, name, btrfsIocSubvolCreate); err != nil {
+		return fmt.Errorf("create subvolume %s in %s: %w", name, dir, err)
+	}
+	return nil
+}
+
+// btrfsNameIoctl issues req, an ioctl taking struct btrfs_ioctl_vol_args
+// with a subvolume name, on directory dir.
+func btrfsNameIoctl(dir, name string, req uintptr) error {
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
@@ -54,10 +63,7 @@ func btrfsSubvolCreate(dir, name string) error {
 	defer unix.Close(fd)
 	var a btrfsVolArgs
 	copy(a.name[:btrfsVolNameMax], name)
-	if err := btrfsIoctl(fd, btrfsIocSubvolCreate, unsafe.Pointer(&a)); err != nil {
-		return fmt.Errorf("create subvolume %s in %s: %w", name, dir, err)
-	}
-	return nil
+	return btrfsIoctl(fd, req, unsafe.Pointer(&a))
 }
 
 // btrfsSnapshot snapshots subvolume src as name in directory dir
@@ -87,14 +93,7 @@ func btrfsSnapshot(src, dir, name string, ro bool) error {
 // btrfsSubvolDestroy deletes subvolume (or snapshot, read-only or not)
 // name in directory dir.
 func btrfsSubvolDestroy(dir, name string) error {
-	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(fd)
-	var a btrfsVolArgs
-	copy(a.name[:btrfsVolNameMax], name)
-	if err := btrfsIoctl(fd, btrfsIocSnapDestroy, unsafe.Pointer(&a)); err != nil {
+	if err := btrfsNameIoctl(dir, name, btrfsIocSnapDestroy); err != nil {
 		return fmt.Errorf("delete subvolume %s in %s: %w", name, dir, err)
 	}
 	return nil
