@@ -193,3 +193,46 @@ func TestGenerateExclude(t *testing.T) {
 		t.Errorf("trace name %q does not say what it excludes", tr.Name)
 	}
 }
+
+func TestReportCompare(t *testing.T) {
+	sys := func(name string, state float64, checks, correct int) *Result {
+		return &Result{Name: name, StateMS: state, CrashChecks: checks, CrashCorrect: correct}
+	}
+	tests := []struct {
+		name              string
+		systems           []*Result
+		best, rec         string
+		speedup, speedRec float64
+	}{
+		{
+			name: "fastest baseline loses processes",
+			systems: []*Result{
+				sys("rewind-effects", 100, 10, 10), sys("rewind-always", 50, 10, 10),
+				sys("overlay-remount", 200, 10, 7), sys("criu-cp-a", 5000, 10, 10), sys("cp-a", 400, 10, 6),
+			},
+			best: "overlay-remount", speedup: 2, rec: "criu-cp-a", speedRec: 50,
+		},
+		{
+			name:    "no baseline recovers",
+			systems: []*Result{sys("rewind-effects", 100, 10, 10), sys("cp-a", 400, 10, 6)},
+			best:    "cp-a", speedup: 4,
+		},
+		{
+			name:    "failed baseline is ignored",
+			systems: []*Result{sys("rewind-effects", 100, 10, 10), {Name: "tarball", StateMS: 1, Error: "boom"}, sys("cp-a", 300, 4, 4)},
+			best:    "cp-a", speedup: 3, rec: "cp-a", speedRec: 3,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			rep := &Report{Systems: tc.systems}
+			rep.compare()
+			if rep.BestBaseline != tc.best || rep.Speedup != tc.speedup {
+				t.Errorf("best = %s %.2f, want %s %.2f", rep.BestBaseline, rep.Speedup, tc.best, tc.speedup)
+			}
+			if rep.BestRecovering != tc.rec || rep.SpeedupVsRecovering != tc.speedRec {
+				t.Errorf("best recovering = %s %.2f, want %s %.2f", rep.BestRecovering, rep.SpeedupVsRecovering, tc.rec, tc.speedRec)
+			}
+		})
+	}
+}
