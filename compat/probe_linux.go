@@ -507,7 +507,7 @@ func probeKernelPath(stateDir string) Check {
 	}
 	detail := "self-test: " + rep.Detail
 	if !rep.LiveFDsFollow {
-		return degraded(name, detail+" (open fds of live processes stay on the old view: not a live-sandbox checkpoint without the ioctl)")
+		return degraded(name, detail+" (open fds of live processes stay on the old view without the ioctl: the daemon re-creates a sandbox's processes from CRIU images on every restore, so --fs kernel restores take tens of ms)")
 	}
 	return ok(name, detail)
 }
@@ -749,7 +749,7 @@ func ChooseFS(stateDir string) Choice {
 	dir := existingParent(stateDir)
 	switch err := kernelpath.ProbeSwitchIoctl(dir); {
 	case errors.Is(err, kernelpath.ErrIoctlAbsent):
-		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel switch cannot move a running sandbox's open fds and cwd to the new view, so sandboxes use the FUSE overlay (--fs kernel forces native overlayfs; `rewind doctor` shows the kernel path's measured numbers)"}
+		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel switch replaces the sandbox's root mount, so every restore re-creates the processes from CRIU images on the new view (tens of ms, where the FUSE overlay's template fork takes a few), so sandboxes use the FUSE overlay (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
 	case err != nil:
 		return Choice{"fuse", "layer-switch ioctl probe failed (" + errnoDetail(err) + "): using the FUSE overlay"}
 	}

@@ -164,6 +164,21 @@ type RestoreOptions struct {
 	// SwitchFS runs after the live processes are gone and before the
 	// copies are created (Restore only).
 	SwitchFS func() error
+	// Reroot says that SwitchFS replaces the root mount of the sandbox's
+	// mount namespace (a stock-kernel native overlay) instead of changing
+	// the content under it. pivot_root moves every process's root, but a
+	// template-forked copy would keep its working directory, open files,
+	// executable and file mappings on the old, detached view, and CRIU
+	// cannot dump a process whose files are on a mount outside its
+	// namespace (nor would its paths match). So with Reroot a checkpoint
+	// whose image exists is restored from the image (CRIU opens everything
+	// by path in the new view; its templates are re-created from the image
+	// too); only without an image (a restore's undo point, a terminal
+	// session) are copies forked from the templates, re-entering their
+	// working directory and reopening their files by path before they run
+	// (their executable and mappings stay on the old view, so such copies
+	// cannot be dumped by CRIU later).
+	Reroot bool
 	// Stdio returns fresh stdio for the copy of p; nil or a nil result
 	// keeps /dev/null.
 	Stdio func(p Proc) (*Stdio, error)
@@ -844,6 +859,11 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		res.Duration = time.Since(start)
 		return res, nil
 	}
+	if opts.Reroot && c.rec.Mode == ModeTemplate && e.imageReady(c) && len(e.tmpls(c)) > 0 {
+		// The templates hold the view they were taken on: recreate them
+		// from the image in the new view (see Reroot).
+		e.dropTemplates(c)
+	}
 	if c.rec.Mode == ModeTemplate && len(e.tmpls(c)) > 0 {
 		// Fast path: the copies are made (stopped) while the old
 		// processes still run, so the fork does not compete with their
@@ -858,10 +878,29 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 				killCopies(ms)
 				return nil, fmt.Errorf("restore %s: %w", id, err)
 			}
+			var views []viewState
+			if opts.Reroot {
+				for _, m := range ms {
+					views = append(views, captureView(m.p.Pid()))
+				}
+			}
 			if opts.SwitchFS != nil {
 				if err := opts.SwitchFS(); err != nil {
 					killCopies(ms)
 					return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
+				}
+			}
+			if opts.Reroot {
+				if err := e.tracer.Do(func() error {
+					for i, m := range ms {
+						if err := reenter(m.p, views[i]); err != nil {
+							return err
+						}
+					}
+					return nil
+				}); err != nil {
+					killCopies(ms)
+					return nil, fmt.Errorf("restore %s: move copies to the new root: %w", id, err)
 				}
 			}
 			procs, err := e.startCopies(c, ms, true)

@@ -77,7 +77,7 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("cr: %w", err))
 	}
 	closers = append(closers, func() { eng.Close() })
-	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}}
+	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb}
 	// Checkpoints whose CRIU images survived the previous daemon (or host)
 	// stay restorable: the engine re-registers them from ImagesDir.
 	if cks, err := eng.LoadImages(); err != nil {
@@ -198,6 +198,9 @@ type fsBackend struct {
 	dirty bool
 	stop  chan struct{}
 	done  chan struct{}
+	// views are the stock-kernel native mounts by mountpoint, for the
+	// sandbox started on each (see fsMount.replaces).
+	views map[string]*fsMount
 }
 
 func (b *fsBackend) lowers(spec state.FSSpec) []string {
@@ -230,19 +233,67 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 }
 
 // mountKernel mounts the native overlayfs path. A sandbox's processes see
-// its root through their own mount namespace, so Switch must change the
-// mounted overlay in place: only the patched kernel's switch ioctl does.
-// On a stock kernel the daemon refuses --fs kernel (auto means FUSE).
+// its root through their own mount namespace, so a switch must reach it:
+// the patched kernel's switch ioctl changes the mounted overlay in place;
+// on a stock kernel Switch mounts a new overlay over the target stack and
+// makes it the root of the sandbox's mount namespace (fsMount.reroot),
+// and every restore re-creates the processes on it (the template-forked
+// copies re-enter their working directory and files by path, CRIU opens
+// everything by path).
 func (b *fsBackend) mountKernel(id, mp string, spec state.FSSpec, from string) (state.FSMount, error) {
-	f, err := kernelpath.Mount(b.st, mp, kernelpath.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log})
+	lowers := b.lowers(spec)
+	if err := b.layersOutside(lowers); err != nil {
+		return nil, err
+	}
+	f, err := kernelpath.Mount(b.st, mp, kernelpath.Options{MountID: id, From: from, Lowers: lowers, Logger: b.log})
 	if err != nil {
 		return nil, err
 	}
-	if mode := f.FreezeMode(); mode != "ioctl" {
-		f.Unmount()
-		return nil, fmt.Errorf("--fs kernel needs overlayfs with the layer-switch ioctl (this kernel offers %q checkpoints, which cannot switch a running sandbox's root in place): use --fs fuse", mode)
+	m := &fsMount{f: f, b: b, replaces: f.FreezeMode() != kernelpath.FreezeIoctl}
+	if m.replaces {
+		b.mu.Lock()
+		if b.views == nil {
+			b.views = map[string]*fsMount{}
+		}
+		b.views[f.Mountpoint()] = m
+		b.mu.Unlock()
 	}
-	return &fsMount{f: f, b: b}, nil
+	return m, nil
+}
+
+// layersOutside checks that the layer store is not inside one of the
+// base directories: overlayfs refuses a layer inside another (ELOOP) as
+// soon as a frozen layer joins the stack. The host root base is a
+// non-recursive bind of /, so a state dir on its own file system (rewind
+// init-store) is outside it.
+func (b *fsBackend) layersOutside(lowers []string) error {
+	dir := b.st.Dir()
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return fmt.Errorf("--fs kernel: state dir: %w", err)
+	}
+	for _, l := range lowers {
+		src := l
+		if l == b.hostRoot {
+			src = "/"
+		}
+		var ls unix.Stat_t
+		if err := unix.Stat(l, &ls); err != nil {
+			return fmt.Errorf("--fs kernel: base %s: %w", l, err)
+		}
+		if ls.Dev == st.Dev && (src == "/" || strings.HasPrefix(dir, strings.TrimRight(src, "/")+"/")) {
+			return fmt.Errorf("--fs kernel: the state dir %s is inside the sandbox's base %s on the same file system, and overlayfs refuses a layer inside another: put the state dir on its own file system (rewind init-store) or use --fs fuse", dir, src)
+		}
+	}
+	return nil
+}
+
+// replacingView returns the stock-kernel native mount whose mountpoint is
+// root, if any.
+func (b *fsBackend) replacingView(root string) *fsMount {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.views[root]
 }
 
 // ResolveKind implements state.FSKindResolver: "auto" (or "") is the
@@ -356,6 +407,12 @@ func (b *fsBackend) Cleanup(_ context.Context, id string) error {
 type fsMount struct {
 	f layer.FS
 	b *fsBackend
+	// replaces: a stock-kernel native overlay, whose Switch replaces the
+	// mount rather than its content; the switch then also replaces the
+	// root of the mount namespace of sb, the sandbox started on it.
+	replaces bool
+	sbMu     sync.Mutex
+	sb       *sandbox.Sandbox
 
 	compacting atomic.Bool
 	wg         sync.WaitGroup // a running compaction
@@ -397,10 +454,54 @@ func (m *fsMount) maybeCompact() {
 	}()
 }
 
-func (m *fsMount) Switch(_ context.Context, ckpt string) error { return m.f.Switch(ckpt) }
+func (m *fsMount) Switch(_ context.Context, ckpt string) error {
+	if err := m.f.Switch(ckpt); err != nil {
+		return err
+	}
+	if !m.replaces {
+		return nil
+	}
+	m.sbMu.Lock()
+	sb := m.sb
+	m.sbMu.Unlock()
+	if sb == nil {
+		return nil
+	}
+	// The daemon's mount point shows the new overlay now: a clone of it
+	// becomes the sandbox's root.
+	mfd, err := unix.OpenTree(unix.AT_FDCWD, m.f.Mountpoint(), unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("switch %s: clone the new view: %w", m.f.MountID(), err)
+	}
+	defer unix.Close(mfd)
+	if err := sb.ReplaceRoot(mfd); err != nil {
+		return fmt.Errorf("switch %s: %w", m.f.MountID(), err)
+	}
+	return nil
+}
+
+// ReplacesView implements state.ViewReplacer: a stock-kernel native
+// overlay's switch leaves running processes on the old view.
+func (m *fsMount) ReplacesView() bool { return m.replaces }
+
+// setSandbox records (or, with nil, forgets) the sandbox whose root the
+// mount is.
+func (m *fsMount) setSandbox(sb *sandbox.Sandbox) {
+	m.sbMu.Lock()
+	m.sb = sb
+	m.sbMu.Unlock()
+}
 
 func (m *fsMount) Unmount() error {
 	m.wg.Wait()
+	if m.replaces {
+		m.b.mu.Lock()
+		if m.b.views[m.f.Mountpoint()] == m {
+			delete(m.b.views, m.f.Mountpoint())
+		}
+		m.b.mu.Unlock()
+		m.setSandbox(nil)
+	}
 	err := m.f.Unmount()
 	os.Remove(m.f.Mountpoint())
 	return err
@@ -412,6 +513,7 @@ type procBackend struct {
 	log    *slog.Logger
 	hide   []string
 	images map[string]bool // cr checkpoints re-registered from disk at start
+	fsb    *fsBackend      // for the stock-kernel native mounts (nil in tests)
 
 	digestMu sync.Mutex
 	digests  map[tmplKey]string // shell digests of templates (see templateDigest)
@@ -428,7 +530,14 @@ func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSan
 	if err != nil {
 		return nil, err
 	}
-	return &procSandbox{b: b, sb: sb, ckpts: map[string]bool{}}, nil
+	ps := &procSandbox{b: b, sb: sb, ckpts: map[string]bool{}}
+	if b.fsb != nil {
+		if m := b.fsb.replacingView(sb.Root()); m != nil {
+			m.setSandbox(sb)
+			ps.view = m
+		}
+	}
+	return ps, nil
 }
 
 func (b *procBackend) Release(_ context.Context, part *state.ProcPart) error {
@@ -492,6 +601,10 @@ func (b *procBackend) Cleanup(_ context.Context, id string) error {
 type procSandbox struct {
 	b  *procBackend
 	sb *sandbox.Sandbox
+	// view is the stock-kernel native mount the sandbox runs on (nil
+	// otherwise): its switches replace the sandbox's root, so restored
+	// copies must move onto it (cr.RestoreOptions.Reroot).
+	view *fsMount
 
 	mu    sync.Mutex
 	ckpts map[string]bool // cr checkpoints taken here
@@ -771,6 +884,7 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 	var opened []*sandbox.Channels
 	opts := cr.RestoreOptions{
 		SwitchFS: switchFS,
+		Reroot:   p.view != nil,
 		Stdio: func(proc cr.Proc) (*cr.Stdio, error) {
 			sid, ok := sessions[strconv.Itoa(proc.PID)]
 			if !ok {
@@ -806,6 +920,12 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 			}, nil
 		},
 	}
+	if p.view != nil {
+		// The switch detaches the current view: every image still being
+		// written from a template on it must be done first (CRIU cannot
+		// dump a process whose files are on a detached mount).
+		p.waitImages(ctx)
+	}
 	res, err := p.b.eng.Restore(ctx, p.sb, id, opts)
 	chMu.Lock()
 	for _, ch := range opened {
@@ -829,6 +949,21 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 	}
 	settle(shells)
 	return res.Path, nil
+}
+
+// waitImages waits for the CRIU images of the checkpoints taken in this
+// sandbox that are still being written (errors are the checkpoints'
+// concern: a failed image only makes its checkpoint less durable).
+func (p *procSandbox) waitImages(ctx context.Context) {
+	p.mu.Lock()
+	ids := make([]string, 0, len(p.ckpts))
+	for id := range p.ckpts {
+		ids = append(ids, id)
+	}
+	p.mu.Unlock()
+	for _, id := range ids {
+		_ = p.b.eng.WaitImage(ctx, id)
+	}
 }
 
 // settleTimeout bounds how long a restore waits for its copies to settle.
@@ -877,6 +1012,9 @@ func (p *procSandbox) Close() error {
 	p.mu.Unlock()
 	for _, id := range ids {
 		p.b.eng.Evict(id) // templates die with the sandbox; images stay
+	}
+	if p.view != nil {
+		p.view.setSandbox(nil)
 	}
 	return p.sb.Close()
 }

@@ -24,9 +24,15 @@
 //     the old mount (MOVE_MOUNT_BENEATH) and lazily detaches the old one:
 //     the view changes atomically for new lookups, but processes that still
 //     hold fds or a cwd on the old mount keep seeing the old tree. That is
-//     fine for rewind's restore, where the cr engine re-creates the process
-//     tree after the switch, and it is precisely why the patched ioctl
-//     exists. Compact merges the layers under the live upper into one
+//     why the patched ioctl exists. The daemon makes it correct for a
+//     sandbox: a clone of the new overlay becomes the root of the sandbox's
+//     mount namespace (sandbox.ReplaceRoot: its /proc, /dev and other
+//     mounts cloned onto it, pivot_root, the old root lazily detached), and
+//     every restore re-creates the processes on it (cr's
+//     RestoreOptions.Reroot: from the CRIU image, which opens every file
+//     by path, or, without an image, by template copies that re-enter
+//     their working directory and reopen their files by path); it never
+//     switches under running processes. Compact merges the layers under the live upper into one
 //     (overlayfs semantics: whiteouts, opaque and redirected directories)
 //     and rewrites the checkpoint records that use them.
 //

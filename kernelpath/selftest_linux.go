@@ -90,8 +90,8 @@ func SelfTest(stateDir string) (Report, error) {
 	}
 	how := map[string]string{
 		FreezeIoctl:   "patched overlayfs: layer-switch ioctl, live fds follow",
-		FreezeReflink: "stock overlayfs: checkpoint reflinks the upper's entries, switch remounts (live fds stay on the old view)",
-		FreezeCopy:    "stock overlayfs on a file system without reflink: checkpoint copies changed data, switch remounts",
+		FreezeReflink: "stock overlayfs: checkpoint reflinks the upper's entries, switch remounts (live fds stay on the old view; the daemon re-creates the processes on the new one)",
+		FreezeCopy:    "stock overlayfs on a file system without reflink: checkpoint copies changed data, switch remounts (the daemon re-creates the processes on the new view)",
 	}[r.Freeze]
 	r.Detail = fmt.Sprintf("%s on %s: checkpoint of %d entries %v, switch %v (median of %d)%s", how, r.FSType, SelfTestEntries, r.Checkpoint.Round(time.Microsecond), r.Switch.Round(time.Microsecond), runs, snap)
 	return r, nil

@@ -67,6 +67,17 @@ type FSKindResolver interface {
 	ResolveKind(kind string) string
 }
 
+// ViewReplacer is implemented by mounts whose Switch replaces the
+// sandbox's root mount instead of changing the content under it (native
+// overlayfs on a stock kernel): processes that keep running through a
+// switch keep the old view (their working directories and open files).
+// When ReplacesView is true the manager never switches the file system
+// under running processes: a restore re-creates them from a process part
+// even when they are already in the target's state.
+type ViewReplacer interface {
+	ReplacesView() bool
+}
+
 // FSSizer is implemented by FS back ends that can tell, after the fact,
 // the bytes an fs checkpoint added (its frozen layer). The manager asks in
 // the background, off the checkpoint's critical path, for checkpoints whose

@@ -749,7 +749,12 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		m.mu.Lock()
 		procFrom := c.rec.ProcFrom
 		m.mu.Unlock()
-		if why == "" && head.procFrom == procFrom {
+		if vr, ok := mount.(ViewReplacer); ok && vr.ReplacesView() && why == "" && head.procFrom == procFrom {
+			// The processes are in the target's state, but they must be
+			// re-created to see the switched view: restore the head's
+			// process part (theirs) with the switch.
+			ph.Undo = "head"
+		} else if why == "" && head.procFrom == procFrom {
 			// The processes are in the state of the target's process
 			// part already (the head and the target share it, and
 			// nothing ran since the head): only the fs changes.

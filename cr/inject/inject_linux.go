@@ -830,3 +830,64 @@ func describe(pid int) string {
 	}
 	return fmt.Sprintf(" (%s, traced by %s)", name, tracer)
 }
+
+// Chdir makes the stopped process change its working directory to path
+// (resolved with the process's own root).
+func (p *Proc) Chdir(path string) error {
+	return p.t.Do(func() error {
+		b := append([]byte(path), 0)
+		if len(b) > 4096 {
+			return fmt.Errorf("chdir of %d: path too long", p.pid)
+		}
+		if err := p.WriteMem(p.ScratchAddr(), b); err != nil {
+			return err
+		}
+		if _, err := p.syscall(unix.SYS_CHDIR, uintptr(p.ScratchAddr())); err != nil {
+			return fmt.Errorf("chdir of %d to %s: %w", p.pid, path, err)
+		}
+		return nil
+	})
+}
+
+// Reopen opens path inside the stopped process with flags (O_CREAT,
+// O_EXCL and O_TRUNC ignored), moves the new file to offset pos and
+// installs it as descriptor fd in place of what fd was; fd is
+// close-on-exec when flags has O_CLOEXEC. It moves a descriptor to another
+// view of the same file (after the process's root changed).
+func (p *Proc) Reopen(fd int, path string, flags int, pos int64) error {
+	return p.t.Do(func() error {
+		b := append([]byte(path), 0)
+		if len(b) > 4096 {
+			return fmt.Errorf("reopen fd %d of %d: path too long", fd, p.pid)
+		}
+		addr := p.ScratchAddr()
+		if err := p.WriteMem(addr, b); err != nil {
+			return err
+		}
+		of := (flags &^ (unix.O_CREAT | unix.O_EXCL | unix.O_TRUNC)) | unix.O_CLOEXEC
+		fdcwd := unix.AT_FDCWD
+		nfd, err := p.rawSyscall(unix.SYS_OPENAT, uintptr(fdcwd), uintptr(addr), uintptr(of), 0)
+		if err == nil && flags&unix.O_APPEND == 0 && pos > 0 {
+			if _, err = p.rawSyscall(unix.SYS_LSEEK, nfd, uintptr(pos), uintptr(unix.SEEK_SET)); err != nil {
+				_, _ = p.rawSyscall(unix.SYS_CLOSE, nfd)
+			}
+		}
+		if err == nil && int(nfd) != fd {
+			dflags := 0
+			if flags&unix.O_CLOEXEC != 0 {
+				dflags = unix.O_CLOEXEC
+			}
+			_, err = p.rawSyscall(unix.SYS_DUP3, nfd, uintptr(fd), uintptr(dflags))
+			_, _ = p.rawSyscall(unix.SYS_CLOSE, nfd)
+		} else if err == nil && flags&unix.O_CLOEXEC == 0 {
+			_, err = p.rawSyscall(unix.SYS_FCNTL, nfd, unix.F_SETFD, 0)
+		}
+		if rerr := p.restoreRegs(); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return fmt.Errorf("reopen fd %d of %d (%s): %w", fd, p.pid, path, err)
+		}
+		return nil
+	})
+}

@@ -1,0 +1,98 @@
+package cr
+
+import (
+	"os"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/cr/inject"
+)
+
+// viewState is where a copy's working directory and its descriptors on
+// its root mount are, by path, taken before the sandbox's root mount is
+// replaced (RestoreOptions.Reroot).
+type viewState struct {
+	cwd string
+	fds []viewFD
+}
+
+// viewFD is an open file of the root mount: its path inside the sandbox,
+// open flags and offset (from /proc/PID/fdinfo).
+type viewFD struct {
+	fd    int
+	path  string
+	flags int
+	pos   int64
+}
+
+// captureView reads process pid's working directory and the descriptors
+// it holds on the mount that is its root. Files deleted since they were
+// opened cannot be reopened by path and are left as they are.
+func captureView(pid int) viewState {
+	base := "/proc/" + strconv.Itoa(pid)
+	var v viewState
+	v.cwd, _ = os.Readlink(base + "/cwd")
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, base+"/root", 0, unix.STATX_MNT_ID, &stx); err != nil || stx.Mask&unix.STATX_MNT_ID == 0 {
+		return v
+	}
+	rootMnt := strconv.FormatUint(stx.Mnt_id, 10)
+	ents, err := os.ReadDir(base + "/fd")
+	if err != nil {
+		return v
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		info, err := os.ReadFile(base + "/fdinfo/" + e.Name())
+		if err != nil {
+			continue
+		}
+		var mnt string
+		var flags, pos int64
+		for _, line := range strings.Split(string(info), "\n") {
+			k, val, ok := strings.Cut(line, ":")
+			if !ok {
+				continue
+			}
+			val = strings.TrimSpace(val)
+			switch k {
+			case "mnt_id":
+				mnt = val
+			case "flags":
+				flags, _ = strconv.ParseInt(val, 8, 64)
+			case "pos":
+				pos, _ = strconv.ParseInt(val, 10, 64)
+			}
+		}
+		if mnt != rootMnt {
+			continue
+		}
+		path, err := os.Readlink(base + "/fd/" + e.Name())
+		if err != nil || !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
+			continue
+		}
+		v.fds = append(v.fds, viewFD{fd: fd, path: path, flags: int(flags), pos: pos})
+	}
+	return v
+}
+
+// reenter moves a stopped copy onto the new root's view: its working
+// directory and the files captureView found, reopened by path. A working
+// directory that no longer exists in the new view is left as it was (like
+// a removed directory).
+func reenter(p *inject.Proc, v viewState) error {
+	if v.cwd != "" {
+		_ = p.Chdir(v.cwd)
+	}
+	for _, f := range v.fds {
+		if err := p.Reopen(f.fd, f.path, f.flags, f.pos); err != nil {
+			return err
+		}
+	}
+	return nil
+}

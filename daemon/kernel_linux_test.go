@@ -1,0 +1,156 @@
+package daemon_test
+
+import (
+	"context"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/kernelpath"
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// startKernelDaemon starts a real daemon whose state dir is a loop XFS
+// with reflink (as `rewind init-store` makes it), where the kernel path
+// freezes layers by reflink.
+func startKernelDaemon(t *testing.T) *realDaemon {
+	t.Helper()
+	testenv.RequireRoot(t)
+	_, err := exec.LookPath("mkfs.xfs")
+	testenv.Require(t, err == nil, "mkfs.xfs (xfsprogs)")
+	dir := t.TempDir()
+	st := filepath.Join(dir, "state")
+	if _, err := kernelpath.InitStore(kernelpath.StoreImage{Image: filepath.Join(dir, "store.img"), FS: "xfs", Size: kernelpath.MinImageSize, StateDir: st}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(st, unix.MNT_DETACH) })
+	return startReal(t, dir)
+}
+
+// TestRealKernelPathStockSwitch drives a sandbox on native overlayfs with a
+// stock kernel (no layer-switch ioctl): checkpoints freeze by reflink,
+// restores replace the root of the sandbox's mount namespace, and the
+// processes restored on it (template copies, CRIU trees) see the restored
+// files, keep their memory, working directory and open files, exactly as
+// on the FUSE path.
+func TestRealKernelPathStockSwitch(t *testing.T) {
+	d := startKernelDaemon(t)
+	c, ctx := d.c, context.Background()
+	sb, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: "kernel"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sb.FSKind != "kernel" {
+		t.Fatalf("sandbox fs %q, want kernel", sb.FSKind)
+	}
+	if _, err := c.StartSession(ctx, "k", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
+		t.Fatal(err)
+	}
+	run := func(cmd string) string { return send(t, c, "k", "b", cmd+"\necho @@done@@") }
+	// State in the shell: a variable, a working directory below the root,
+	// and a file it holds open for appending.
+	run("mkdir -p /work/sub && cd /work/sub && echo one > /work/f && X=1 && exec 3>>/work/log && echo a >&3")
+	t1, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run("echo two > /work/f && echo new > /work/g && X=2 && cd / && echo b >&3")
+	t2, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(when, wantF, wantG, wantX, wantCwd, wantLog string) {
+		t.Helper()
+		got := run(`echo "$(cat /work/f) $(cat /work/g 2>/dev/null || echo no-g) X=$X cwd=$(pwd) log=$(tr -d '\n' </work/log)"`)
+		want := wantF + " " + wantG + " X=" + wantX + " cwd=" + wantCwd + " log=" + wantLog
+		if got != want {
+			t.Fatalf("%s: shell sees %q, want %q", when, got, want)
+		}
+		if got := sh(t, c, "k", "cat /work/f"); got != wantF {
+			t.Fatalf("%s: exec sees /work/f = %q, want %q", when, got, wantF)
+		}
+	}
+	check("before restore", "two", "new", "2", "/", "ab")
+
+	// The shell is back in /work/sub with X=1, on the restored files; its
+	// fd 3 is /work/log of the new view. (Restored from the template's
+	// image: the template itself holds the old view, see cr's Reroot.)
+	r, err := c.Restore(ctx, "k", t1.ID, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(r.Path, "criu") {
+		t.Fatalf("restore path %q, want criu (from the image)", r.Path)
+	}
+	check("after restore to t1", "one", "no-g", "1", "/work/sub", "a")
+	run("echo c >&3")
+	check("after a write to the reopened fd", "one", "no-g", "1", "/work/sub", "ac")
+
+	// A restore with nothing changed since the head: on FUSE only the fs
+	// switches; here the processes are re-created on the new view too.
+	if _, err := c.Restore(ctx, "k", t2.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	check("after restore to t2", "two", "new", "2", "/", "ab")
+	if _, err := c.Restore(ctx, "k", t2.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	check("after restoring the head again", "two", "new", "2", "/", "ab")
+
+	// An fs-only checkpoint restores the processes of the last full one.
+	sh(t, c, "k", "echo three > /work/f")
+	t3, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "fs", Wait: true})
+	if err != nil || t3.Decision != state.ModeFS {
+		t.Fatalf("fs turn: %+v %v", t3, err)
+	}
+	sh(t, c, "k", "echo four > /work/f")
+	if _, err := c.Restore(ctx, "k", t3.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	check("after restore to fs-only t3", "three", "new", "2", "/", "ab")
+
+	// A process tree takes the CRIU path.
+	run("(sleep 1000 & wait) & echo $! > /work/tree")
+	t4, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tree := sh(t, c, "k", "cat /work/tree")
+	sh(t, c, "k", "echo five > /work/f; rm /work/tree")
+	r, err = c.Restore(ctx, "k", t4.ID, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(r.Path, "criu") {
+		t.Fatalf("restore of a tree took path %q, want criu", r.Path)
+	}
+	check("after CRIU restore to t4", "three", "new", "2", "/", "ab")
+	if got := sh(t, c, "k", "cat /work/tree; test -d /proc/"+tree+" && echo alive"); got != tree+"\nalive" {
+		t.Fatalf("after CRIU restore: tree %q", got)
+	}
+
+	// Fork: new sandboxes on the checkpoint's view.
+	fr, err := c.Fork(ctx, t1.ID, api.ForkRequest{Count: 2, Prefix: "kf"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(fr.Sandboxes) != 2 {
+		t.Fatalf("fork: %v", fr.Sandboxes)
+	}
+	for _, name := range fr.Sandboxes {
+		got, err := c.Get(ctx, name)
+		if err != nil || got.FSKind != "kernel" {
+			t.Fatalf("fork %s: %+v %v", name, got, err)
+		}
+		if out := send(t, c, name, "b", `echo "$(cat /work/f) X=$X cwd=$(pwd)"`+"\necho @@done@@"); out != "one X=1 cwd=/work/sub" {
+			t.Fatalf("fork %s sees %q", name, out)
+		}
+		sh(t, c, name, "echo forked > /work/f")
+	}
+	check("parent after its forks wrote", "three", "new", "2", "/", "ab")
+}
