@@ -15,10 +15,13 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/rewind-sandbox/rewind/conformance/tree"
 	"github.com/rewind-sandbox/rewind/cr"
 	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/layer"
 	"github.com/rewind-sandbox/rewind/policies/rules"
 	"github.com/rewind-sandbox/rewind/policy/guest"
@@ -28,14 +31,14 @@ import (
 
 // Process and probe path names.
 var (
-	ProcPaths  = []string{"template", "criu"}
+	ProcPaths  = []string{"template", "criu", "kernel-proc"}
 	ProbePaths = []string{"ebpf", "userspace"}
 )
 
 // ProcOptions configures RunProcess.
 type ProcOptions struct {
-	// Paths lists the process paths ("template", "criu") and probe paths
-	// ("ebpf", "userspace") to run.
+	// Paths lists the process paths ("template", "criu", "kernel-proc")
+	// and probe paths ("ebpf", "userspace") to run.
 	Paths []string
 	// WorkDir is a scratch directory (layer store, FUSE mount, images).
 	WorkDir string
@@ -118,20 +121,23 @@ func signature(r *effect.Report) turnSig {
 // and one probe backend.
 type procRun struct {
 	w        *Workload
-	procPath string // "template" | "criu" | ""
+	procPath string // "template" | "criu" | "kernel-proc" | ""
 	probeBk  string // "ebpf" | "userspace" | ""
 	log      *slog.Logger
 
-	fsys  *fs.FS
-	sb    *sandbox.Sandbox
-	eng   *cr.Engine
-	prb   probe.Probe
-	win   probe.Window
-	ops   *opState
-	sess  map[string]Step // session name -> its session step
-	recs  map[string]procRecord
-	ckIDs map[string]string
-	fsIDs map[string]string
+	fsys layer.FS
+	// reroot: the root is a native overlay on a stock kernel (path
+	// kernel-proc), whose switch replaces the sandbox's root mount.
+	reroot bool
+	sb     *sandbox.Sandbox
+	eng    *cr.Engine
+	prb    probe.Probe
+	win    probe.Window
+	ops    *opState
+	sess   map[string]Step // session name -> its session step
+	recs   map[string]procRecord
+	ckIDs  map[string]string
+	fsIDs  map[string]string
 	// ckSess maps, per label, the host pid of each session process at
 	// checkpoint time to its session, to give restored copies their
 	// session's stdio back.
@@ -156,7 +162,11 @@ type procRecord struct {
 // sandbox (package sandbox) whose root is a FUSE view (package fs), drives
 // its sessions, checkpoints with cr.Engine (the fs checkpoint in the
 // freeze barrier) and restores through the template pool ("template") or,
-// with the templates evicted, through the CRIU image ("criu"). At every
+// with the templates evicted, through the CRIU image ("criu"); on
+// "kernel-proc" the root is a native overlay (package kernelpath) and, on
+// a stock kernel, each restore's switch replaces the sandbox's root mount
+// as the daemon's does (template checkpoints restore from their image,
+// see cr.RestoreOptions.Reroot). At every
 // checkpoint it records each session's state digest, the process tree
 // shape and the tree; after every restore they must be identical. At every
 // turn the probe's report is reduced to what the built-in policies read
@@ -308,8 +318,13 @@ func (r *procRun) run(ctx context.Context, dir, criuPath string) error {
 		return err
 	}
 	id := "conf-" + layer.NewID()
-	r.fsys, err = fs.Mount(st, mp, fs.Options{MountID: id, Logger: r.log})
-	if err != nil {
+	if r.procPath == "kernel-proc" {
+		kf, err := kernelpath.Mount(st, mp, kernelpath.Options{MountID: id, Logger: r.log})
+		if err != nil {
+			return fmt.Errorf("kernel mount: %w", err)
+		}
+		r.fsys, r.reroot = kf, kf.FreezeMode() != kernelpath.FreezeIoctl
+	} else if r.fsys, err = fs.Mount(st, mp, fs.Options{MountID: id, Logger: r.log}); err != nil {
 		return fmt.Errorf("fuse mount: %w", err)
 	}
 	defer r.fsys.Unmount()
@@ -650,6 +665,24 @@ func (r *procRun) step(ctx context.Context, i int, s Step) error {
 	return nil
 }
 
+// switchFS switches the view to fs checkpoint id; when the switch
+// replaces the root mount (kernel-proc on a stock kernel), a clone of the
+// new view becomes the sandbox's root, as the daemon does.
+func (r *procRun) switchFS(id string) error {
+	if err := r.fsys.Switch(id); err != nil {
+		return err
+	}
+	if !r.reroot {
+		return nil
+	}
+	mfd, err := unix.OpenTree(unix.AT_FDCWD, r.fsys.Mountpoint(), unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("clone the new view: %w", err)
+	}
+	defer unix.Close(mfd)
+	return r.sb.ReplaceRoot(mfd)
+}
+
 func (r *procRun) restore(ctx context.Context, i int, s Step) error {
 	ckID, fsID := r.ckIDs[s.Label], r.fsIDs[s.Label]
 	rec := r.recs[s.Label]
@@ -660,7 +693,8 @@ func (r *procRun) restore(ctx context.Context, i int, s Step) error {
 	var chMu sync.Mutex
 	var opened []*sandbox.Channels
 	opts := cr.RestoreOptions{
-		SwitchFS: func() error { return r.fsys.Switch(fsID) },
+		SwitchFS: func() error { return r.switchFS(fsID) },
+		Reroot:   r.reroot,
 		Stdio: func(p cr.Proc) (*cr.Stdio, error) {
 			sid, ok := sessOf[p.PID]
 			if !ok {
@@ -710,7 +744,9 @@ func (r *procRun) restore(ctx context.Context, i int, s Step) error {
 		// a multi-threaded process: ck.Reason) restores through CRIU on
 		// every path, by design.
 		want := r.procPath
-		if rec.mode == cr.ModeCRIU {
+		if rec.mode == cr.ModeCRIU || r.procPath == "kernel-proc" {
+			// (kernel-proc: a template checkpoint restores from its image
+			// when the switch replaces the root, see cr's Reroot.)
 			want = "criu"
 		}
 		if res.Path != want && !(want == "criu" && res.Path == "criu-lazy") {

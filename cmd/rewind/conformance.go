@@ -22,7 +22,7 @@ import (
 
 // allConformancePaths are the path names `rewind conformance run` knows, in
 // matrix order.
-var allConformancePaths = []string{"fuse", "kernel", "template", "criu", "ebpf", "userspace"}
+var allConformancePaths = []string{"fuse", "kernel", "template", "criu", "kernel-proc", "ebpf", "userspace"}
 
 func newConformanceCmd() *cobra.Command {
 	cmd := &cobra.Command{
@@ -56,8 +56,9 @@ func newConformanceRunCmd() *cobra.Command {
 files on each requested path and prints a matrix: pass, fail (with the first
 differing path, step and entries), skip (path unavailable here) or '-' (the
 workload does not apply to the path: file-system workloads run on fuse and
-kernel, process workloads — those with sessions — on template, criu, ebpf and
-userspace). A '*' marks
+kernel, process workloads — those with sessions — on template, criu,
+kernel-proc (the sandbox root on native overlayfs, its switch replacing the
+root mount), ebpf and userspace). A '*' marks
 a pass that used a documented exception (conformance/FORMAT.md). The exit
 status is 1 when any path fails.
 
@@ -145,6 +146,14 @@ func pathAvailability(p string) string {
 	case "template", "userspace":
 		if _, err := os.Stat("/dev/fuse"); err != nil {
 			return "no /dev/fuse (the sandbox root is a FUSE view)"
+		}
+	case "kernel-proc":
+		b, _ := os.ReadFile("/proc/filesystems")
+		if !strings.Contains(string(b), "overlay") {
+			return "no overlayfs in /proc/filesystems"
+		}
+		if err := conformance.CheckCRIU(""); err != nil {
+			return err.Error()
 		}
 	case "criu":
 		if _, err := os.Stat("/dev/fuse"); err != nil {
