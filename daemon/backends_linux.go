@@ -418,8 +418,9 @@ type fsMount struct {
 	wg         sync.WaitGroup // a running compaction
 }
 
-// depther is implemented by back ends whose stack depth grows with every
-// checkpoint (the FUSE path; the kernel path merges its own delta layers).
+// depther is implemented by back ends whose stack depth grows: with every
+// checkpoint (the FUSE path), with every restore (the kernel path, which
+// merges its own delta chains but stacks a new one per switch).
 type depther interface{ Depth() int }
 
 func (m *fsMount) Root() string { return m.f.Mountpoint() }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -328,5 +329,50 @@ func TestStaleMount(t *testing.T) {
 	// Unknown checkpoint: clear error.
 	if _, err := Mount(st, t.TempDir(), Options{From: "nope", Logger: slog.New(slog.DiscardHandler)}); err == nil {
 		t.Fatal("mount from an unknown checkpoint succeeded")
+	}
+}
+
+// TestDepthAndCompact: every switch stacks the target's layers under a new
+// chain, so restore cycles deepen the view; Compact merges them back to
+// at most two layers without changing what any checkpoint holds.
+func TestDepthAndCompact(t *testing.T) {
+	st := newStore(t, "xfs")
+	f := mountKP(t, st, Options{MountID: "depth"})
+	mp := f.Mountpoint()
+	var ids []string
+	var dumps []string
+	for i := range 6 {
+		writeFile(t, mp+"/f"+strconv.Itoa(i), strconv.Itoa(i))
+		c, err := f.Checkpoint()
+		if err != nil {
+			t.Fatal(err)
+		}
+		writeFile(t, mp+"/g"+strconv.Itoa(i), "x")
+		c2, err := f.Checkpoint()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, dumps = append(ids, c2), append(dumps, treeDump(t, mp))
+		if err := f.Switch(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if d := f.Depth(); d < 6 {
+		t.Fatalf("depth after 6 restore cycles: %d", d)
+	}
+	if err := f.Compact(); err != nil {
+		t.Fatal(err)
+	}
+	if d := f.Depth(); d > 2 {
+		t.Fatalf("depth after Compact: %d, want <= 2", d)
+	}
+	// The last checkpoint, taken on this mount's current stack, keeps its
+	// content through the merge.
+	last := len(ids) - 1
+	if err := f.Switch(ids[last]); err != nil {
+		t.Fatal(err)
+	}
+	if got := treeDump(t, mp); got != dumps[last] {
+		t.Fatalf("after compact, checkpoint %s:\n%s\nwant:\n%s", ids[last], got, dumps[last])
 	}
 }

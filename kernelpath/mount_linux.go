@@ -522,6 +522,19 @@ func (f *FS) pruneWork(prev, cur string) {
 	}
 }
 
+// Depth returns the number of frozen store layers a switch to the latest
+// checkpoint would stack under its upper: the layers the view was mounted
+// from or switched to plus the delta chain frozen since. Every restore
+// starts a new chain on top of the target's stack, so without Compact the
+// depth grows with the restores (towards overlayfs's limit of 500 lower
+// layers), and a create in a directory merged from the lower layers costs
+// more with every layer (negative lookups in each).
+func (f *FS) Depth() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.layers) + len(f.chain)
+}
+
 // Compact merges runs of frozen layers into single layers without changing
 // any checkpoint's content. See compact_linux.go.
 func (f *FS) Compact() error {

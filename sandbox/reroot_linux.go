@@ -98,22 +98,30 @@ func replaceRootInNS(ns, mfd int, mountinfo []byte) error {
 	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, "/", unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
 		return fmt.Errorf("attach new root: %w", err)
 	}
+	if err := unix.Fchdir(mfd); err != nil {
+		return fmt.Errorf("chdir new root: %w", err)
+	}
+	// Until the pivot, a failure takes the new root (and what was moved
+	// onto it) away again: the namespace stays as it was.
+	undo := func(err error) error {
+		if uerr := unix.Unmount(".", unix.MNT_DETACH); uerr != nil {
+			return fmt.Errorf("%w (and detaching the new root failed: %v)", err, uerr)
+		}
+		return err
+	}
 	for i, p := range subs {
 		t, err := mountTarget(mfd, p, clones[i])
 		if err != nil {
-			return err
+			return undo(err)
 		}
 		err = unix.MoveMount(clones[i], "", t, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH)
 		unix.Close(t)
 		if err != nil {
-			return fmt.Errorf("mount %s on the new root: %w", p, err)
+			return undo(fmt.Errorf("mount %s on the new root: %w", p, err))
 		}
 	}
-	if err := unix.Fchdir(mfd); err != nil {
-		return fmt.Errorf("chdir new root: %w", err)
-	}
 	if err := unix.PivotRoot(".", "."); err != nil {
-		return fmt.Errorf("pivot_root: %w", err)
+		return undo(fmt.Errorf("pivot_root: %w", err))
 	}
 	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
 		return fmt.Errorf("detach old root: %w", err)
