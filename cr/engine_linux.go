@@ -113,6 +113,9 @@ const (
 	ModeTemplate Mode = "template"
 	ModeCRIU     Mode = "criu"
 	ModeEmpty    Mode = "empty"
+	// ModeParked keeps the live processes themselves, stopped (see
+	// CheckpointOptions.Park).
+	ModeParked Mode = "parked"
 )
 
 // Checkpoint is the record of one process checkpoint.
@@ -213,6 +216,15 @@ type CheckpointOptions struct {
 	// it gets no CRIU image and no warm spare, and restores from its
 	// templates only. Drop it when done.
 	Ephemeral bool
+	// Park, with Ephemeral, makes the checkpoint of the live processes
+	// themselves (ModeParked) when each is single-threaded, whatever the
+	// process tree: they are held in a ptrace stop, no copy is made, and
+	// until the checkpoint is restored (they run on as they were) or
+	// dropped (they are killed) they are no longer t's live processes:
+	// listings, kills and probes skip them. A restore of another
+	// checkpoint meanwhile must not need their pids (a template or empty
+	// checkpoint of t, not a CRIU one). Otherwise Park is ignored.
+	Park bool
 }
 
 // ErrUnknown is returned for a checkpoint id the engine does not hold.
@@ -243,6 +255,10 @@ type ckpt struct {
 	removeWhenDone bool
 	// busy counts restores/forks in progress using the templates.
 	busy int
+	// parked are the stopped live processes of a ModeParked checkpoint
+	// (a template whose proc is the process itself), until it is
+	// restored or dropped.
+	parked []*template
 }
 
 // New creates an engine.
@@ -426,6 +442,9 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		e.add(&ckpt{rec: rec})
 		return &rec, nil
 	}
+	if opts.Park && opts.Ephemeral && parkable(procs) {
+		return e.parkCheckpoint(ctx, t, rec, opts.Barrier)
+	}
 	if why := templatable(t.InitPID(), procs); why != "" {
 		rec.Mode = ModeCRIU
 		rec.Reason = why
@@ -499,11 +518,57 @@ func (e *Engine) add(c *ckpt) {
 
 // makeTemplates is the stop-the-world part of Checkpoint.
 func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barrier func() error) ([]*template, time.Duration, error) {
-	fr, canFreeze := t.(Freezer)
 	start := time.Now()
+	live, err := e.stopProcs(ctx, t, procs, barrier)
+	if err != nil {
+		return nil, 0, err
+	}
+	release := func() {
+		_ = e.tracer.Do(func() error {
+			for _, p := range live {
+				_ = p.Detach()
+			}
+			return nil
+		})
+	}
+	var tmpls []*template
+	// One hand-over to the tracer thread for every fork and guard.
+	err = e.tracer.Do(func() error {
+		for i, ip := range live {
+			tp, err := ip.Fork(true)
+			if err != nil {
+				return fmt.Errorf("fork template of %d: %w", ip.Pid(), err)
+			}
+			tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
+			tmpls = append(tmpls, tm)
+			// Before any process of the sandbox runs again.
+			if err := guard(tm, true); err != nil {
+				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		for _, tm := range tmpls {
+			_ = tm.proc.Kill()
+		}
+		release()
+		return nil, 0, err
+	}
+	release()
+	return tmpls, time.Since(start), nil
+}
+
+// stopProcs brings every process of procs to a ptrace stop (seized by the
+// engine's tracer) and runs barrier while they are stopped: with a freezer
+// the processes are frozen first, seized, the barrier runs, and they reach
+// their ptrace stops after the thaw. On error nothing stays stopped or
+// seized; on success the caller detaches them (or keeps them: Park).
+func (e *Engine) stopProcs(ctx context.Context, t Target, procs []Proc, barrier func() error) ([]*inject.Proc, error) {
+	fr, canFreeze := t.(Freezer)
 	if canFreeze {
 		if err := fr.Freeze(ctx); err != nil {
-			return nil, 0, fmt.Errorf("freeze: %w", err)
+			return nil, fmt.Errorf("freeze: %w", err)
 		}
 	}
 	thawed := !canFreeze
@@ -515,18 +580,15 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 		return fr.Thaw(context.WithoutCancel(ctx))
 	}
 	var live []*inject.Proc
-	release := func() {
+	fail := func(err error) ([]*inject.Proc, error) {
+		terr := thaw()
 		_ = e.tracer.Do(func() error {
 			for _, p := range live {
 				_ = p.Detach()
 			}
 			return nil
 		})
-	}
-	fail := func(err error) ([]*template, time.Duration, error) {
-		terr := thaw()
-		release()
-		return nil, 0, errors.Join(err, terr)
+		return nil, errors.Join(err, terr)
 	}
 	if err := e.tracer.Do(func() error {
 		for _, p := range procs {
@@ -569,31 +631,7 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 			return fail(fmt.Errorf("barrier: %w", err))
 		}
 	}
-	var tmpls []*template
-	// One hand-over to the tracer thread for every fork and guard.
-	err := e.tracer.Do(func() error {
-		for i, ip := range live {
-			tp, err := ip.Fork(true)
-			if err != nil {
-				return fmt.Errorf("fork template of %d: %w", ip.Pid(), err)
-			}
-			tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
-			tmpls = append(tmpls, tm)
-			// Before any process of the sandbox runs again.
-			if err := guard(tm, true); err != nil {
-				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		for _, tm := range tmpls {
-			_ = tm.proc.Kill()
-		}
-		return fail(err)
-	}
-	release()
-	return tmpls, time.Since(start), nil
+	return live, nil
 }
 
 // guard makes a template undumpable. A template lives in the sandbox's PID
@@ -711,7 +749,7 @@ func (e *Engine) Parts(id string) (Parts, error) {
 		return Parts{}, fmt.Errorf("checkpoint %s: %w", id, ErrUnknown)
 	}
 	p := c.image
-	p.Template = len(c.templates) > 0 || c.rec.Mode == ModeEmpty
+	p.Template = len(c.templates) > 0 || len(c.parked) > 0 || c.rec.Mode == ModeEmpty
 	return p, nil
 }
 
@@ -856,6 +894,15 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			}
 			res.Procs = procs
 		}
+		res.Duration = time.Since(start)
+		return res, nil
+	}
+	if c.rec.Mode == ModeParked {
+		procs, err := e.resumeParked(ctx, t, c, opts)
+		if err != nil {
+			return nil, fmt.Errorf("restore %s: %w", id, err)
+		}
+		res.Procs = procs
 		res.Duration = time.Since(start)
 		return res, nil
 	}
@@ -1226,8 +1273,8 @@ type retired struct {
 // live processes taken meanwhile never counts them as the agent's. A spare
 // being warmed is makeSpare's to kill.
 func (e *Engine) retireLocked(c *ckpt) retired {
-	r := retired{tms: c.templates}
-	c.templates = nil
+	r := retired{tms: append(append([]*template(nil), c.templates...), c.parked...)}
+	c.templates, c.parked = nil, nil
 	for _, tm := range r.tms {
 		tm.dropped = true
 		e.aux[tm.proc.Pid()] = tm.sandbox

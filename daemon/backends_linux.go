@@ -780,17 +780,49 @@ func newCRID() string {
 }
 
 func (p *procSandbox) Checkpoint(ctx context.Context, barrier func() error) (*state.ProcPart, error) {
-	return p.checkpoint(ctx, barrier, false)
+	return p.checkpoint(ctx, barrier, false, false)
 }
 
-// CheckpointUndo implements state.UndoCheckpointer: templates only, no
-// image and no warm spare (the undo point of a restore is dropped, or
-// restored, as soon as the restore ends).
-func (p *procSandbox) CheckpointUndo(ctx context.Context, barrier func() error) (*state.ProcPart, error) {
-	return p.checkpoint(ctx, barrier, true)
+// CheckpointUndo implements state.UndoCheckpointer: no image and no warm
+// spare (the undo point of a restore is dropped, or restored, as soon as
+// the restore ends), and, when the restore goes to target without needing
+// the live processes' pids (canPark), the live processes themselves,
+// stopped (cr.ModeParked), for any process tree: no template fork and no
+// CRIU dump of a tree.
+func (p *procSandbox) CheckpointUndo(ctx context.Context, target *state.ProcPart, barrier func() error) (*state.ProcPart, error) {
+	return p.checkpoint(ctx, barrier, true, p.canPark(target))
 }
 
-func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo bool) (*state.ProcPart, error) {
+// canPark reports whether a restore to target leaves the pids of the
+// sandbox's processes alone, so they can be parked meanwhile: target is a
+// checkpoint of this sandbox that restores from its templates (or holds
+// no processes). A CRIU restore needs exact pids, and an empty part of
+// another sandbox kills through the sandbox, which knows nothing parked.
+// On a stock-kernel native mount (view) a switch replaces the root mount:
+// parked processes resumed after a second switch would run on the first
+// mount, detached, so they are never parked there.
+func (p *procSandbox) canPark(target *state.ProcPart) bool {
+	if target == nil || p.view != nil {
+		return false
+	}
+	id := target.Data["cr"]
+	p.mu.Lock()
+	mine := p.ckpts[id]
+	p.mu.Unlock()
+	if !mine {
+		return false
+	}
+	switch cr.Mode(target.Data["mode"]) {
+	case cr.ModeEmpty:
+		return true
+	case cr.ModeTemplate:
+		parts, err := p.b.eng.Parts(id)
+		return err == nil && parts.Template
+	}
+	return false
+}
+
+func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo, park bool) (*state.ProcPart, error) {
 	// Which session each process serves, to give restored copies their
 	// session's stdio back.
 	sessions := map[string]string{}
@@ -807,13 +839,16 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	// can be asked for its state), not in the middle of that write.
 	settle(shells)
 	id := newCRID()
-	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier, Ephemeral: undo})
+	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier, Ephemeral: undo, Park: park})
 	if err != nil {
 		return nil, err
 	}
-	// The processes were stopped for their templates: let the shells get
-	// back into their read before the next probe window opens.
-	settle(shells)
+	if ck.Mode != cr.ModeParked {
+		// The processes were stopped for their templates: let the shells
+		// get back into their read before the next probe window opens.
+		// (Parked ones stay stopped.)
+		settle(shells)
+	}
 	p.mu.Lock()
 	p.ckpts[id] = true
 	p.mu.Unlock()
@@ -891,6 +926,9 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 			if !ok {
 				return nil, nil
 			}
+			if part.Data["mode"] == string(cr.ModeParked) && p.ownSession(sid, proc.PID) {
+				return nil, nil // the parked shell runs on with its session
+			}
 			ch, err := p.sb.NewChannels()
 			if err != nil {
 				return nil, err
@@ -964,6 +1002,21 @@ func (p *procSandbox) waitImages(ctx context.Context) {
 	p.mu.Unlock()
 	for _, id := range ids {
 		_ = p.b.eng.WaitImage(ctx, id)
+	}
+}
+
+// ownSession reports whether session sid is still served by process pid
+// (no restore gave it to another process since).
+func (p *procSandbox) ownSession(sid string, pid int) bool {
+	ss := p.sb.Session(sid)
+	if ss == nil || ss.PID() != pid {
+		return false
+	}
+	select {
+	case <-ss.Done():
+		return false
+	default:
+		return true
 	}
 }
 

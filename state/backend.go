@@ -42,8 +42,13 @@ type FSBackend interface {
 // cheaper checkpoint for a restore's undo point: one that lives only until
 // the restore ends and is restored, if ever, at once (so it needs no
 // durable image and no pre-warmed copy). It is otherwise Checkpoint.
+// target is the process part the restore goes to: where restoring it
+// needs nothing the live processes hold (their pids), the back end may
+// keep the processes themselves, stopped, as the undo point instead of
+// copying them; Release then kills them and a restore of the undo point
+// lets them run on.
 type UndoCheckpointer interface {
-	CheckpointUndo(ctx context.Context, barrier func() error) (*ProcPart, error)
+	CheckpointUndo(ctx context.Context, target *ProcPart, barrier func() error) (*ProcPart, error)
 }
 
 // UnchangedChecker is implemented by process sandboxes that can prove

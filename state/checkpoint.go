@@ -331,7 +331,7 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		err = fmt.Errorf("sandbox %s is not running", s.rec.Name)
 	case mode == ModeFull:
 		var ferr error
-		part, fsID, fsB, ferr, err = m.fullCheckpoint(context.Background(), mount, proc, false)
+		part, fsID, fsB, ferr, err = m.fullCheckpoint(context.Background(), mount, proc, nil)
 		switch {
 		case ferr != nil:
 			err = fmt.Errorf("fs checkpoint: %w", ferr)
@@ -441,13 +441,17 @@ func (m *Manager) shareProcs(s *sbox, c *ckpt, proc ProcSandbox, part *ProcPart)
 }
 
 // fullCheckpoint takes the process part with the fs checkpoint in its
-// freeze barrier. A process that exits while the processes are being
-// stopped fails an attempt; one retry follows (the fs checkpoint of the
-// failed attempt is dropped: its layer stays under the mount).
-func (m *Manager) fullCheckpoint(ctx context.Context, mount FSMount, proc ProcSandbox, undo bool) (part *ProcPart, fsID string, fsB int64, ferr, err error) {
+// freeze barrier; undoFor, when set, makes it the undo point of a restore
+// to that process part (see UndoCheckpointer). A process that exits while
+// the processes are being stopped fails an attempt; one retry follows (the
+// fs checkpoint of the failed attempt is dropped: its layer stays under
+// the mount).
+func (m *Manager) fullCheckpoint(ctx context.Context, mount FSMount, proc ProcSandbox, undoFor *ProcPart) (part *ProcPart, fsID string, fsB int64, ferr, err error) {
 	take := proc.Checkpoint
-	if u, ok := proc.(UndoCheckpointer); ok && undo {
-		take = u.CheckpointUndo
+	if u, ok := proc.(UndoCheckpointer); ok && undoFor != nil {
+		take = func(ctx context.Context, barrier func() error) (*ProcPart, error) {
+			return u.CheckpointUndo(ctx, undoFor, barrier)
+		}
 	}
 	for attempt := 0; attempt < 2; attempt++ {
 		fsID, fsB, ferr = "", 0, nil
@@ -773,7 +777,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 				m.log.Debug("restore takes an undo checkpoint", "sandbox", s.rec.Name, "why", why, "fs", rep.FS, "proc", rep.Proc, "pages", rep.Mem.PagesWritten, "per_proc", rep.Mem.PerProc)
 			}
 			var ferr error
-			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc, true)
+			undo, undoFS, _, ferr, err = m.fullCheckpoint(bg, mount, proc, part)
 			if err == nil {
 				err = ferr
 			}
