@@ -1046,15 +1046,8 @@ func settle(pids []int) {
 
 // procStateOf returns the state letter of /proc/pid/stat.
 func procStateOf(pid int) (byte, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, err
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+2 >= len(b) {
-		return 0, fmt.Errorf("bad stat of %d", pid)
-	}
-	return b[i+2], nil
+	st, err := readProcStat(pid)
+	return st.state, err
 }
 
 func (p *procSandbox) Close() error {
@@ -1094,7 +1087,6 @@ func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, p
 		t.FS = fm.f
 	}
 	pw.t = t
-	pw.refreshLive()
 	w, err := a.p.Begin(t)
 	if err != nil {
 		return nil, err
@@ -1110,39 +1102,103 @@ type probeWindow struct {
 	sb  *sandbox.Sandbox
 	t   probe.Target
 	w   probe.Window
-
-	liveMu sync.Mutex
-	live   map[int]bool // the agent's processes as cr sees them
 }
 
-// refreshLive asks cr which processes are the agent's (templates, warm
-// spares and init excluded).
-func (w *probeWindow) refreshLive() {
-	procs, err := w.eng.Processes(w.sb)
-	live := map[int]bool{}
-	for _, p := range procs {
-		live[p.PID] = true
-	}
-	w.liveMu.Lock()
-	if err == nil {
-		w.live = live
-	} else {
-		w.live = nil
-	}
-	w.liveMu.Unlock()
-}
-
-// exclude hides cr's helper processes from the probe: they are rewind's,
-// not effects of the agent's turn. cr's view of the live processes is
-// taken right before each window boundary; IsTemplate covers helpers made
-// since.
+// exclude hides from the probe what is not the agent's: the sandbox's
+// init, cr's helper processes (templates, spares, parked processes,
+// copies being dumped: IsTemplate), a copy cr is making right now (traced
+// by this daemon before cr lists it as a helper: a fork in progress), a
+// process already exiting (a restore's killed processes tear down their
+// memory for a while), and any process that does not descend from the
+// init (CRIU, and the host shell that joined the sandbox's cgroups to run
+// it). It reads /proc only, and takes none of cr's locks: a listing of the
+// live processes through cr at every window boundary waited for the
+// sandbox's spare forks and cost more than the probe's own snapshot.
 func (w *probeWindow) exclude(pid int) bool {
-	if w.eng.IsTemplate(pid) {
+	init := w.t.InitPID
+	if pid == init || w.eng.IsTemplate(pid) {
 		return true
 	}
-	w.liveMu.Lock()
-	defer w.liveMu.Unlock()
-	return w.live != nil && !w.live[pid]
+	p := pid
+	for depth := 0; depth < 64; depth++ {
+		st, err := readProcStat(p)
+		if err != nil {
+			return true // gone (or an ancestor went: it is being reparented)
+		}
+		if p == pid {
+			if st.exiting() || tracedByUs(pid) {
+				return true
+			}
+		}
+		if st.ppid == init {
+			return false
+		}
+		if st.ppid <= 1 {
+			return true
+		}
+		p = st.ppid
+	}
+	return true
+}
+
+// procStat is what exclude reads of /proc/PID/stat.
+type procStat struct {
+	state byte
+	ppid  int
+	flags uint64
+}
+
+// pfExiting is the kernel's PF_EXITING task flag.
+const pfExiting = 0x4
+
+func (s procStat) exiting() bool {
+	return s.flags&pfExiting != 0 || s.state == 'Z' || s.state == 'X' || s.state == 'x'
+}
+
+// readProcStat reads the state, parent and flags of pid.
+func readProcStat(pid int) (procStat, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return procStat{}, err
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return procStat{}, fmt.Errorf("bad stat of %d", pid)
+	}
+	// After the comm: state ppid pgrp session tty_nr tpgid flags ...
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 7 || len(f[0]) != 1 {
+		return procStat{}, fmt.Errorf("bad stat of %d", pid)
+	}
+	var st procStat
+	st.state = f[0][0]
+	if st.ppid, err = strconv.Atoi(f[1]); err != nil {
+		return procStat{}, fmt.Errorf("bad stat of %d: %w", pid, err)
+	}
+	if st.flags, err = strconv.ParseUint(f[6], 10, 64); err != nil {
+		return procStat{}, fmt.Errorf("bad stat of %d: %w", pid, err)
+	}
+	return st, nil
+}
+
+// tracedByUs reports whether pid is traced by a thread of this process
+// (TracerPid names the tracing thread, cr's tracer thread).
+func tracedByUs(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return false
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "TracerPid:"); ok {
+			tid := strings.TrimSpace(v)
+			if tid == "" || tid == "0" {
+				return false
+			}
+			_, err := os.Stat("/proc/self/task/" + tid)
+			return err == nil
+		}
+	}
+	return false
 }
 
 func (w *probeWindow) End(context.Context) (*effect.Report, error) {
@@ -1151,7 +1207,6 @@ func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	if w.w == nil {
 		return nil, errors.New("no probe window open")
 	}
-	w.refreshLive()
 	rep, err := w.w.End()
 	w.w = nil
 	if rep != nil {
@@ -1208,7 +1263,6 @@ func (w *probeWindow) Begin(context.Context) error {
 	if w.w != nil {
 		return nil
 	}
-	w.refreshLive()
 	nw, err := w.p.Begin(w.t)
 	if err != nil {
 		return err
