@@ -1102,6 +1102,9 @@ type probeWindow struct {
 	sb  *sandbox.Sandbox
 	t   probe.Target
 	w   probe.Window
+	// next is the window End opened at once (probe.Window.Next), for
+	// Resume to adopt; Begin drops it and opens a fresh one.
+	next probe.Window
 }
 
 // exclude hides from the probe what is not the agent's: the sandbox's
@@ -1207,8 +1210,8 @@ func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	if w.w == nil {
 		return nil, errors.New("no probe window open")
 	}
-	rep, err := w.w.End()
-	w.w = nil
+	rep, next, err := w.w.Next()
+	w.w, w.next = nil, next
 	if rep != nil {
 		discountCRIUTemp(rep)
 	}
@@ -1263,6 +1266,10 @@ func (w *probeWindow) Begin(context.Context) error {
 	if w.w != nil {
 		return nil
 	}
+	if w.next != nil {
+		w.next.Abort() // what ran since End may be rewind's own work
+		w.next = nil
+	}
 	nw, err := w.p.Begin(w.t)
 	if err != nil {
 		return err
@@ -1271,13 +1278,29 @@ func (w *probeWindow) Begin(context.Context) error {
 	return nil
 }
 
-func (w *probeWindow) Close() error {
+// Resume implements state.ProbeResumer with the window End opened.
+func (w *probeWindow) Resume(context.Context) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.w != nil {
-		w.w.Abort()
-		w.w = nil
+		return nil
 	}
+	if w.next == nil {
+		return errors.New("no window to resume")
+	}
+	w.w, w.next = w.next, nil
+	return nil
+}
+
+func (w *probeWindow) Close() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, x := range []probe.Window{w.w, w.next} {
+		if x != nil {
+			x.Abort()
+		}
+	}
+	w.w, w.next = nil, nil
 	return nil
 }
 

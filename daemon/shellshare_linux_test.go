@@ -152,3 +152,55 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 		t.Fatalf("at the end: %q", got)
 	}
 }
+
+// TestRealFSRestoresChain: a restore that only switches the fs leaves the
+// sandbox exactly its new head, so the next restore to a checkpoint with
+// the same processes is fs-only again with the head as its undo point —
+// every time, not only on a retry — and each brings back its files.
+func TestRealFSRestoresChain(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
+		t.Fatal(err)
+	}
+	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run("mkdir -p /w && cd /w")
+	turn(t, c, "sh")
+	run("echo one > /w/f")
+	_, one := turn(t, c, "sh")
+	run("echo two > /w/f")
+	_, two := turn(t, c, "sh")
+	if one.Decision != state.ModeFS || two.Decision != state.ModeFS || one.ProcFrom != two.ProcFrom {
+		t.Fatalf("file writes: %s from %s, %s from %s; want fs sharing one process part", one.Decision, one.ProcFrom, two.Decision, two.ProcFrom)
+	}
+	// Right after a turn the head may not be provably clean yet (see
+	// TestRealUnchangedShellSharesItsProcessPart): one restore first.
+	if _, err := c.Restore(ctx, "sh", two.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Restore(ctx, "sh", two.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	for i, ck := range []*state.Checkpoint{one, two, one, one, two, one} {
+		res, err := c.Restore(ctx, "sh", ck.ID, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Path != "fs" || res.Phases.Undo != "head" {
+			t.Fatalf("restore %d (%s): path %s, undo %s; want fs, head", i, ck.ID, res.Path, res.Phases.Undo)
+		}
+	}
+	if got := run("cat /w/f"); got != "one" {
+		t.Fatalf("after the chain: %q", got)
+	}
+	if got := run("cat /w/f; echo again > /w/f"); got != "one" {
+		t.Fatalf("the shell sees %q", got)
+	}
+	_, three := turn(t, c, "sh")
+	if three.Decision != state.ModeFS {
+		t.Fatalf("a file write after the chain: %s (%s), want fs", three.Decision, three.Reason)
+	}
+}

@@ -191,6 +191,17 @@ type ProbeWindow interface {
 	Close() error
 }
 
+// ProbeResumer is implemented by probe windows that can open the next
+// window from the moment End closed the last one (End's own snapshot of
+// the processes, and whatever they did since counted in the new window),
+// which costs no new snapshot. The state manager resumes only where its
+// own work in between left the processes alone (a restore that only
+// switches the fs). Resume fails, opening nothing, when End kept no such
+// moment; Begin then opens a fresh window as usual.
+type ProbeResumer interface {
+	Resume(ctx context.Context) error
+}
+
 // Decision is a policy's verdict.
 type Decision struct {
 	Mode   Mode

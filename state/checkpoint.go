@@ -769,6 +769,11 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 				return nil, fmt.Errorf("restore %s: switch fs: %w", c.rec.ID, err)
 			}
 			ph.SwitchUS = time.Since(t).Microseconds()
+			// The processes did not change: the next window starts where
+			// the last one ended.
+			t = time.Now()
+			m.resumeWindow(bg, s)
+			ph.WindowUS += time.Since(t).Microseconds()
 			return m.restored(s, c, "fs", start, ph)
 		}
 		if why != "" {

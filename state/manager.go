@@ -417,6 +417,24 @@ func (m *Manager) beginWindow(ctx context.Context, s *sbox) {
 	m.mu.Unlock()
 }
 
+// resumeWindow opens s's next probe window from the moment the last one
+// ended, when its probe can (ProbeResumer): the caller's work since then
+// left the processes alone. Otherwise beginWindow opens it later.
+func (m *Manager) resumeWindow(ctx context.Context, s *sbox) {
+	m.mu.Lock()
+	win, open := s.win, s.winOpen
+	m.mu.Unlock()
+	r, ok := win.(ProbeResumer)
+	if !ok || open || r.Resume(ctx) != nil {
+		return
+	}
+	m.mu.Lock()
+	if s.win == win {
+		s.winOpen = true
+	}
+	m.mu.Unlock()
+}
+
 // touch marks s as changed since its head (an agent operation runs).
 func (m *Manager) touch(s *sbox) {
 	m.mu.Lock()
