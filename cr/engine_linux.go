@@ -908,8 +908,22 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	}
 	if opts.Reroot && c.rec.Mode == ModeTemplate && e.imageReady(c) && len(e.tmpls(c)) > 0 {
 		// The templates hold the view they were taken on: recreate them
-		// from the image in the new view (see Reroot).
+		// from the image in the new view (see Reroot). The image needs
+		// their pids back, so they must be gone first (a killed helper
+		// counts as one until it exits).
+		var pids []int
+		e.mu.Lock()
+		for _, tm := range c.templates {
+			pids = append(pids, tm.proc.Pid())
+			if tm.spare != nil {
+				pids = append(pids, tm.spare.Pid())
+			}
+		}
+		e.mu.Unlock()
 		e.dropTemplates(c)
+		if err := waitGone(ctx, pids); err != nil {
+			return nil, fmt.Errorf("restore %s: templates of the old view: %w", id, err)
+		}
 	}
 	if c.rec.Mode == ModeTemplate && len(e.tmpls(c)) > 0 {
 		// Fast path: the copies are made (stopped) while the old

@@ -101,6 +101,19 @@ func TestRealKernelPathStockSwitch(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after restoring the head again", "two", "new", "2", "/", "ab")
+	// Restores of one checkpoint in a row: each recreates its templates
+	// from the image, which needs the pids of the templates the previous
+	// one recreated.
+	for i := range 8 {
+		run("X=9 && echo nine > /work/f")
+		if _, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Restore(ctx, "k", t2.ID, 0); err != nil {
+			t.Fatalf("restore %d of t2 in a row: %v", i+2, err)
+		}
+	}
+	check("after restoring t2 again and again", "two", "new", "2", "/", "ab")
 
 	// An fs-only checkpoint restores the processes of the last full one.
 	sh(t, c, "k", "echo three > /work/f")
