@@ -21,6 +21,9 @@ type handle struct {
 	l       *layerDir
 	flags   uint32
 	viewGen uint64
+	// pt is set on a handle the kernel serves by passthrough: its fd is
+	// the registered backing file and is never re-targeted for reads.
+	pt bool
 }
 
 var (
@@ -128,6 +131,7 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 	if canPT {
 		n.ptOpen++
 		n.ptIno = s.Ino
+		h.pt = true
 		if write {
 			n.ptWrite++
 		}
@@ -195,14 +199,14 @@ func (h *handle) refresh(st *stack, forWrite bool) syscall.Errno {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	vg := f.viewGen.Load()
-	if h.viewGen == vg && (!forWrite || h.l == st.upper) {
+	if h.viewGen == vg && (forWrite && h.l == st.upper || !forWrite && !h.movedLocked()) {
 		return 0
 	}
 	n := h.n
 	gone := n.resolve(st, f.gen.Load()) != 0
-	if h.viewGen != vg && gone {
-		// The file does not exist in the new view: keep the old fd, as
-		// for an unlinked open file.
+	if gone {
+		// The file does not exist in the view (any more): keep the old
+		// fd, as for an unlinked open file.
 		h.viewGen = vg
 		if !forWrite || h.l == st.upper {
 			return 0
@@ -250,7 +254,7 @@ func (h *handle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadRes
 	f.reads.Add(1)
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	if h.viewGenStale() {
+	if h.stale() {
 		if errno := h.refresh(f.st, false); errno != 0 {
 			return nil, errno
 		}
@@ -264,10 +268,30 @@ func (h *handle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadRes
 	return fuse.ReadResultData(dest[:k]), 0
 }
 
-func (h *handle) viewGenStale() bool {
+// stale reports whether a read or a stat through h must first re-target
+// it (refresh): a switch changed the view, or another descriptor copied the
+// file up since h was opened, so h's fd, still in a lower or frozen layer,
+// no longer holds the file's content. (go-fuse answers a GETATTR without a
+// file handle through any open handle of the node, so a stale read-only
+// handle would hand the kernel the old size: an append through another
+// descriptor then looked lost.)
+func (h *handle) stale() bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.viewGen != h.n.f.viewGen.Load()
+	return h.viewGen != h.n.f.viewGen.Load() || h.movedLocked()
+}
+
+// movedLocked reports whether the node's content now lives in another
+// layer than h's fd (a copy-up through another descriptor). Passthrough
+// handles keep their backing file. The caller holds h.mu.
+func (h *handle) movedLocked() bool {
+	if h.pt {
+		return false
+	}
+	n := h.n
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return !n.gone && len(n.srcs) > 0 && n.srcs[0].l != h.l
 }
 
 // prepareWrite makes sure the handle's fd is writable in the current upper.
@@ -326,7 +350,7 @@ func (h *handle) Getattr(ctx context.Context, out *fuse.AttrOut) syscall.Errno {
 	f := h.n.f
 	f.mu.RLock()
 	defer f.mu.RUnlock()
-	if h.viewGenStale() {
+	if h.stale() {
 		if errno := h.refresh(f.st, false); errno != 0 {
 			return errno
 		}

@@ -107,6 +107,12 @@ type FS struct {
 	spareMu sync.Mutex
 	spare   string // a pre-created empty store layer for the next upper
 
+	// pending holds this mount's checkpoints whose record file the
+	// background worker has not written yet (Switch reads them here, not
+	// from the journal).
+	pendMu  sync.Mutex
+	pending map[string]layer.Checkpoint
+
 	journal *layer.Journal
 	// bg runs record materialization, journal syncs, spare creation and
 	// mount-record updates in order, off the critical paths.
@@ -485,6 +491,12 @@ func (f *FS) Checkpoint() (string, error) {
 		f.mu.Unlock()
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
+	f.pendMu.Lock()
+	if f.pending == nil {
+		f.pending = map[string]layer.Checkpoint{}
+	}
+	f.pending[id] = cp
+	f.pendMu.Unlock()
 	f.st = next
 	f.upper.Store(f.st.upper)
 	pushed := next.upper != old.upper
@@ -500,6 +512,10 @@ func (f *FS) Checkpoint() (string, error) {
 		// Never over a tombstone: the checkpoint may be deleted already.
 		if err := f.store.MaterializeCheckpoint(cp, !f.opts.NoDurable); err != nil {
 			f.log.Warn("materialize checkpoint record", "id", id, "err", err)
+		} else {
+			f.pendMu.Lock()
+			delete(f.pending, id)
+			f.pendMu.Unlock()
 		}
 		if pushed {
 			f.refillSpare()
@@ -514,7 +530,16 @@ func (f *FS) Checkpoint() (string, error) {
 // a fresh empty upper. Only the entries that differ are invalidated in the
 // kernel. The current upper's un-checkpointed changes are discarded.
 func (f *FS) Switch(id string) error {
-	cp, err := f.store.Checkpoint(id)
+	f.pendMu.Lock()
+	pc, pending := f.pending[id]
+	f.pendMu.Unlock()
+	var cp layer.Checkpoint
+	var err error
+	if pending {
+		cp, err = f.store.CheckpointPending(pc)
+	} else {
+		cp, err = f.store.Checkpoint(id)
+	}
 	if err != nil {
 		return fmt.Errorf("switch: %w", err)
 	}

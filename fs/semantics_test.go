@@ -513,6 +513,64 @@ func TestOpenFdAcrossCheckpointAndRestore(t *testing.T) {
 	}
 }
 
+// TestReaderFollowsCopyUpByAnotherFd: a descriptor opened on a lower or
+// frozen copy of a file reads (and stats) the file's current content once
+// another descriptor copied it up and wrote to it, as on overlayfs. go-fuse
+// answers a GETATTR without a file handle through any open handle of the
+// node, so a reader left on the old copy made the kernel take the old
+// size: an append looked lost (TestCorpusFS/deep-restore-chain, rarely).
+func TestReaderFollowsCopyUpByAnotherFd(t *testing.T) {
+	for _, where := range []string{"lower", "frozen"} {
+		t.Run(where, func(t *testing.T) {
+			var fx *fixture
+			if where == "lower" {
+				fx = mountT(t, func(l string) { mustWrite(t, l+"/f", "base") }, Options{})
+			} else {
+				fx = mountT(t, nil, Options{})
+				mustWrite(t, fx.p("f"), "base")
+				fx.checkpoint(t)
+			}
+			// O_DIRECT: reads through r reach the daemon with r's handle
+			// instead of being served from the page cache.
+			r, err := unix.Open(fx.p("f"), unix.O_RDONLY|unix.O_DIRECT, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(r)
+			buf := make([]byte, 4096)
+			if n, err := unix.Pread(r, buf, 0); err != nil || string(buf[:n]) != "base" {
+				t.Fatalf("read before copy-up: %q %v", buf[:max(n, 0)], err)
+			}
+			w, err := os.OpenFile(fx.p("f"), os.O_WRONLY|os.O_APPEND, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := w.WriteString("++"); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if got := mustRead(t, fx.upperPath("f")); got != "base++" {
+				t.Fatalf("upper copy: %q", got)
+			}
+			var st unix.Stat_t
+			if err := unix.Fstat(r, &st); err != nil || st.Size != 6 {
+				t.Fatalf("fstat through the old reader: size %d (%v), want 6", st.Size, err)
+			}
+			if err := unix.Stat(fx.p("f"), &st); err != nil || st.Size != 6 {
+				t.Fatalf("stat: size %d (%v), want 6", st.Size, err)
+			}
+			if n, err := unix.Pread(r, buf, 0); err != nil || string(buf[:n]) != "base++" {
+				t.Fatalf("read through the old reader after the copy-up: %q %v, want \"base++\"", buf[:max(n, 0)], err)
+			}
+			if got := mustRead(t, fx.p("f")); got != "base++" {
+				t.Fatalf("view: %q", got)
+			}
+		})
+	}
+}
+
 func hashDir(t testing.TB, dir string) string {
 	t.Helper()
 	var b strings.Builder

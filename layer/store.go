@@ -254,12 +254,27 @@ func (s *Store) MaterializeCheckpoint(c Checkpoint, durable bool) error {
 // Checkpoint reads the record of checkpoint id and checks that its layers
 // exist.
 func (s *Store) Checkpoint(id string) (Checkpoint, error) {
+	return s.checkpoint(id, nil)
+}
+
+// CheckpointPending is Checkpoint for the mount that journaled checkpoint c
+// itself and may not have materialized its record yet: with no record file
+// it takes c as the record instead of scanning every mount's journal (whose
+// length grows with the session). A record that exists wins, so a
+// checkpoint deleted meanwhile stays deleted.
+func (s *Store) CheckpointPending(c Checkpoint) (Checkpoint, error) {
+	return s.checkpoint(c.ID, &c)
+}
+
+func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 	var c Checkpoint
 	if !ValidID(id) {
 		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
 	}
 	err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c)
-	if errors.Is(err, ErrNotFound) {
+	if errors.Is(err, ErrNotFound) && pending != nil {
+		c, err = *pending, nil
+	} else if errors.Is(err, ErrNotFound) {
 		// Not materialized yet: look in the mounts' journals.
 		js, jerr := s.journalCheckpoints()
 		if jerr != nil {

@@ -215,3 +215,34 @@ func TestRewriteCheckpointKeepsTombstones(t *testing.T) {
 		t.Fatalf("deleted checkpoint came back: %+v, %v", c, err)
 	}
 }
+
+// TestCheckpointPending: the mount that journaled a checkpoint reads it
+// without its record file, and a record that exists (a tombstone) wins.
+func TestCheckpointPending(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l1, _ := st.NewLayer("")
+	c := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{l1}}
+	if _, err := st.Checkpoint(c.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("checkpoint neither journaled nor materialized: %v, want ErrNotFound", err)
+	}
+	if got, err := st.CheckpointPending(c); err != nil || got.ID != c.ID || len(got.Layers) != 1 || got.Layers[0] != l1 {
+		t.Fatalf("pending checkpoint: %+v, %v", got, err)
+	}
+	missing := c
+	missing.ID, missing.Layers = NewID(), []string{NewID()}
+	if _, err := st.CheckpointPending(missing); err == nil {
+		t.Fatal("pending checkpoint with a missing layer: no error")
+	}
+	if err := st.MaterializeCheckpoint(c, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.DeleteCheckpoint(c.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := st.CheckpointPending(c); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("deleted checkpoint read as pending: %+v, %v", got, err)
+	}
+}
