@@ -223,7 +223,21 @@ func (e *Engine) imagePidsFree(ctx context.Context, t Target, dir string) error 
 	if err != nil {
 		return err
 	}
-	return waitPidsFree(ctx, t.InitPID(), need, e.templatePids(t.ID()))
+	return waitPidsFree(ctx, t.InitPID(), need, e.liveHelperPids(t.ID()))
+}
+
+// liveHelperPids is templatePids without the helpers already killed or
+// being dumped (e.aux): their pids free by themselves, once they are gone.
+// A killed template may still look alive for a while under load (SIGKILL
+// takes effect when it is next scheduled).
+func (e *Engine) liveHelperPids(sb string) map[int]bool {
+	m := e.templatePids(sb)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for p := range e.aux {
+		delete(m, p)
+	}
+	return m
 }
 
 // restoreImage restores the image in o.Dir into t once every pid it
