@@ -13,6 +13,7 @@ import (
 
 	"github.com/rewind-sandbox/rewind/cr/criu"
 	"github.com/rewind-sandbox/rewind/cr/inject"
+	"github.com/rewind-sandbox/rewind/internal/pause"
 	"golang.org/x/sys/unix"
 )
 
@@ -185,6 +186,15 @@ type RestoreOptions struct {
 	// Stdio returns fresh stdio for the copy of p; nil or a nil result
 	// keeps /dev/null.
 	Stdio func(p Proc) (*Stdio, error)
+	// Pipes, if set, is asked first for every copy a template restore or
+	// fork makes of p. When it returns a function, the copy gets fresh
+	// pipes made inside it as stdio (stdin, and one pipe for stdout and
+	// stderr; see inject.Proc.NewStdio), without a hand-over through the
+	// sandbox's init, and the function is called once the copy runs with
+	// its host pid and the caller's ends: stdin writes the copy's stdin,
+	// output reads what it prints. The function owns both files from then
+	// on. When it returns nil, Stdio is asked. CRIU restores use Stdio.
+	Pipes func(p Proc) func(pid int, stdin, output *os.File) error
 }
 
 // Restored pairs a checkpointed process with its new copy.
@@ -202,6 +212,43 @@ type RestoreResult struct {
 	Procs []Restored
 	// Duration is the time from the kill to the last copy running.
 	Duration time.Duration
+	// Phases splits the restore by step, in order, starting with the wait
+	// for the sandbox's lock (template path only; a step that ran once per
+	// process is summed).
+	Phases []Phase
+}
+
+// Phase is the time one step of a restore took.
+type Phase struct {
+	// Name names the step ("fork", "setsid", "stdio", "signal", ...).
+	Name string
+	// D is its duration.
+	D time.Duration
+}
+
+// phases records consecutive steps; a nil *phases records nothing.
+type phases struct {
+	last time.Time
+	out  []Phase
+}
+
+func newPhases() *phases { return &phases{last: time.Now()} }
+
+// mark ends the step name.
+func (p *phases) mark(name string) {
+	if p == nil {
+		return
+	}
+	now := time.Now()
+	for i := range p.out {
+		if p.out[i].Name == name {
+			p.out[i].D += now.Sub(p.last)
+			p.last = now
+			return
+		}
+	}
+	p.out = append(p.out, Phase{Name: name, D: now.Sub(p.last)})
+	p.last = now
 }
 
 // CheckpointOptions tune Checkpoint.
@@ -844,22 +891,36 @@ func waitGone(ctx context.Context, pids []int) error {
 	return nil
 }
 
+// waitUntil polls f until it holds, for at most d. For the first
+// precisePolling it polls every few tens of microseconds (pause.For: a
+// time.Sleep that short sleeps a millisecond), later every millisecond.
 func waitUntil(ctx context.Context, d time.Duration, f func() bool) bool {
-	deadline := time.Now().Add(d)
+	start := time.Now()
+	deadline := start.Add(d)
 	for {
 		if f() {
 			return true
 		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
+		now := time.Now()
+		if now.After(deadline) || ctx.Err() != nil {
 			return false
 		}
-		time.Sleep(50 * time.Microsecond)
+		if now.Sub(start) < precisePolling {
+			pause.For(20 * time.Microsecond)
+		} else {
+			time.Sleep(time.Millisecond)
+		}
 	}
 }
+
+// precisePolling is how long waitUntil polls at a fine grain: the waits on
+// a restore's path (a killed process reaching its exit) end well within it.
+const precisePolling = 3 * time.Millisecond
 
 // Restore kills t's live processes, runs opts.SwitchFS and recreates the
 // processes of checkpoint id.
 func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreOptions) (*RestoreResult, error) {
+	ph := newPhases()
 	l := e.sandboxLock(t.ID())
 	l.Lock()
 	defer l.Unlock()
@@ -868,6 +929,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		return nil, err
 	}
 	defer e.releaseCk(c)
+	ph.mark("lock")
 	start := time.Now()
 	res := &RestoreResult{Path: "template"}
 	if c.rec.Sandbox != t.ID() {
@@ -930,12 +992,15 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		// processes still run, so the fork does not compete with their
 		// teardown; then the old ones are killed, the fs switched, and the
 		// copies released.
-		// The live processes are sent SIGKILL as soon as the copies
-		// exist (a failed fork leaves them running), so they die while
-		// the copies' sessions and stdio are set up.
-		ms, err := e.prepareCopies(c, opts, true, func(pids []int) { e.signalLive(t, pids) })
+		// The live processes are sent SIGKILL once the copies exist
+		// and are set up (a failed fork leaves them running; see
+		// prepareCopiesOn for what waits for the kill), so their
+		// teardown does not compete with the set-up.
+		ms, err := e.prepareCopies(c, opts, true, func(pids []int) { e.signalLive(t, pids) }, ph)
 		if err == nil {
-			if _, err := e.killLive(ctx, t, copyPids(ms)); err != nil {
+			_, err := e.killLive(ctx, t, copyPids(ms))
+			ph.mark("kill_wait")
+			if err != nil {
 				killCopies(ms)
 				return nil, fmt.Errorf("restore %s: %w", id, err)
 			}
@@ -950,6 +1015,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 					killCopies(ms)
 					return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
 				}
+				ph.mark("switch_fs")
 			}
 			if opts.Reroot {
 				if err := e.tracer.Do(func() error {
@@ -963,13 +1029,15 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 					killCopies(ms)
 					return nil, fmt.Errorf("restore %s: move copies to the new root: %w", id, err)
 				}
+				ph.mark("reroot")
 			}
-			procs, err := e.startCopies(c, ms, true)
+			procs, err := e.startCopies(c, ms, true, ph)
 			if err != nil {
 				return nil, fmt.Errorf("restore %s: %w", id, err)
 			}
 			res.Procs = procs
 			res.Duration = time.Since(start)
+			res.Phases = ph.out
 			return res, nil
 		}
 		if !e.imageReady(c) {
@@ -1094,22 +1162,38 @@ type made struct {
 	tm *template
 	p  *inject.Proc
 	st *Stdio
+	// in and out are the caller's ends of pipes made in the copy, for
+	// adopt (RestoreOptions.Pipes).
+	in, out *os.File
+	adopt   func(pid int, stdin, output *os.File) error
 }
 
 // spawn forks every template of c (or takes its warmed spare), wires stdio
 // and lets the copies run. On error every copy made so far is killed.
 func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored, error) {
-	ms, err := e.prepareCopies(c, opts, useSpare, nil)
+	ms, err := e.prepareCopies(c, opts, useSpare, nil, nil)
 	if err != nil {
 		return nil, err
 	}
-	return e.startCopies(c, ms, useSpare)
+	return e.startCopies(c, ms, useSpare, nil)
 }
 
 func killCopies(ms []made) {
 	for _, m := range ms {
 		_ = m.p.Kill()
+		m.closePipes()
 	}
+}
+
+// closePipes closes the caller's ends of pipes not handed to adopt.
+func (m *made) closePipes() {
+	if m.in != nil {
+		m.in.Close()
+	}
+	if m.out != nil {
+		m.out.Close()
+	}
+	m.in, m.out = nil, nil
 }
 
 func copyPids(ms []made) []int {
@@ -1123,17 +1207,18 @@ func copyPids(ms []made) []int {
 // prepareCopies makes the stopped copies, in one hand-over to the tracer
 // thread (see inject.Tracer.Do). afterForks, if set, runs once every copy
 // exists, before their sessions and stdio are set up, with their pids.
-func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int)) (ms []made, err error) {
+func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int), ph *phases) (ms []made, err error) {
 	err = e.tracer.Do(func() error {
+		ph.mark("handover")
 		var err error
-		ms, err = e.prepareCopiesOn(c, opts, useSpare, afterForks)
+		ms, err = e.prepareCopiesOn(c, opts, useSpare, afterForks, ph)
 		return err
 	})
 	return ms, err
 }
 
 // prepareCopiesOn is prepareCopies on the tracer thread.
-func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int)) ([]made, error) {
+func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int), ph *phases) ([]made, error) {
 	var ms []made
 	fail := func(err error) ([]made, error) {
 		killCopies(ms)
@@ -1162,9 +1247,19 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 		}
 		ms = append(ms, made{tm: tm, p: cp})
 		fresh = append(fresh, forked)
+		ph.mark("fork")
 	}
-	if afterForks != nil {
-		afterForks(copyPids(ms))
+	// The live processes are signalled once every copy is ready but for
+	// the steps that would expose it to them: its stdio parked in the
+	// sandbox's init (Stdio) or its being dumpable. So their teardown does
+	// not compete with the copies' set-up, and they can never reach a
+	// copy's pipes.
+	signalled := false
+	signal := func() {
+		if afterForks != nil && !signalled {
+			afterForks(copyPids(ms))
+		}
+		signalled = true
 	}
 	for i := range ms {
 		tm, cp := ms[i].tm, ms[i].p
@@ -1175,17 +1270,38 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 			if err := cp.Setsid(); err != nil {
 				return fail(err)
 			}
+			ph.mark("setsid")
 		}
+		if opts.Pipes == nil {
+			continue
+		}
+		adopt := opts.Pipes(tm.orig)
+		if adopt == nil {
+			continue
+		}
+		in, out, err := cp.NewStdio()
+		if err != nil {
+			return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
+		}
+		ms[i].in, ms[i].out, ms[i].adopt = in, out, adopt
+		ph.mark("stdio")
+	}
+	signal()
+	ph.mark("signal")
+	for i := range ms {
+		tm, cp := ms[i].tm, ms[i].p
 		if err := release(tm, cp); err != nil {
 			return fail(fmt.Errorf("copy of template %d: %w", tm.proc.Pid(), err))
 		}
-		if opts.Stdio == nil {
+		ph.mark("dumpable")
+		if opts.Stdio == nil || ms[i].adopt != nil {
 			continue
 		}
 		st, err := opts.Stdio(tm.orig)
 		if err != nil {
 			return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
 		}
+		ph.mark("stdio_make")
 		ms[i].st = st
 		if st == nil {
 			continue
@@ -1193,17 +1309,22 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 		if err := cp.SetStdio([3]string{st.Stdin, st.Stdout, st.Stderr}, [3]int{unix.O_RDONLY, unix.O_WRONLY, unix.O_WRONLY}); err != nil {
 			return fail(err)
 		}
+		ph.mark("stdio_set")
 	}
 	return ms, nil
 }
 
 // startCopies lets prepared copies run and calls their Started hooks.
-func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, error) {
+func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool, ph *phases) ([]Restored, error) {
 	out := make([]Restored, 0, len(ms))
 	err := e.tracer.Do(func() error {
+		ph.mark("handover")
 		for i, m := range ms {
 			if err := m.p.Detach(); err != nil {
 				killCopies(ms[i:])
+				for j := 0; j < i; j++ {
+					ms[j].closePipes()
+				}
 				for _, r := range out {
 					_ = unix.Kill(r.PID, unix.SIGKILL)
 				}
@@ -1211,18 +1332,31 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool) ([]Restored, err
 			}
 			out = append(out, Restored{Orig: m.tm.orig, PID: m.p.Pid()})
 		}
+		ph.mark("detach")
 		return nil
 	})
 	if err != nil {
 		return nil, err
 	}
-	for _, m := range ms {
+	for i := range ms {
+		m := &ms[i]
+		if m.adopt != nil {
+			in, o := m.in, m.out
+			m.in, m.out = nil, nil
+			if err := m.adopt(m.p.Pid(), in, o); err != nil {
+				for j := i + 1; j < len(ms); j++ {
+					ms[j].closePipes()
+				}
+				return out, fmt.Errorf("pipes hook for %d: %w", m.p.Pid(), err)
+			}
+		}
 		if m.st != nil && m.st.Started != nil {
 			if err := m.st.Started(m.p.Pid()); err != nil {
 				return out, fmt.Errorf("started hook for %d: %w", m.p.Pid(), err)
 			}
 		}
 	}
+	ph.mark("started")
 	if useSpare && e.cfg.Warm {
 		for _, tm := range e.tmpls(c) {
 			e.goSpare(tm)

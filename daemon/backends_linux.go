@@ -27,6 +27,7 @@ import (
 	"github.com/rewind-sandbox/rewind/cr"
 	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/internal/pause"
 	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/layer"
 	"github.com/rewind-sandbox/rewind/policy"
@@ -921,6 +922,18 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 	opts := cr.RestoreOptions{
 		SwitchFS: switchFS,
 		Reroot:   p.view != nil,
+		// A template copy gets pipes made inside it: no round trip to
+		// the sandbox's init on the restore's path.
+		Pipes: func(proc cr.Proc) func(pid int, stdin, output *os.File) error {
+			sid, ok := sessions[strconv.Itoa(proc.PID)]
+			if !ok {
+				return nil
+			}
+			return func(pid int, stdin, output *os.File) error {
+				_, err := p.sb.AdoptPipes(sid, pid, stdin, output)
+				return err
+			}
+		},
 		Stdio: func(proc cr.Proc) (*cr.Stdio, error) {
 			sid, ok := sessions[strconv.Itoa(proc.PID)]
 			if !ok {
@@ -1039,7 +1052,7 @@ func settle(pids []int) {
 			if err != nil || (st != 'R' && st != 't' && st != 'T') {
 				break
 			}
-			time.Sleep(20 * time.Microsecond)
+			pause.For(20 * time.Microsecond) // time.Sleep would take a millisecond
 		}
 	}
 }

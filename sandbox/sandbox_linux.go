@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rewind-sandbox/rewind/internal/pause"
 	"golang.org/x/sys/unix"
 )
 
@@ -552,9 +553,11 @@ func (s *Sandbox) Freeze(ctx context.Context) error {
 			runtime.Gosched() // freezing usually completes within microseconds
 			continue
 		}
-		time.Sleep(sleep)
 		if sleep < time.Millisecond {
+			pause.For(sleep) // time.Sleep would take a millisecond
 			sleep *= 2
+		} else {
+			time.Sleep(sleep)
 		}
 	}
 }
@@ -567,6 +570,7 @@ func (s *Sandbox) Thaw(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
 	}
+	sleep := 20 * time.Microsecond
 	for {
 		if _, err := f.WriteAt([]byte("THAWED"), 0); err != nil {
 			return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
@@ -579,10 +583,14 @@ func (s *Sandbox) Thaw(ctx context.Context) error {
 			s.frozen = false
 			return nil
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("thaw %s: %w", s.cfg.ID, ctx.Err())
-		case <-time.After(50 * time.Microsecond):
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("thaw %s: %w", s.cfg.ID, err)
+		}
+		if sleep < time.Millisecond {
+			pause.For(sleep) // a timer would take a millisecond
+			sleep *= 2
+		} else {
+			time.Sleep(sleep)
 		}
 	}
 }

@@ -273,6 +273,19 @@ func (s *Sandbox) AdoptSession(id string, hostPID int, ch *Channels) (*Session, 
 	return s.attach(id, nspid, hostPID, ch, waiter), nil
 }
 
+// AdoptPipes is AdoptSession for a process whose stdio are pipes made
+// inside it (cr's RestoreOptions.Pipes): stdin writes its stdin, output
+// reads its stdout and stderr. Both files are consumed, also on error.
+func (s *Sandbox) AdoptPipes(id string, hostPID int, stdin, output *os.File) (*Session, error) {
+	ch := &Channels{sb: s, stdinW: stdin, outR: output}
+	ss, err := s.AdoptSession(id, hostPID, ch)
+	if err != nil {
+		stdin.Close()
+		output.Close()
+	}
+	return ss, err
+}
+
 func (s *Sandbox) attach(id string, nspid, hostPID int, ch *Channels, waiter chan exitStatus) *Session {
 	ch.mu.Lock()
 	ch.adopted = true

@@ -27,6 +27,34 @@ type crBenchRow struct {
 	Baseline  string  `json:"baseline,omitempty"`
 	BaseP50MS float64 `json:"baseline_p50_ms,omitempty"`
 	Ratio     float64 `json:"p50_over_baseline,omitempty"`
+	// Phases are the p50 of each step of the restore (template path),
+	// in the engine's order.
+	Phases []crBenchPhase `json:"phases,omitempty"`
+}
+
+// crBenchPhase is the p50 of one step of a restore.
+type crBenchPhase struct {
+	Name  string  `json:"name"`
+	P50MS float64 `json:"p50_ms"`
+}
+
+// phaseP50s summarizes the phases of many restores, in first-seen order.
+func phaseP50s(all [][]cr.Phase) []crBenchPhase {
+	var names []string
+	by := map[string]latencies{}
+	for _, ps := range all {
+		for _, p := range ps {
+			if _, ok := by[p.Name]; !ok {
+				names = append(names, p.Name)
+			}
+			by[p.Name] = append(by[p.Name], p.D)
+		}
+	}
+	out := make([]crBenchPhase, 0, len(names))
+	for _, n := range names {
+		out = append(out, crBenchPhase{Name: n, P50MS: msOf(by[n], 0.5)})
+	}
+	return out
 }
 
 func newBenchCRCmd() *cobra.Command {
@@ -81,7 +109,20 @@ Needs root, cgroups and (for the criu rows) CRIU.`,
 				}
 				fmt.Fprintf(tw, "%s\t%d MB\t%d\t%.3f ms\t%.3f ms\t%s\t%.3f ms\t%s\n", r.Op, r.RSSMB, r.N, r.P50MS, r.P95MS, r.Baseline, r.BaseP50MS, ratio)
 			}
-			return tw.Flush()
+			if err := tw.Flush(); err != nil {
+				return err
+			}
+			for _, r := range rows {
+				if len(r.Phases) == 0 {
+					continue
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "%s %d MB, p50 by step:", r.Op, r.RSSMB)
+				for _, p := range r.Phases {
+					fmt.Fprintf(cmd.OutOrStdout(), " %s %.3f", p.Name, p.P50MS)
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), " (ms)")
+			}
+			return nil
 		},
 	}
 	cmd.Flags().IntVar(&n, "n", 20, "iterations per operation")
@@ -124,6 +165,14 @@ func (b *crBench) send(code string) (string, error) {
 		return "", fmt.Errorf("python: %s", strings.TrimSpace(out))
 	}
 	return strings.TrimSpace(out), nil
+}
+
+// pipes adopts the pipes of a template copy as session "main".
+func (b *crBench) pipes(cr.Proc) func(pid int, stdin, output *os.File) error {
+	return func(pid int, stdin, output *os.File) error {
+		_, err := b.sb.AdoptPipes("main", pid, stdin, output)
+		return err
+	}
 }
 
 // stdio gives a restored copy fresh channels adopted as session "main".
@@ -220,6 +269,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 			defer e.Close()
 			defer e.DropSandbox(sb.ID())
 			var frozen, restore, first, second latencies
+			var steps [][]cr.Phase
 			for i := 0; i < n; i++ {
 				ck, err := e.Checkpoint(ctx, sb, cr.CheckpointOptions{ID: fmt.Sprintf("f%d", i)})
 				if err != nil {
@@ -235,10 +285,12 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 					waitWarm(e, sb.ID())
 				}
 				t0 := time.Now()
-				if _, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio}); err != nil {
+				res, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio, Pipes: b.pipes})
+				if err != nil {
 					return err
 				}
 				restore = append(restore, time.Since(t0))
+				steps = append(steps, res.Phases)
 				out, err := b.send("def touch():\n    t0 = time.perf_counter_ns()\n    for i in range(0, len(buf), 4096): buf[i] = 2\n    return time.perf_counter_ns() - t0\nprint(touch(), touch())")
 				if err != nil {
 					return err
@@ -253,6 +305,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 			if !warm {
 				row("checkpoint frozen", frozen, "", nil)
 				row("restore template", restore, "fork()", forkL)
+				rows[len(rows)-1].Phases = phaseP50s(steps)
 				row("first write (no warm)", first, "second pass", second)
 				// CRIU: evict the template, restore from the image.
 				if err := e.WaitImage(ctx, "f0"); err != nil {
@@ -264,7 +317,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 						return err
 					}
 					t0 := time.Now()
-					res, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio})
+					res, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio, Pipes: b.pipes})
 					if err != nil {
 						return err
 					}
@@ -291,7 +344,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 				for i := 0; i < min(n, 10); i++ {
 					_ = el.Evict("f0")
 					t0 := time.Now()
-					res, err := el.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio})
+					res, err := el.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio, Pipes: b.pipes})
 					if err != nil {
 						return err
 					}
@@ -303,6 +356,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 				row("restore criu lazy-pages", lazyL, "fork()", forkL)
 			} else {
 				row("restore template+warm", restore, "fork()", forkL)
+				rows[len(rows)-1].Phases = phaseP50s(steps)
 				row("first write (warm)", first, "second pass", second)
 			}
 			if got, err := b.send("print(len(buf))"); err != nil || got != strconv.Itoa(extra) {

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rewind-sandbox/rewind/internal/pause"
 	"golang.org/x/sys/unix"
 )
 
@@ -592,7 +593,7 @@ func (p *Proc) Kill() error {
 				p.t.dying[p.pid] = true
 				return nil
 			}
-			time.Sleep(20 * time.Microsecond)
+			pause.For(20 * time.Microsecond) // time.Sleep would take a millisecond
 		}
 		return nil
 	})

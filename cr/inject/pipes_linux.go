@@ -187,3 +187,98 @@ func (p *Proc) RunConfined(prog []unix.SockFilter) (w, r *os.File, err error) {
 	})
 	return w, r, err
 }
+
+// NewStdio gives the stopped process fresh pipes as its standard
+// descriptors, made inside it: one pipe as stdin, one as both stdout and
+// stderr, with no other descriptor of them left in the process (unlike
+// stdioPipes, for a copy that lives on: it sees an EOF once stdin's write
+// end is closed). It returns the far ends in the caller, taken over with
+// pidfd_getfd: stdin writes the process's stdin, output reads what it
+// prints; both are non-blocking. Whatever the process had as descriptors
+// 0-2 is closed. Nothing outside the process and the caller ever holds the
+// pipes, so nothing else in the sandbox can reach them.
+func (p *Proc) NewStdio() (stdin, output *os.File, err error) {
+	err = p.t.Do(func() error {
+		if p.gone {
+			return fmt.Errorf("process %d is gone", p.pid)
+		}
+		var e error
+		stdin, output, e = p.newStdio()
+		if e2 := p.restoreRegs(); e == nil {
+			e = e2
+		}
+		if e != nil {
+			if stdin != nil {
+				stdin.Close()
+			}
+			if output != nil {
+				output.Close()
+			}
+			stdin, output = nil, nil
+		}
+		return e
+	})
+	return stdin, output, err
+}
+
+func (p *Proc) newStdio() (stdin, output *os.File, err error) {
+	pidfd, err := unix.PidfdOpen(p.pid, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("pidfd of %d: %w", p.pid, err)
+	}
+	defer unix.Close(pidfd)
+	addr := p.ScratchAddr()
+	// pipe makes a pipe in the process and checks that it landed on
+	// descriptors r and w (the lowest free ones).
+	pipe := func(r, w int) error {
+		if _, err := p.rawSyscall(unix.SYS_PIPE2, uintptr(addr), 0); err != nil {
+			return fmt.Errorf("stdio of %d: pipe2: %w", p.pid, err)
+		}
+		var buf [8]byte
+		if err := p.ReadMem(addr, buf[:]); err != nil {
+			return err
+		}
+		gr, gw := int32(binary.LittleEndian.Uint32(buf[0:])), int32(binary.LittleEndian.Uint32(buf[4:]))
+		if int(gr) != r || int(gw) != w {
+			return fmt.Errorf("stdio of %d: pipe landed on descriptors %d and %d, not %d and %d", p.pid, gr, gw, r, w)
+		}
+		return nil
+	}
+	take := func(fd int, name string) (*os.File, error) {
+		lfd, err := unix.PidfdGetfd(pidfd, fd, 0)
+		if err != nil {
+			return nil, fmt.Errorf("take fd %d of %d: %w", fd, p.pid, err)
+		}
+		if err := unix.SetNonblock(lfd, true); err != nil {
+			unix.Close(lfd)
+			return nil, fmt.Errorf("take fd %d of %d: %w", fd, p.pid, err)
+		}
+		return os.NewFile(uintptr(lfd), name), nil
+	}
+	// Five injected calls. With 0-2 closed they are the lowest free
+	// descriptors: the stdin pipe lands on 0 (read end, kept) and 1
+	// (write end, taken, then closed); the output pipe on 1 (read end,
+	// taken) and 2 (write end, kept, and duplicated onto 1).
+	if _, err := p.rawSyscall(unix.SYS_CLOSE_RANGE, 0, 2, 0); err != nil {
+		return nil, nil, fmt.Errorf("stdio of %d: close_range: %w", p.pid, err)
+	}
+	if err := pipe(0, 1); err != nil {
+		return nil, nil, err
+	}
+	if stdin, err = take(1, fmt.Sprintf("stdin of %d", p.pid)); err != nil {
+		return nil, nil, err
+	}
+	if _, err := p.rawSyscall(unix.SYS_CLOSE, 1); err != nil {
+		return stdin, nil, fmt.Errorf("stdio of %d: close 1: %w", p.pid, err)
+	}
+	if err := pipe(1, 2); err != nil {
+		return stdin, nil, err
+	}
+	if output, err = take(1, fmt.Sprintf("output of %d", p.pid)); err != nil {
+		return stdin, nil, err
+	}
+	if _, err := p.rawSyscall(unix.SYS_DUP2, 2, 1); err != nil {
+		return stdin, output, fmt.Errorf("stdio 1 of %d: dup2: %w", p.pid, err)
+	}
+	return stdin, output, nil
+}

@@ -1,0 +1,114 @@
+package cr
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// pipeSessions returns RestoreOptions.Pipes adopting every copy's pipes;
+// the sessions are sent on the returned channel with the copies' pids.
+func pipeSessions(t testing.TB) (func(Proc) func(int, *os.File, *os.File) error, chan session, chan int) {
+	ch, pids := make(chan session, 64), make(chan int, 64)
+	return func(Proc) func(int, *os.File, *os.File) error {
+		return func(pid int, in, out *os.File) error {
+			t.Cleanup(func() { in.Close(); out.Close() })
+			ch <- session{in: in, out: bufio.NewReader(out)}
+			pids <- pid
+			return nil
+		}
+	}, ch, pids
+}
+
+// pipeFds lists the descriptors of pid that are pipes.
+func pipeFds(t testing.TB, pid int) []string {
+	dir := "/proc/" + strconv.Itoa(pid) + "/fd"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil && strings.HasPrefix(l, "pipe:") {
+			out = append(out, e.Name()+"="+l)
+		}
+	}
+	return out
+}
+
+func TestRestorePipes(t *testing.T) {
+	for _, warm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("warm=%v", warm), func(t *testing.T) {
+			sb := startSandbox(t, "bash", "--norc", "--noprofile")
+			live := session{in: sb.in, out: sb.out}
+			x := filepath.Join(t.TempDir(), "x")
+			if err := os.Mkdir(x, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			bashChat(t, live, fmt.Sprintf("cd %s; export V=1; f() { echo fun-$1; }", x))
+			e := newEngine(t, Config{Warm: warm, Logger: testLogger()})
+			ck, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			bashChat(t, live, "cd /; export V=2; f() { echo other; }")
+			pipes, sessions, pids := pipeSessions(t)
+			stdioAsked := 0
+			stdio := func(Proc) (*Stdio, error) { stdioAsked++; return nil, nil }
+			want := fmt.Sprintf("%s 1 fun-x", x)
+			var prev session
+			for i := 0; i < 3; i++ {
+				if warm && !waitUntil(ctxT(t), 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
+					t.Fatal("no warm spare")
+				}
+				switched := false
+				res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{SwitchFS: func() error { switched = true; return nil }, Pipes: pipes, Stdio: stdio})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !switched || res.Path != "template" || len(res.Procs) != 1 || stdioAsked != 0 {
+					t.Fatalf("restore %d: %+v switched=%v, Stdio asked %d times", i, res, switched, stdioAsked)
+				}
+				if len(res.Phases) == 0 {
+					t.Fatalf("restore %d: no phases", i)
+				}
+				if pid := <-pids; pid != res.Procs[0].PID {
+					t.Fatalf("pipes hook got pid %d, the copy is %d", pid, res.Procs[0].PID)
+				}
+				if !exiting(ck.Procs[0].PID) {
+					t.Fatalf("old shell %d still alive", ck.Procs[0].PID)
+				}
+				s := <-sessions
+				// Its own pipes on 0, 1 and 2 and no other descriptor of
+				// them (it would never see its stdin end).
+				fds := pipeFds(t, res.Procs[0].PID)
+				if len(fds) != 3 || !strings.HasPrefix(fds[0], "0=") || fds[1][2:] != fds[2][2:] || fds[0][2:] == fds[1][2:] {
+					t.Fatalf("restore %d: the copy's pipes: %v", i, fds)
+				}
+				if got := bashChat(t, s, `echo "$PWD $V $(f x)"; echo to-stderr >&2`); got != want+"\nto-stderr" {
+					t.Fatalf("restore %d: restored shell: %q, want %q and stderr", i, got, want)
+				}
+				if prev.out != nil {
+					// The previous copy was killed: its output ends.
+					if l, err := prev.out.ReadString('\n'); err == nil {
+						t.Fatalf("previous copy still prints %q", l)
+					}
+				}
+				prev = s
+			}
+			// Without a pipes hook for the process, Stdio is asked.
+			fresh, fsessions := freshStdio(t, sb)
+			if _, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{Stdio: fresh, Pipes: func(Proc) func(int, *os.File, *os.File) error { return nil }}); err != nil {
+				t.Fatal(err)
+			}
+			if got := bashChat(t, <-fsessions, `echo "$PWD $V $(f x)"`); got != want {
+				t.Fatalf("restore with Stdio: %q, want %q", got, want)
+			}
+		})
+	}
+}
