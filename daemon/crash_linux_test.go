@@ -15,6 +15,7 @@ import (
 	"github.com/rewind-sandbox/rewind/api"
 	"github.com/rewind-sandbox/rewind/client"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/state"
 )
 
@@ -78,18 +79,28 @@ func TestCrashRecovery(t *testing.T) {
 	// The fake back ends live in memory: only the real ones survive a
 	// process crash (the state manager's recovery is tested with fakes in
 	// package state).
-	for _, backend := range []string{"real"} {
-		t.Run(backend, func(t *testing.T) {
-			if backend == "real" {
-				testenv.RequireRoot(t)
-				_, err := os.Stat("/dev/fuse")
-				testenv.Require(t, err == nil, "/dev/fuse")
-			}
+	// "kernel" is the real back ends with the sandbox on the native
+	// overlayfs path, the state dir on a loop XFS.
+	for _, run := range []string{"real", "kernel"} {
+		t.Run(run, func(t *testing.T) {
+			backend, fsKind := run, ""
+			testenv.RequireRoot(t)
+			_, err := os.Stat("/dev/fuse")
+			testenv.Require(t, err == nil, "/dev/fuse")
 			dir := t.TempDir()
 			stateDir, sock := filepath.Join(dir, "state"), filepath.Join(dir, "run", "rewind.sock")
+			if run == "kernel" {
+				backend, fsKind = "real", "kernel"
+				_, err := exec.LookPath("mkfs.xfs")
+				testenv.Require(t, err == nil, "mkfs.xfs (xfsprogs)")
+				if _, err := kernelpath.InitStore(kernelpath.StoreImage{Image: filepath.Join(dir, "store.img"), FS: "xfs", Size: kernelpath.MinImageSize, StateDir: stateDir}); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { unmountTree(stateDir) })
+			}
 			cmd, c := spawnDaemon(t, stateDir, sock, backend)
 			ctx := context.Background()
-			if _, err := c.Create(ctx, api.CreateRequest{Name: "a"}); err != nil {
+			if _, err := c.Create(ctx, api.CreateRequest{Name: "a", FS: fsKind}); err != nil {
 				t.Fatal(err)
 			}
 			write := func(v string) {
@@ -152,5 +163,20 @@ func TestCrashRecovery(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// unmountTree lazily unmounts dir and every mount below it (what a killed
+// daemon left on its state dir), deepest first.
+func unmountTree(dir string) {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var mps []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && (f[4] == dir || strings.HasPrefix(f[4], dir+"/")) {
+			mps = append(mps, f[4])
+		}
+	}
+	for i := len(mps) - 1; i >= 0; i-- {
+		syscall.Unmount(mps[i], syscall.MNT_DETACH)
 	}
 }
