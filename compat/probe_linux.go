@@ -506,10 +506,23 @@ func probeKernelPath(stateDir string) Check {
 		return missing(name, "kernel path self-test: "+errnoDetail(err))
 	}
 	detail := "self-test: " + rep.Detail
+	if onRootFS(stateDir) {
+		detail += "; the state dir is on the host's root file system, the sandboxes' default base, where overlayfs refuses its layers (a layer inside another): --fs kernel needs a state dir on its own file system (rewind init-store)"
+	}
 	if !rep.LiveFDsFollow {
 		return degraded(name, detail+" (open fds of live processes stay on the old view without the ioctl: the daemon re-creates a sandbox's processes from CRIU images on every restore, so --fs kernel restores take tens of ms)")
 	}
 	return ok(name, detail)
+}
+
+// onRootFS reports whether dir (or its nearest existing parent) is on the
+// file system of /.
+func onRootFS(dir string) bool {
+	var a, b unix.Stat_t
+	if unix.Stat(existingParent(dir), &a) != nil || unix.Stat("/", &b) != nil {
+		return false
+	}
+	return a.Dev == b.Dev
 }
 
 // ---- eBPF ----
@@ -752,6 +765,8 @@ func ChooseFS(stateDir string) Choice {
 		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel switch replaces the sandbox's root mount, so every restore re-creates the processes from CRIU images on the new view (tens of ms, where the FUSE overlay's template fork takes a few), so sandboxes use the FUSE overlay (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
 	case err != nil:
 		return Choice{"fuse", "layer-switch ioctl probe failed (" + errnoDetail(err) + "): using the FUSE overlay"}
+	case onRootFS(dir):
+		return Choice{"fuse", "the state dir is on the host's root file system, the sandboxes' default base, where overlayfs refuses its layers: using the FUSE overlay (rewind init-store gives the state dir its own file system)"}
 	}
 	rep, err := kernelpath.SelfTest(dir)
 	switch {
