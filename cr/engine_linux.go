@@ -284,6 +284,9 @@ type template struct {
 	proc    *inject.Proc
 	spare   *inject.Proc // pre-forked warmed copy (Config.Warm)
 	warming *inject.Proc // spare being pre-faulted
+	// spareIO are the caller's ends of the pipes the spare (or the spare
+	// being warmed) has as stdio (see makeSpare); nil if it has none.
+	spareIO *pipePair
 	dirty   int64
 	// undumpable: the original was not dumpable (copies stay so).
 	undumpable bool
@@ -728,9 +731,22 @@ func (e *Engine) prepareTemplate(tm *template, spare bool) {
 	}
 }
 
-// makeSpare forks a copy of the template and pre-faults its private
-// writable memory while it is still stopped (no race with its own writes).
-// The sandbox lock is held only for the fork; pre-faulting runs unlocked.
+// pipePair are the caller's ends of a copy's stdio pipes (inject.NewStdio).
+type pipePair struct{ in, out *os.File }
+
+func (pp *pipePair) close() {
+	if pp != nil {
+		pp.in.Close()
+		pp.out.Close()
+	}
+}
+
+// makeSpare forks a copy of the template, gives it its own session and
+// fresh pipes as stdio (so a restore that adopts pipes has nothing left to
+// do but make it dumpable) and pre-faults its private writable memory
+// while it is still stopped (no race with its own writes). The sandbox
+// lock is held only for the fork and set-up; pre-faulting runs unlocked.
+// The spare stays undumpable: nothing in the sandbox can reach its pipes.
 func (e *Engine) makeSpare(tm *template) {
 	sp := func() *inject.Proc {
 		l := e.sandboxLock(tm.sandbox)
@@ -752,6 +768,15 @@ func (e *Engine) makeSpare(tm *template) {
 			_ = sp.Kill()
 			return nil
 		}
+		var io *pipePair
+		if in, out, err := sp.NewStdio(); err == nil {
+			io = &pipePair{in: in, out: out}
+		} else {
+			// Its stdio may be half replaced: make it again.
+			e.log.Debug("spare stdio", "pid", sp.Pid(), "err", err)
+			_ = sp.Kill()
+			return nil
+		}
 		e.mu.Lock()
 		if tm.dropped {
 			// Dropped during the fork (Drop does not wait for the
@@ -761,10 +786,11 @@ func (e *Engine) makeSpare(tm *template) {
 			e.aux[sp.Pid()] = tm.sandbox
 			e.mu.Unlock()
 			_ = sp.Kill()
+			io.close()
 			e.forgetWhenGone(sp.Pid())
 			return nil
 		}
-		tm.warming = sp
+		tm.warming, tm.spareIO = sp, io
 		e.mu.Unlock()
 		return sp
 	}()
@@ -777,12 +803,16 @@ func (e *Engine) makeSpare(tm *template) {
 	e.mu.Lock()
 	tm.warming = nil
 	dropped := tm.dropped
+	var io *pipePair
 	if !dropped {
 		tm.spare = sp
+	} else {
+		io, tm.spareIO = tm.spareIO, nil
 	}
 	e.mu.Unlock()
 	if dropped {
 		_ = sp.Kill()
+		io.close()
 		e.forgetWhenGone(sp.Pid()) // dropTemplates made it a helper until now
 	}
 }
@@ -816,7 +846,17 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 // again). It does not wait for the exit to finish: tearing down a large
 // address space takes milliseconds and the copies need not wait for it.
 func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, error) {
-	var killed []int
+	return e.killLiveAfter(ctx, t, keep, nil)
+}
+
+// killLiveAfter is killLive when the processes signalled were sent SIGKILL
+// already (signalLive): it waits for them first, so that its first listing
+// usually finds no process left.
+func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []int) ([]int, error) {
+	killed := append([]int(nil), signalled...)
+	for _, pid := range signalled {
+		waitUntil(ctx, 10*time.Second, func() bool { return exiting(pid) })
+	}
 	skip := e.templatePids(t.ID())
 	for _, p := range keep {
 		skip[p] = true
@@ -829,18 +869,18 @@ func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, err
 		if len(procs) == 0 {
 			return killed, nil
 		}
-		var fds []int
+		var fds, pids []int
 		for _, p := range procs {
 			fd, err := unix.PidfdOpen(p.PID, 0)
 			if err != nil {
 				continue
 			}
 			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-			fds = append(fds, fd)
+			fds, pids = append(fds, fd), append(pids, p.PID)
 			killed = append(killed, p.PID)
 		}
 		for i, fd := range fds {
-			pid := procs[i].PID
+			pid := pids[i]
 			waitUntil(ctx, 10*time.Second, func() bool {
 				pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
 				if n, _ := unix.Poll(pfd, 0); n > 0 {
@@ -859,22 +899,26 @@ func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, err
 }
 
 // signalLive sends SIGKILL to every live process of t but keep, without
-// waiting (killLive then waits).
-func (e *Engine) signalLive(t Target, keep []int) {
+// waiting, and returns the pids signalled (killLiveAfter then waits).
+func (e *Engine) signalLive(t Target, keep []int) []int {
 	skip := e.templatePids(t.ID())
 	for _, p := range keep {
 		skip[p] = true
 	}
 	procs, err := walk(t.InitPID(), skip, false)
 	if err != nil {
-		return
+		return nil
 	}
+	var out []int
 	for _, p := range procs {
 		if fd, err := unix.PidfdOpen(p.PID, 0); err == nil {
-			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+			if unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0) == nil {
+				out = append(out, p.PID)
+			}
 			unix.Close(fd)
 		}
 	}
+	return out
 }
 
 // waitGone waits until the killed processes are reaped, so their pids are
@@ -996,9 +1040,10 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		// and are set up (a failed fork leaves them running; see
 		// prepareCopiesOn for what waits for the kill), so their
 		// teardown does not compete with the set-up.
-		ms, err := e.prepareCopies(c, opts, true, func(pids []int) { e.signalLive(t, pids) }, ph)
+		var signalled []int
+		ms, err := e.prepareCopies(c, opts, true, func(pids []int) { signalled = e.signalLive(t, pids) }, ph)
 		if err == nil {
-			_, err := e.killLive(ctx, t, copyPids(ms))
+			_, err := e.killLiveAfter(ctx, t, copyPids(ms), signalled)
 			ph.mark("kill_wait")
 			if err != nil {
 				killCopies(ms)
@@ -1225,16 +1270,22 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 		return nil, err
 	}
 	var fresh []bool
+	var armed []*pipePair // the spares' pipes (makeSpare)
 	for _, tm := range e.tmpls(c) {
 		var cp *inject.Proc
+		var io *pipePair
 		if useSpare && e.cfg.Warm {
 			e.mu.Lock()
 			cp, tm.spare = tm.spare, nil
+			if cp != nil {
+				io, tm.spareIO = tm.spareIO, nil
+			}
 			e.mu.Unlock()
 			if cp != nil && exiting(cp.Pid()) {
 				// Killed from inside the sandbox: reap it, fork anew.
 				_ = cp.Kill()
-				cp = nil
+				io.close()
+				cp, io = nil, nil
 			}
 		}
 		forked := cp == nil
@@ -1247,8 +1298,14 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 		}
 		ms = append(ms, made{tm: tm, p: cp})
 		fresh = append(fresh, forked)
+		armed = append(armed, io)
 		ph.mark("fork")
 	}
+	defer func() {
+		for _, io := range armed {
+			io.close() // those not adopted
+		}
+	}()
 	// The live processes are signalled once every copy is ready but for
 	// the steps that would expose it to them: its stdio parked in the
 	// sandbox's init (Stdio) or its being dumpable. So their teardown does
@@ -1279,6 +1336,12 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 		if adopt == nil {
 			continue
 		}
+		if io := armed[i]; io != nil {
+			ms[i].in, ms[i].out, ms[i].adopt = io.in, io.out, adopt
+			armed[i] = nil
+			ph.mark("stdio")
+			continue
+		}
 		in, out, err := cp.NewStdio()
 		if err != nil {
 			return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
@@ -1294,16 +1357,26 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 			return fail(fmt.Errorf("copy of template %d: %w", tm.proc.Pid(), err))
 		}
 		ph.mark("dumpable")
-		if opts.Stdio == nil || ms[i].adopt != nil {
+		if ms[i].adopt != nil {
 			continue
 		}
-		st, err := opts.Stdio(tm.orig)
-		if err != nil {
-			return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
+		var st *Stdio
+		if opts.Stdio != nil {
+			var err error
+			if st, err = opts.Stdio(tm.orig); err != nil {
+				return fail(fmt.Errorf("stdio for %d: %w", tm.orig.PID, err))
+			}
+			ph.mark("stdio_make")
 		}
-		ph.mark("stdio_make")
 		ms[i].st = st
 		if st == nil {
+			if armed[i] != nil {
+				// A spare with pipes nobody adopts: /dev/null, as a
+				// copy without stdio has.
+				if err := cp.SetStdio([3]string{"/dev/null", "/dev/null", "/dev/null"}, [3]int{unix.O_RDWR, unix.O_RDWR, unix.O_RDWR}); err != nil {
+					return fail(err)
+				}
+			}
 			continue
 		}
 		if err := cp.SetStdio([3]string{st.Stdin, st.Stdout, st.Stderr}, [3]int{unix.O_RDONLY, unix.O_WRONLY, unix.O_WRONLY}); err != nil {
@@ -1414,6 +1487,7 @@ func (e *Engine) dropTemplates(c *ckpt) {
 type retired struct {
 	tms    []*template
 	spares []*inject.Proc
+	io     []*pipePair // the spares' pipes
 }
 
 // retireLocked takes c's templates away (e.mu held). They stay helpers
@@ -1429,6 +1503,8 @@ func (e *Engine) retireLocked(c *ckpt) retired {
 		if tm.spare != nil {
 			e.aux[tm.spare.Pid()] = tm.sandbox
 			r.spares = append(r.spares, tm.spare)
+			r.io = append(r.io, tm.spareIO)
+			tm.spareIO = nil
 		}
 		if tm.warming != nil {
 			e.aux[tm.warming.Pid()] = tm.sandbox
@@ -1441,6 +1517,9 @@ func (e *Engine) retireLocked(c *ckpt) retired {
 func (e *Engine) kill(r retired) {
 	for _, sp := range r.spares {
 		_ = sp.Kill()
+	}
+	for _, io := range r.io {
+		io.close()
 	}
 	for _, tm := range r.tms {
 		_ = tm.proc.Kill()

@@ -101,13 +101,31 @@ func TestRestorePipes(t *testing.T) {
 				}
 				prev = s
 			}
+			spare := func() {
+				if warm && !waitUntil(ctxT(t), 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
+					t.Fatal("no warm spare")
+				}
+			}
 			// Without a pipes hook for the process, Stdio is asked.
+			spare()
 			fresh, fsessions := freshStdio(t, sb)
 			if _, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{Stdio: fresh, Pipes: func(Proc) func(int, *os.File, *os.File) error { return nil }}); err != nil {
 				t.Fatal(err)
 			}
 			if got := bashChat(t, <-fsessions, `echo "$PWD $V $(f x)"`); got != want {
 				t.Fatalf("restore with Stdio: %q, want %q", got, want)
+			}
+			// Without either, the copy has /dev/null (a spare's own
+			// pipes are not left to it).
+			spare()
+			res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for fd := 0; fd < 3; fd++ {
+				if l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", res.Procs[0].PID, fd)); l != "/dev/null" {
+					t.Fatalf("copy without stdio: fd %d is %q", fd, l)
+				}
 			}
 		})
 	}
