@@ -20,6 +20,8 @@ import (
 //
 //	go test -run '^$' -bench . -benchtime 50x ./kernelpath/
 //
+// (BenchmarkIO and BenchmarkIODepth: -benchtime 7x.)
+//
 // Each benchmark measures the kernel path and the FUSE backend (package
 // fs) on the same store in the same run and reports p50/p99 in µs plus the
 // ratio kernel/FUSE.
@@ -339,4 +341,74 @@ func BenchmarkCheckpointBigUpper(b *testing.B) {
 			report(b, res)
 		})
 	}
+}
+
+// BenchmarkIODepth: creates of 5000 1 KiB files into 50 directories that
+// exist in the frozen layers (an agent writing into its project tree), on a
+// view whose stack is 1 or 16 frozen layers deep (each holding the
+// directories), against the same directories on the plain file system. A
+// new name in a merged directory is looked up in every lower layer, so the
+// cost grows with the depth; Compact (and the delta chain's merge at 16)
+// bounds it.
+func BenchmarkIODepth(b *testing.B) {
+	st := benchStore(b, "xfs")
+	dirs := func(root, tag string) {
+		for d := range 50 {
+			p := filepath.Join(root, fmt.Sprintf("s%03d", d))
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				b.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(p, tag), []byte("x\n"), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	native := filepath.Join(filepath.Dir(st.Dir()), "native")
+	dirs(native, "base")
+	roots := map[string]string{"native": native}
+	for _, depth := range []int{1, 16} {
+		v := mountBackend(b, st, "kernel", "")
+		var last string
+		for l := range depth {
+			dirs(v.Mountpoint(), "layer"+strconv.Itoa(l))
+			id, err := v.Checkpoint()
+			if err != nil {
+				b.Fatal(err)
+			}
+			last = id
+		}
+		w := mountBackend(b, st, "kernel", last)
+		if d := w.(*FS).Depth(); d != depth {
+			b.Fatalf("view of depth %d has %d layers", depth, d)
+		}
+		roots["layers="+strconv.Itoa(depth)] = w.Mountpoint()
+	}
+	targets := []string{"native", "layers=1", "layers=16"}
+	lats := map[string]*lat{}
+	for _, t := range targets {
+		lats[t] = &lat{}
+	}
+	b.ResetTimer()
+	for i := range b.N {
+		for k := range targets {
+			target := targets[(i+k)%len(targets)]
+			t0 := time.Now()
+			for n := range 5000 {
+				p := filepath.Join(roots[target], fmt.Sprintf("s%03d", n/100), "n"+strconv.Itoa(i)+"-"+strconv.Itoa(n))
+				if err := os.WriteFile(p, []byte("content of a small source file\n"), 0o644); err != nil {
+					b.Fatal(err)
+				}
+			}
+			lats[target].add(time.Since(t0))
+		}
+	}
+	b.StopTimer()
+	nat := us(lats["native"].pct(0.5)) / 1000
+	b.ReportMetric(nat, "native-ms")
+	for _, t := range targets[1:] {
+		ms := us(lats[t].pct(0.5)) / 1000
+		b.ReportMetric(ms, t+"-ms")
+		b.ReportMetric(ms/nat, t+"/native")
+	}
+	b.ReportMetric(0, "ns/op")
 }
