@@ -1027,7 +1027,13 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	// copy numbers; the rest are made now.
 	warm := m.beginForkWarm(c.rec.ID, &base, req.Count)
 	forked := false
-	defer func() { m.endForkWarm(c.rec.ID, req.Count, forked) }()
+	defer func() {
+		var kids []*sbox
+		if forked {
+			kids = children
+		}
+		m.endForkWarm(c.rec.ID, req.Count, forked, kids)
+	}()
 	wasWarm := map[string]bool{}
 	for i, s := range warm {
 		wasWarm[s.rec.ID] = true

@@ -624,6 +624,7 @@ func (m *Manager) op(ctx context.Context, name string, epoch uint64, fn func(s *
 	if err != nil {
 		return err
 	}
+	defer m.servedWarm(s)
 	return s.q.run(ctx, func() error {
 		m.mu.Lock()
 		_, err := m.lookup(s.rec.ID, epoch)

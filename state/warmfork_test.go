@@ -197,3 +197,56 @@ func TestPrepareFork(t *testing.T) {
 		})
 	}
 }
+
+// After a fork, the children run first: no child is prepared until each
+// has finished a first request, or the wait (warmDefer) ran out.
+func TestForkPreparesAfterChildrenServed(t *testing.T) {
+	e := newWarmEnv(t, 2)
+	e.m.SetWarmDeferForTest(time.Hour)
+	e.create("src")
+	c := e.turn("src", state.ModeFull, true)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.m.AwaitingForTest(); n != 2 {
+		t.Fatalf("%d children awaited after a fork of 2", n)
+	}
+	e.run("a1", "cat", "/run/rewind/copy")
+	if n := e.m.AwaitingForTest(); n != 1 {
+		t.Fatalf("%d children awaited after a1's first command, want 1", n)
+	}
+	// (Nothing may be prepared while a2 has not run: the pool stays
+	// empty however long this takes.)
+	time.Sleep(100 * time.Millisecond)
+	if n := e.m.WarmForks()[c.ID]; n != 0 {
+		t.Fatalf("%d children prepared while a2 had not run yet", n)
+	}
+	e.run("a2", "cat", "/run/rewind/copy")
+	if n := e.m.AwaitingForTest(); n != 0 {
+		t.Fatalf("%d children awaited after both ran", n)
+	}
+	e.waitWarm(c.ID, 2)
+
+	// Children that never run hold preparations back only until the
+	// wait runs out.
+	e.m.SetWarmDeferForTest(20 * time.Millisecond)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	e.waitWarm(c.ID, 2)
+	if n := e.m.AwaitingForTest(); n != 0 {
+		t.Fatalf("%d children still awaited once the wait ran out", n)
+	}
+	// A removed child no longer holds them back either.
+	e.m.SetWarmDeferForTest(time.Hour)
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 1, Prefix: "c"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Remove(e.ctx, "c1"); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.m.AwaitingForTest(); n != 0 {
+		t.Fatalf("%d children awaited after the only one was removed", n)
+	}
+	e.waitWarm(c.ID, 1)
+}
