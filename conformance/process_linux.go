@@ -165,8 +165,8 @@ type procRecord struct {
 // with the templates evicted, through the CRIU image ("criu"); on
 // "kernel-proc" the root is a native overlay (package kernelpath) and, on
 // a stock kernel, each restore's switch replaces the sandbox's root mount
-// as the daemon's does (template checkpoints restore from their image,
-// see cr.RestoreOptions.Reroot). At every
+// as the daemon's does (the template copies move onto it, see
+// cr.RestoreOptions.Reroot). At every
 // checkpoint it records each session's state digest, the process tree
 // shape and the tree; after every restore they must be identical. At every
 // turn the probe's report is reduced to what the built-in policies read
@@ -744,10 +744,11 @@ func (r *procRun) restore(ctx context.Context, i int, s Step) error {
 		// a multi-threaded process: ck.Reason) restores through CRIU on
 		// every path, by design.
 		want := r.procPath
-		if rec.mode == cr.ModeCRIU || r.procPath == "kernel-proc" {
-			// (kernel-proc: a template checkpoint restores from its image
-			// when the switch replaces the root, see cr's Reroot.)
+		switch {
+		case rec.mode == cr.ModeCRIU:
 			want = "criu"
+		case r.procPath == "kernel-proc":
+			want = "template" // copies moved onto the new root (cr's Reroot)
 		}
 		if res.Path != want && !(want == "criu" && res.Path == "criu-lazy") {
 			r.fail(r.procFail, i, s, "restored through %s, not %s (checkpoint mode %s)", res.Path, want, rec.mode)

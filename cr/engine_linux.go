@@ -171,17 +171,15 @@ type RestoreOptions struct {
 	// Reroot says that SwitchFS replaces the root mount of the sandbox's
 	// mount namespace (a stock-kernel native overlay) instead of changing
 	// the content under it. pivot_root moves every process's root, but a
-	// template-forked copy would keep its working directory, open files,
-	// executable and file mappings on the old, detached view, and CRIU
-	// cannot dump a process whose files are on a mount outside its
-	// namespace (nor would its paths match). So with Reroot a checkpoint
-	// whose image exists is restored from the image (CRIU opens everything
-	// by path in the new view; its templates are re-created from the image
-	// too); only without an image (a restore's undo point, a terminal
-	// session) are copies forked from the templates, re-entering their
-	// working directory and reopening their files by path before they run
-	// (their executable and mappings stay on the old view, so such copies
-	// cannot be dumped by CRIU later).
+	// template-forked copy keeps its working directory, open files,
+	// executable and file mappings on the old, detached view: each copy
+	// re-enters its working directory and reopens its files of the old
+	// root mount by path before it runs. Its executable and mappings stay
+	// on the old view (the same files, read-only), which criu could not
+	// dump (it looks each file's mount up in the namespace): every dump
+	// declares the files on mounts outside the namespace external and a
+	// restore gives criu the files at the same paths in the current root
+	// (criu.Externals). Copies restored by CRIU open everything by path.
 	Reroot bool
 	// Stdio returns fresh stdio for the copy of p; nil or a nil result
 	// keeps /dev/null.
@@ -1011,25 +1009,6 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		res.Procs = procs
 		res.Duration = time.Since(start)
 		return res, nil
-	}
-	if opts.Reroot && c.rec.Mode == ModeTemplate && e.imageReady(c) && len(e.tmpls(c)) > 0 {
-		// The templates hold the view they were taken on: recreate them
-		// from the image in the new view (see Reroot). The image needs
-		// their pids back, so they must be gone first (a killed helper
-		// counts as one until it exits).
-		var pids []int
-		e.mu.Lock()
-		for _, tm := range c.templates {
-			pids = append(pids, tm.proc.Pid())
-			if tm.spare != nil {
-				pids = append(pids, tm.spare.Pid())
-			}
-		}
-		e.mu.Unlock()
-		e.dropTemplates(c)
-		if err := waitGone(ctx, pids); err != nil {
-			return nil, fmt.Errorf("restore %s: templates of the old view: %w", id, err)
-		}
 	}
 	if c.rec.Mode == ModeTemplate && len(e.tmpls(c)) > 0 {
 		// Fast path: the copies are made (stopped) while the old

@@ -138,8 +138,16 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 			return fmt.Errorf("dump copy %d: %w", cp, err)
 		}
 		dir := e.imageDir(c, i)
+		// The template may hold files of a root mount replaced since it
+		// was taken (RestoreOptions.Reroot): dumped as externals.
+		ext, err := criu.Externals(t.InitPID(), []int{cp})
+		if err != nil {
+			_ = unix.Kill(cp, unix.SIGKILL)
+			e.forgetAux(tm, cp)
+			return err
+		}
 		dctx, cancel := context.WithTimeout(context.Background(), dumpTimeout)
-		derr := r.Dump(dctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir})
+		derr := r.Dump(dctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir, External: ext})
 		cancel()
 		if derr != nil {
 			_ = unix.Kill(cp, unix.SIGKILL)

@@ -77,6 +77,16 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 			return fmt.Errorf("barrier: %w", err)
 		}
 	}
+	// Files the processes keep on a root mount that was replaced under
+	// them (RestoreOptions.Reroot) are dumped as externals.
+	hostPIDs := make([]int, 0, len(procs))
+	for _, p := range procs {
+		hostPIDs = append(hostPIDs, p.PID)
+	}
+	ext, err := criu.Externals(t.InitPID(), hostPIDs)
+	if err != nil {
+		return err
+	}
 	var imgs []image
 	for _, p := range procs {
 		if p.PPID != t.InitPID() {
@@ -88,7 +98,7 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 				im.stdio[fd] = l
 			}
 		}
-		if err := r.Dump(ctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: im.dir, LeaveRunning: true}); err != nil {
+		if err := r.Dump(ctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: im.dir, LeaveRunning: true, External: ext}); err != nil {
 			return err
 		}
 		imgs = append(imgs, im)

@@ -972,12 +972,6 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 			}, nil
 		},
 	}
-	if p.view != nil {
-		// The switch detaches the current view: every image still being
-		// written from a template on it must be done first (CRIU cannot
-		// dump a process whose files are on a detached mount).
-		p.waitImages(ctx)
-	}
 	res, err := p.b.eng.Restore(ctx, p.sb, id, opts)
 	chMu.Lock()
 	for _, ch := range opened {
@@ -1001,21 +995,6 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 	}
 	settle(shells)
 	return res.Path, nil
-}
-
-// waitImages waits for the CRIU images of the checkpoints taken in this
-// sandbox that are still being written (errors are the checkpoints'
-// concern: a failed image only makes its checkpoint less durable).
-func (p *procSandbox) waitImages(ctx context.Context) {
-	p.mu.Lock()
-	ids := make([]string, 0, len(p.ckpts))
-	for id := range p.ckpts {
-		ids = append(ids, id)
-	}
-	p.mu.Unlock()
-	for _, id := range ids {
-		_ = p.b.eng.WaitImage(ctx, id)
-	}
 }
 
 // ownSession reports whether session sid is still served by process pid

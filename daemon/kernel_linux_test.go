@@ -77,19 +77,25 @@ func TestRealKernelPathStockSwitch(t *testing.T) {
 	}
 	check("before restore", "two", "new", "2", "/", "ab")
 
-	// The shell is back in /work/sub with X=1, on the restored files; its
-	// fd 3 is /work/log of the new view. (Restored from the template's
-	// image: the template itself holds the old view, see cr's Reroot.)
+	// Template restore: the copy of the shell is back in /work/sub with
+	// X=1, on the restored files; its fd 3 is /work/log of the new view.
 	r, err := c.Restore(ctx, "k", t1.ID, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.HasPrefix(r.Path, "criu") {
-		t.Fatalf("restore path %q, want criu (from the image)", r.Path)
+	if r.Path != "template" {
+		t.Fatalf("restore path %q, want template", r.Path)
 	}
 	check("after restore to t1", "one", "no-g", "1", "/work/sub", "a")
 	run("echo c >&3")
 	check("after a write to the reopened fd", "one", "no-g", "1", "/work/sub", "ac")
+	// The restored shell's executable and mappings are the old view's: its
+	// checkpoint's image declares them external (criu.Externals), so the
+	// checkpoint is durable and forks (restored from the image) work.
+	t1b, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil || !t1b.Durable {
+		t.Fatalf("checkpoint after a template restore: %+v %v", t1b, err)
+	}
 
 	// A restore with nothing changed since the head: on FUSE only the fs
 	// switches; here the processes are re-created on the new view too.
@@ -148,7 +154,7 @@ func TestRealKernelPathStockSwitch(t *testing.T) {
 	}
 
 	// Fork: new sandboxes on the checkpoint's view.
-	fr, err := c.Fork(ctx, t1.ID, api.ForkRequest{Count: 2, Prefix: "kf"})
+	fr, err := c.Fork(ctx, t1b.ID, api.ForkRequest{Count: 2, Prefix: "kf"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +166,7 @@ func TestRealKernelPathStockSwitch(t *testing.T) {
 		if err != nil || got.FSKind != "kernel" {
 			t.Fatalf("fork %s: %+v %v", name, got, err)
 		}
-		if out := send(t, c, name, "b", `echo "$(cat /work/f) X=$X cwd=$(pwd)"`+"\necho @@done@@"); out != "one X=1 cwd=/work/sub" {
+		if out := send(t, c, name, "b", `echo "$(cat /work/f) X=$X cwd=$(pwd) $(echo d >&3 && tr -d '\n' </work/log)"`+"\necho @@done@@"); out != "one X=1 cwd=/work/sub acd" {
 			t.Fatalf("fork %s sees %q", name, out)
 		}
 		sh(t, c, name, "echo forked > /work/f")

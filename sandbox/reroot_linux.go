@@ -17,7 +17,7 @@ import (
 // ReplaceRoot makes the detached mount mfd (a clone of the sandbox's new
 // root, e.g. a native overlay mounted over another layer stack) the root
 // of the sandbox's mount namespace, with every mount the old root carried
-// (/proc, /dev, /run/rewind, binds, tmpfs and hide mounts) cloned onto it
+// (/proc, /dev, /run/rewind, binds, tmpfs and hide mounts) moved onto it
 // at the same place, and lazily detaches the old root.
 //
 // pivot_root moves the root and working directory of every process whose
@@ -77,21 +77,22 @@ func replaceRootInNS(ns, mfd int, mountinfo []byte) error {
 	if err != nil {
 		return err
 	}
-	// Clone every mount the old root carries (recursively: /proc's masks
-	// and read-only binds, /dev/pts, /dev/shm come with their parent)
-	// while the old root is still in place.
-	clones := make([]int, 0, len(subs))
+	// The mounts the old root carries (with theirs: /proc's masks and
+	// read-only binds, /dev/pts, /dev/shm) move onto the new root, the
+	// same mounts: what processes hold on them (a template's executable on
+	// a read-only bind of /usr, /dev/null as stdio) stays in the namespace.
+	subFDs := make([]int, 0, len(subs))
 	defer func() {
-		for _, fd := range clones {
+		for _, fd := range subFDs {
 			unix.Close(fd)
 		}
 	}()
 	for _, p := range subs {
-		fd, err := unix.OpenTree(unix.AT_FDCWD, p, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE|unix.AT_SYMLINK_NOFOLLOW)
+		fd, err := unix.OpenTree(unix.AT_FDCWD, p, unix.OPEN_TREE_CLOEXEC|unix.AT_SYMLINK_NOFOLLOW)
 		if err != nil {
-			return fmt.Errorf("clone mount %s: %w", p, err)
+			return fmt.Errorf("open mount %s: %w", p, err)
 		}
-		clones = append(clones, fd)
+		subFDs = append(subFDs, fd)
 	}
 	// The new root goes on top of the old root's top directory, so that it
 	// is a mount point in this namespace, reachable from the root.
@@ -101,24 +102,33 @@ func replaceRootInNS(ns, mfd int, mountinfo []byte) error {
 	if err := unix.Fchdir(mfd); err != nil {
 		return fmt.Errorf("chdir new root: %w", err)
 	}
-	// Until the pivot, a failure takes the new root (and what was moved
-	// onto it) away again: the namespace stays as it was.
+	// Until the pivot, a failure moves the mounts back (paths from this
+	// thread's root, the old root: the new one is stacked on its top
+	// directory, which a walk from the root does not cross) and takes the
+	// new root away again: the namespace stays as it was.
+	moved := 0
 	undo := func(err error) error {
+		for i := moved - 1; i >= 0; i-- {
+			if merr := unix.MoveMount(subFDs[i], "", unix.AT_FDCWD, subs[i], unix.MOVE_MOUNT_F_EMPTY_PATH); merr != nil {
+				err = fmt.Errorf("%w (and moving %s back failed: %v)", err, subs[i], merr)
+			}
+		}
 		if uerr := unix.Unmount(".", unix.MNT_DETACH); uerr != nil {
 			return fmt.Errorf("%w (and detaching the new root failed: %v)", err, uerr)
 		}
 		return err
 	}
 	for i, p := range subs {
-		t, err := mountTarget(mfd, p, clones[i])
+		t, err := mountTarget(mfd, p, subFDs[i])
 		if err != nil {
 			return undo(err)
 		}
-		err = unix.MoveMount(clones[i], "", t, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH)
+		err = unix.MoveMount(subFDs[i], "", t, "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH)
 		unix.Close(t)
 		if err != nil {
-			return undo(fmt.Errorf("mount %s on the new root: %w", p, err))
+			return undo(fmt.Errorf("move %s onto the new root: %w", p, err))
 		}
+		moved++
 	}
 	if err := unix.PivotRoot(".", "."); err != nil {
 		return undo(fmt.Errorf("pivot_root: %w", err))
@@ -185,7 +195,7 @@ func unescapeMountinfo(s string) string {
 // when the mount is of a file) the place of mount point p beneath the new
 // root mfd. Paths resolve inside the new root: a symlink of the sandbox
 // never leads out of it.
-func mountTarget(mfd int, p string, clone int) (int, error) {
+func mountTarget(mfd int, p string, sub int) (int, error) {
 	rel := strings.TrimPrefix(filepath.Clean(p), "/")
 	how := &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV}
 	fd, err := unix.Openat2(mfd, rel, how)
@@ -196,7 +206,7 @@ func mountTarget(mfd int, p string, clone int) (int, error) {
 		return -1, fmt.Errorf("mount point %s: %w", p, err)
 	}
 	var st unix.Stat_t
-	if err := unix.Fstat(clone, &st); err != nil {
+	if err := unix.Fstat(sub, &st); err != nil {
 		return -1, fmt.Errorf("mount %s: %w", p, err)
 	}
 	parent, err := mkdirBeneath(mfd, filepath.Dir(rel))

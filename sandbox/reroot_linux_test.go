@@ -58,17 +58,23 @@ func TestReplaceRoot(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// A read-only tree without the old root's mount points: nothing can
-	// be mounted on it, and the sandbox keeps its root.
+	// A read-only tree with only the first of the old root's mount points
+	// (/proc): the rest cannot be mounted on it, and the sandbox keeps its
+	// root, with /proc moved back.
 	bare := t.TempDir()
+	if err := os.Mkdir(filepath.Join(bare, "proc"), 0o755); err != nil {
+		t.Fatal(err)
+	}
 	if err := sb.ReplaceRoot(cloneOf(t, bare, true)); err == nil {
 		t.Fatal("replacing the root by a read-only tree without mount points succeeded")
 	}
-	if got := execOut(t, sb, "cat", "/tmp/which", "/run/rewind/before"); got != "old\nkept" {
+	if got := execOut(t, sb, "sh", "-c", "cat /tmp/which /run/rewind/before; test -r /proc/self/status && echo proc"); got != "old\nkept\nproc" {
 		t.Fatalf("after a failed replacement: %q", got)
 	}
-	if n := mountsAt(t, sb, "/"); n != 1 {
-		t.Fatalf("after a failed replacement, %d mounts at / (the new root was not taken away)", n)
+	for _, p := range []string{"/", "/proc"} {
+		if n := mountsAt(t, sb, p); n != 1 {
+			t.Fatalf("after a failed replacement, %d mounts at %s, want 1", n, p)
+		}
 	}
 
 	root := t.TempDir()

@@ -253,6 +253,10 @@ type DumpOptions struct {
 	// LeaveRunning leaves the processes running (or stopped, if they were)
 	// after the dump; otherwise they are killed.
 	LeaveRunning bool
+	// External are files of the processes on mounts outside the namespace
+	// (see Externals), dumped as criu externals and recorded in the image
+	// directory; Restore opens them again by path in the sandbox's root.
+	External map[string]string
 }
 
 // Log files criu writes into an image directory.
@@ -311,6 +315,12 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 	opts := baseOpts(DumpLog)
 	opts.Pid = ptr(int32(o.Pid))
 	opts.LeaveRunning = ptr(o.LeaveRunning)
+	if err := writeExternals(o.Dir, o.External); err != nil {
+		return fmt.Errorf("criu dump: %w", err)
+	}
+	for k := range o.External {
+		opts.External = append(opts.External, k)
+	}
 	if err := runCtx(ctx, run, func() error { return c.Dump(opts, nil) }); err != nil {
 		return &Error{Op: "dump", Log: filepath.Join(o.Dir, DumpLog), Err: err}
 	}
@@ -365,6 +375,18 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	defer done()
 	for k, f := range o.Inherit {
 		c.AddInheritFd(k, f)
+	}
+	if o.NSInit != 0 {
+		ext, err := openExternals(o.Dir, o.NSInit)
+		if err != nil {
+			return 0, fmt.Errorf("criu restore: %w", err)
+		}
+		for k, f := range ext {
+			defer f.Close()
+			if o.Inherit[k] == nil {
+				c.AddInheritFd(k, f)
+			}
+		}
 	}
 	opts := baseOpts(RestoreLog)
 	opts.RstSibling = ptr(false)
