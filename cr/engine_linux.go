@@ -34,6 +34,15 @@ type Freezer interface {
 	Thaw(ctx context.Context) error
 }
 
+// Members is implemented by targets that list their processes in one
+// cheap read (a cgroup's member list; init, helpers and exiting processes
+// may be among them). A restore uses it, when present, to find the live
+// processes to signal; a walk of init's descendants still confirms that
+// none is left before the copies run.
+type Members interface {
+	MemberPIDs() ([]int, error)
+}
+
 // Config configures an Engine. Zero values select defaults.
 type Config struct {
 	// CRIUPath is the criu binary; "" searches $REWIND_CRIU,
@@ -903,9 +912,24 @@ func (e *Engine) signalLive(t Target, keep []int) []int {
 	for _, p := range keep {
 		skip[p] = true
 	}
-	procs, err := walk(t.InitPID(), skip, false)
-	if err != nil {
-		return nil
+	var procs []Proc
+	if m, ok := t.(Members); ok {
+		// One read instead of a walk of every thread of init (the
+		// confirming walk of killLiveAfter catches whatever this misses).
+		pids, err := m.MemberPIDs()
+		if err != nil {
+			return nil
+		}
+		for _, p := range pids {
+			if p != t.InitPID() && !skip[p] && !exiting(p) {
+				procs = append(procs, Proc{PID: p})
+			}
+		}
+	} else {
+		var err error
+		if procs, err = walk(t.InitPID(), skip, false); err != nil {
+			return nil
+		}
 	}
 	var out []int
 	for _, p := range procs {

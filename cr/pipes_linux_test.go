@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -115,18 +116,33 @@ func TestRestorePipes(t *testing.T) {
 			if got := bashChat(t, <-fsessions, `echo "$PWD $V $(f x)"`); got != want {
 				t.Fatalf("restore with Stdio: %q, want %q", got, want)
 			}
-			// Without either, the copy has /dev/null (a spare's own
-			// pipes are not left to it).
-			spare()
-			res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			for fd := 0; fd < 3; fd++ {
-				if l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", res.Procs[0].PID, fd)); l != "/dev/null" {
-					t.Fatalf("copy without stdio: fd %d is %q", fd, l)
-				}
-			}
+
 		})
+	}
+}
+
+// A warm spare holds pipes of its own; a restore that asks for no stdio
+// gives the copy /dev/null instead, as a forked copy has.
+func TestWarmSpareWithoutStdio(t *testing.T) {
+	sb := startSandbox(t, "python3", "-c", "import time\nwhile True: time.sleep(1000)")
+	e := newEngine(t, Config{Warm: true, Logger: testLogger()})
+	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c1"}); err != nil {
+		t.Fatal(err)
+	}
+	if !waitUntil(ctxT(t), 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
+		t.Fatal("no warm spare")
+	}
+	sp := e.TemplatePIDs(sb.ID())
+	res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Procs) != 1 || !slices.Contains(sp, res.Procs[0].PID) {
+		t.Fatalf("restore %+v did not take the spare (helpers were %v)", res, sp)
+	}
+	for fd := 0; fd < 3; fd++ {
+		if l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", res.Procs[0].PID, fd)); l != "/dev/null" {
+			t.Fatalf("copy without stdio: fd %d is %q (%v)", fd, l, err)
+		}
 	}
 }

@@ -650,6 +650,17 @@ func (s *Sandbox) Processes() ([]Process, error) {
 	return out, nil
 }
 
+// MemberPIDs returns the host pids of the sandbox's cgroup (init, helpers
+// and exiting processes included): one read, for callers that must act
+// on every process quickly and confirm by other means (cr's restore kill).
+func (s *Sandbox) MemberPIDs() ([]int, error) {
+	pids, err := cgroupPIDs(s.freezerDir)
+	if err != nil {
+		return nil, fmt.Errorf("members of %s: %w", s.cfg.ID, err)
+	}
+	return pids, nil
+}
+
 func cgroupPIDs(dir string) ([]int, error) {
 	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if err != nil {
