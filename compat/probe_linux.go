@@ -510,7 +510,7 @@ func probeKernelPath(stateDir string) Check {
 		detail += "; the state dir is on the host's root file system, the sandboxes' default base, where overlayfs refuses its layers (a layer inside another): --fs kernel needs a state dir on its own file system (rewind init-store)"
 	}
 	if !rep.LiveFDsFollow {
-		return degraded(name, detail+" (open fds of live processes stay on the old view without the ioctl: the daemon re-creates a sandbox's processes from CRIU images on every restore, so --fs kernel restores take tens of ms)")
+		return degraded(name, detail+" (open fds of live processes stay on the old view without the ioctl: the daemon re-creates a sandbox's processes on the new view at every restore)")
 	}
 	return ok(name, detail)
 }
@@ -762,7 +762,7 @@ func ChooseFS(stateDir string) Choice {
 	dir := existingParent(stateDir)
 	switch err := kernelpath.ProbeSwitchIoctl(dir); {
 	case errors.Is(err, kernelpath.ErrIoctlAbsent):
-		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel switch replaces the sandbox's root mount, so every restore re-creates the processes from CRIU images on the new view (tens of ms, where the FUSE overlay's template fork takes a few), so sandboxes use the FUSE overlay (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
+		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel checkpoint copies (reflinks) the entries changed and walks the live upper (its cost grows with the upper), and a switch replaces the sandbox's root mount, so every restore re-creates the processes; sandboxes use the FUSE overlay, which does both in place (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
 	case err != nil:
 		return Choice{"fuse", "layer-switch ioctl probe failed (" + errnoDetail(err) + "): using the FUSE overlay"}
 	case onRootFS(dir):

@@ -237,7 +237,7 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 // its root through their own mount namespace, so a switch must reach it:
 // the patched kernel's switch ioctl changes the mounted overlay in place;
 // on a stock kernel Switch mounts a new overlay over the target stack and
-// makes it the root of the sandbox's mount namespace (fsMount.reroot),
+// makes it the root of the sandbox's mount namespace (fsMount.Switch),
 // and every restore re-creates the processes on it (the template-forked
 // copies re-enter their working directory and files by path, CRIU opens
 // everything by path).

@@ -29,10 +29,10 @@
 //     mount namespace (sandbox.ReplaceRoot: its /proc, /dev and other
 //     mounts cloned onto it, pivot_root, the old root lazily detached), and
 //     every restore re-creates the processes on it (cr's
-//     RestoreOptions.Reroot: from the CRIU image, which opens every file
-//     by path, or, without an image, by template copies that re-enter
-//     their working directory and reopen their files by path); it never
-//     switches under running processes. Compact merges the layers under the live upper into one
+//     RestoreOptions.Reroot: template copies re-enter their working
+//     directory and reopen their files by path; criu dumps what they keep
+//     of the old view, their executable and mappings, as externals); it
+//     never switches under running processes. Compact merges the layers under the live upper into one
 //     (overlayfs semantics: whiteouts, opaque and redirected directories)
 //     and rewrites the checkpoint records that use them.
 //
