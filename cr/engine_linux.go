@@ -36,9 +36,8 @@ type Freezer interface {
 
 // Members is implemented by targets that list their processes in one
 // cheap read (a cgroup's member list; init, helpers and exiting processes
-// may be among them). A restore uses it, when present, to find the live
-// processes to signal; a walk of init's descendants still confirms that
-// none is left before the copies run.
+// may be among them). The kills of a restore use it, when present, instead
+// of walking init's descendants.
 type Members interface {
 	MemberPIDs() ([]int, error)
 }
@@ -869,7 +868,7 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 		skip[p] = true
 	}
 	for round := 0; round < 20; round++ {
-		procs, err := walk(t.InitPID(), skip, false)
+		procs, err := liveOf(t, skip)
 		if err != nil {
 			return killed, err
 		}
@@ -898,11 +897,35 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 			unix.Close(fd)
 		}
 	}
-	procs, _ := walk(t.InitPID(), skip, false)
+	procs, _ := liveOf(t, skip)
 	if len(procs) > 0 {
 		return killed, fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
 	}
 	return killed, nil
+}
+
+// liveOf lists the live processes of t (pids only) but those in skip.
+// With Members it takes one read of the cgroup's member list instead of a
+// walk of init's descendants (the init has a score of threads, each with
+// its own list of children): a sandbox process cannot leave its cgroup
+// (it lacks CAP_SYS_ADMIN, so it cannot mount or write a cgroup file
+// system), and every process it forks is born in it.
+func liveOf(t Target, skip map[int]bool) ([]Proc, error) {
+	m, ok := t.(Members)
+	if !ok {
+		return walk(t.InitPID(), skip, false)
+	}
+	pids, err := m.MemberPIDs()
+	if err != nil {
+		return nil, err
+	}
+	var procs []Proc
+	for _, p := range pids {
+		if p != t.InitPID() && !skip[p] && !exiting(p) {
+			procs = append(procs, Proc{PID: p})
+		}
+	}
+	return procs, nil
 }
 
 // signalLive sends SIGKILL to every live process of t but keep, without
@@ -912,24 +935,9 @@ func (e *Engine) signalLive(t Target, keep []int) []int {
 	for _, p := range keep {
 		skip[p] = true
 	}
-	var procs []Proc
-	if m, ok := t.(Members); ok {
-		// One read instead of a walk of every thread of init (the
-		// confirming walk of killLiveAfter catches whatever this misses).
-		pids, err := m.MemberPIDs()
-		if err != nil {
-			return nil
-		}
-		for _, p := range pids {
-			if p != t.InitPID() && !skip[p] && !exiting(p) {
-				procs = append(procs, Proc{PID: p})
-			}
-		}
-	} else {
-		var err error
-		if procs, err = walk(t.InitPID(), skip, false); err != nil {
-			return nil
-		}
+	procs, err := liveOf(t, skip)
+	if err != nil {
+		return nil
 	}
 	var out []int
 	for _, p := range procs {

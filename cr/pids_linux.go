@@ -227,15 +227,23 @@ func (e *Engine) imagePidsFree(ctx context.Context, t Target, dir string) error 
 }
 
 // liveHelperPids is templatePids without the helpers already killed or
-// being dumped (e.aux): their pids free by themselves, once they are gone.
-// A killed template may still look alive for a while under load (SIGKILL
-// takes effect when it is next scheduled).
+// being dumped (e.aux but for parked processes): their pids free by
+// themselves, once they are gone. A killed template may still look alive
+// for a while under load (SIGKILL takes effect when it is next scheduled).
 func (e *Engine) liveHelperPids(sb string) map[int]bool {
 	m := e.templatePids(sb)
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	parked := map[int]bool{}
+	for _, c := range e.ckpts {
+		for _, tm := range c.parked {
+			parked[tm.proc.Pid()] = true
+		}
+	}
 	for p := range e.aux {
-		delete(m, p)
+		if !parked[p] {
+			delete(m, p)
+		}
 	}
 	return m
 }

@@ -260,3 +260,69 @@ func TestRealSandboxTemplatesKilledFromInside(t *testing.T) {
 		t.Fatalf("restore (path %s) brought back %v (%d reported)", res.Path, comms, len(res.Procs))
 	}
 }
+
+// A restore into a real sandbox kills every process that was not there at
+// the checkpoint (a session started since, and what a session started in
+// the background) and gives the restored shell pipes it adopts as its
+// session (sandbox.AdoptPipes), warm spare or fresh fork.
+func TestRealSandboxRestoreKillsNewcomersAndAdoptsPipes(t *testing.T) {
+	for _, warm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("warm=%v", warm), func(t *testing.T) {
+			sb := startReal(t)
+			ctx := ctxT(t)
+			e := newEngine(t, Config{Warm: warm})
+			sb.OnClose(func() { e.DropSandbox(sb.ID()) })
+			if _, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "main", Argv: []string{"bash", "--norc", "--noprofile"}, Dir: "/"}); err != nil {
+				t.Fatal(err)
+			}
+			send := func(cmd string) string {
+				t.Helper()
+				out, err := sb.Session("main").Send(ctx, cmd+"; echo __END__", sandbox.SendOptions{Until: regexp.MustCompile("__END__\n")})
+				if err != nil {
+					t.Fatalf("send %q: %v", cmd, err)
+				}
+				return strings.TrimSuffix(out, "__END__\n")
+			}
+			send("mkdir -p /tmp/x && cd /tmp/x && export V=1")
+			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "c1"}); err != nil {
+				t.Fatal(err)
+			}
+			send("cd / && export V=2")
+			bg := send("sleep 1000 & echo $!")
+			other, err := sb.StartSession(ctx, sandbox.SessionConfig{ID: "other", Argv: []string{"sleep", "1000"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			newcomers := []int{other.PID()}
+			if kids, err := children(sb.Session("main").PID()); err != nil || len(kids) != 1 {
+				t.Fatalf("background job of the shell (%s): %v %v", bg, kids, err)
+			} else {
+				newcomers = append(newcomers, kids[0])
+			}
+			if warm && !waitUntil(ctx, 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
+				t.Fatal("no warm spare")
+			}
+			pipes := func(Proc) func(int, *os.File, *os.File) error {
+				return func(pid int, in, out *os.File) error {
+					_, err := sb.AdoptPipes("main", pid, in, out)
+					return err
+				}
+			}
+			res, err := e.Restore(ctx, sb, "c1", RestoreOptions{Pipes: pipes, Stdio: sessionStdio(ctx, sb, "main")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, pid := range newcomers {
+				if !exiting(pid) {
+					t.Fatalf("process %d started after the checkpoint survived the restore", pid)
+				}
+			}
+			if got := send(`echo "$PWD $V"; echo err >&2`); got != "/tmp/x 1\nerr\n" {
+				t.Fatalf("restored shell: %q", got)
+			}
+			if pid := sb.Session("main").PID(); pid != res.Procs[0].PID {
+				t.Fatalf("session main is process %d, the copy is %d", pid, res.Procs[0].PID)
+			}
+		})
+	}
+}
