@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // pipeSessions returns RestoreOptions.Pipes adopting every copy's pipes;
@@ -133,12 +135,22 @@ func TestWarmSpareWithoutStdio(t *testing.T) {
 		t.Fatal("no warm spare")
 	}
 	sp := e.TemplatePIDs(sb.ID())
+	var want unix.CPUSet // the sandbox's processes inherit the test's
+	if err := unix.SchedGetaffinity(0, &want); err != nil {
+		t.Fatal(err)
+	}
 	res, err := e.Restore(ctxT(t), sb, "c1", RestoreOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(res.Procs) != 1 || !slices.Contains(sp, res.Procs[0].PID) {
 		t.Fatalf("restore %+v did not take the spare (helpers were %v)", res, sp)
+	}
+	// The spare was pinned to the tracer's CPU while made ready; the copy
+	// runs with the process's own affinity.
+	var got unix.CPUSet
+	if err := unix.SchedGetaffinity(res.Procs[0].PID, &got); err != nil || got != want {
+		t.Fatalf("copy's CPU affinity %v (%v), want %v", got, err, want)
 	}
 	for fd := 0; fd < 3; fd++ {
 		if l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", res.Procs[0].PID, fd)); l != "/dev/null" {
