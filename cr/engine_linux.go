@@ -36,8 +36,9 @@ type Freezer interface {
 
 // Members is implemented by targets that list their processes in one
 // cheap read (a cgroup's member list; init, helpers and exiting processes
-// may be among them). The kills of a restore use it, when present, instead
-// of walking init's descendants.
+// may be among them). A restore uses it, when present, to find the live
+// processes to signal; a walk of init's descendants still confirms that
+// none is left before the copies run.
 type Members interface {
 	MemberPIDs() ([]int, error)
 }
@@ -868,7 +869,7 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 		skip[p] = true
 	}
 	for round := 0; round < 20; round++ {
-		procs, err := liveOf(t, skip)
+		procs, err := walk(t.InitPID(), skip, false)
 		if err != nil {
 			return killed, err
 		}
@@ -897,7 +898,7 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 			unix.Close(fd)
 		}
 	}
-	procs, _ := liveOf(t, skip)
+	procs, _ := walk(t.InitPID(), skip, false)
 	if len(procs) > 0 {
 		return killed, fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
 	}
@@ -907,9 +908,9 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 // liveOf lists the live processes of t (pids only) but those in skip.
 // With Members it takes one read of the cgroup's member list instead of a
 // walk of init's descendants (the init has a score of threads, each with
-// its own list of children): a sandbox process cannot leave its cgroup
-// (it lacks CAP_SYS_ADMIN, so it cannot mount or write a cgroup file
-// system), and every process it forks is born in it.
+// its own list of children). That list is not authoritative (a process
+// CRIU restored outside the cgroups is missing from it): killLiveAfter
+// confirms with the walk.
 func liveOf(t Target, skip map[int]bool) ([]Proc, error) {
 	m, ok := t.(Members)
 	if !ok {
