@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -345,7 +346,7 @@ func (m *mountNS) dropLongMounts() error {
 		var long []string
 		for _, l := range strings.Split(string(b), "\n") {
 			if f := strings.Fields(l); len(l)+1 >= criuLineMax && len(f) > 4 {
-				long = append(long, unescapeMountinfo(f[4]))
+				long = append(long, mountinfo.Unescape(f[4]))
 			}
 		}
 		if len(long) == 0 {
@@ -357,22 +358,6 @@ func (m *mountNS) dropLongMounts() error {
 		}
 	}
 	return errors.New("mount namespace: cannot detach the mounts whose mountinfo lines CRIU cannot read")
-}
-
-// unescapeMountinfo undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMountinfo(s string) string {
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // command returns a command that runs argv in the namespace (nsenter

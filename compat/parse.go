@@ -3,6 +3,7 @@ package compat
 import (
 	"bufio"
 	"fmt"
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 	"io"
 	"strconv"
 	"strings"
@@ -163,11 +164,11 @@ func ParseMountinfo(r io.Reader) ([]MountInfo, error) {
 		if m.Minor, err = strconv.Atoi(min); err != nil {
 			return nil, fmt.Errorf("parse mountinfo line %d: minor: %w", line, err)
 		}
-		m.Root = unescapeOctal(f[3])
-		m.MountPoint = unescapeOctal(f[4])
+		m.Root = mountinfo.Unescape(f[3])
+		m.MountPoint = mountinfo.Unescape(f[4])
 		m.Options = f[5]
 		m.FSType = f[sep+1]
-		m.Source = unescapeOctal(f[sep+2])
+		m.Source = mountinfo.Unescape(f[sep+2])
 		if sep+3 < len(f) {
 			m.SuperOptions = f[sep+3]
 		}
@@ -192,22 +193,4 @@ func MountFor(mounts []MountInfo, path string) (MountInfo, bool) {
 		}
 	}
 	return best, found
-}
-
-func unescapeOctal(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }

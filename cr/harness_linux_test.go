@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -84,14 +85,9 @@ func detachForeignMounts() {
 			continue
 		}
 		if qf[0] == "overlay" || strings.HasPrefix(qf[0], "fuse") {
-			_ = unix.Unmount(unescapeMount(pf[4]), unix.MNT_DETACH)
+			_ = unix.Unmount(mountinfo.Unescape(pf[4]), unix.MNT_DETACH)
 		}
 	}
-}
-
-func unescapeMount(s string) string {
-	r := strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
-	return r.Replace(s)
 }
 
 func must(err error) {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -147,7 +148,7 @@ func mountedFrom(dir string) (string, bool) {
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		fields := strings.Fields(sc.Text())
-		if len(fields) < 10 || unescapeMount(fields[4]) != dir {
+		if len(fields) < 10 || mountinfo.Unescape(fields[4]) != dir {
 			continue
 		}
 		for i, x := range fields {
@@ -165,11 +166,6 @@ func mountedFrom(dir string) (string, bool) {
 		}
 	}
 	return src, true
-}
-
-func unescapeMount(s string) string {
-	r := strings.NewReplacer(`\040`, " ", `\011`, "\t", `\012`, "\n", `\134`, `\`)
-	return r.Replace(s)
 }
 
 func firstLine(b []byte) string {

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -141,10 +142,10 @@ func replaceRootInNS(ns, mfd int, mountinfo []byte) error {
 
 // childMounts returns the mount points of the mounts whose parent is mount
 // id in mountinfo (/proc/PID/mountinfo), each place once, in mount order.
-func childMounts(mountinfo []byte, id uint64) ([]string, error) {
+func childMounts(info []byte, id uint64) ([]string, error) {
 	var out []string
 	seen := map[string]bool{}
-	sc := bufio.NewScanner(bytes.NewReader(mountinfo))
+	sc := bufio.NewScanner(bytes.NewReader(info))
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		fl := strings.Fields(sc.Text())
@@ -159,7 +160,7 @@ func childMounts(mountinfo []byte, id uint64) ([]string, error) {
 		if own == id {
 			continue
 		}
-		p := unescapeMountinfo(fl[4])
+		p := mountinfo.Unescape(fl[4])
 		if p == "/" || seen[p] {
 			continue
 		}
@@ -170,25 +171,6 @@ func childMounts(mountinfo []byte, id uint64) ([]string, error) {
 		return nil, fmt.Errorf("mountinfo: %w", err)
 	}
 	return out, nil
-}
-
-// unescapeMountinfo undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // mountTarget opens (creating it if missing: a directory, or an empty file
