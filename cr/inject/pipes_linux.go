@@ -175,12 +175,7 @@ func (p *Proc) RunConfined(prog []unix.SockFilter) (w, r *os.File, err error) {
 			}
 		}
 		if e != nil {
-			if w != nil {
-				w.Close()
-			}
-			if r != nil {
-				r.Close()
-			}
+			closeFiles(w, r)
 			w, r = nil, nil
 		}
 		return e
@@ -208,12 +203,7 @@ func (p *Proc) NewStdio() (stdin, output *os.File, err error) {
 			e = e2
 		}
 		if e != nil {
-			if stdin != nil {
-				stdin.Close()
-			}
-			if output != nil {
-				output.Close()
-			}
+			closeFiles(stdin, output)
 			stdin, output = nil, nil
 		}
 		return e
@@ -281,4 +271,13 @@ func (p *Proc) newStdio() (stdin, output *os.File, err error) {
 		return stdin, output, fmt.Errorf("stdio 1 of %d: dup2: %w", p.pid, err)
 	}
 	return stdin, output, nil
+}
+
+// closeFiles closes the files that are not nil.
+func closeFiles(fs ...*os.File) {
+	for _, f := range fs {
+		if f != nil {
+			f.Close()
+		}
+	}
 }
