@@ -88,6 +88,12 @@ type Engine struct {
 	// aux are copies being dumped (pid -> sandbox id); they outlive a
 	// dropped checkpoint until criu is done with them.
 	aux map[int]string
+	// dumps tracks background image dumps; life ends when Close starts,
+	// which cancels them (criu is killed) and waits for them, so no dump
+	// outlives the runner whose wrapper scripts it runs.
+	dumps   sync.WaitGroup
+	life    context.Context
+	endLife context.CancelFunc
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.
@@ -103,6 +109,27 @@ func (e *Engine) goSpare(tm *template) {
 		e.makeSpare(tm)
 	}()
 }
+
+// goDump starts dumpTemplates in the background; once the engine is
+// closing, the checkpoint gets no image instead.
+func (e *Engine) goDump(c *ckpt, t Target) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closing {
+		c.image.ImageErr = errClosing
+		close(c.imageDone)
+		return
+	}
+	e.dumps.Add(1)
+	go func() {
+		defer e.dumps.Done()
+		e.dumpTemplates(c, t)
+	}()
+}
+
+// errClosing is the image error of a checkpoint taken while the engine
+// closes.
+var errClosing = errors.New("engine closing: no image written")
 
 func (e *Engine) sandboxLock(id string) *sync.Mutex {
 	e.mu.Lock()
@@ -329,7 +356,9 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	life, endLife := context.WithCancel(context.Background())
 	return &Engine{
+		life: life, endLife: endLife,
 		cfg:    cfg,
 		log:    cfg.Logger.With("component", "cr"),
 		tracer: inject.NewTracer(),
@@ -345,6 +374,11 @@ func (e *Engine) Close() error {
 	e.mu.Lock()
 	e.closing = true
 	e.mu.Unlock()
+	// Image dumps in flight are cancelled (an image of a sandbox going
+	// away is of no use to this engine; a dump cut short leaves no image
+	// that LoadImages would take) and waited for.
+	e.endLife()
+	e.dumps.Wait()
 	// Spares being made finish first (their fork and pre-fault), so no
 	// traced process is left behind when the tracer thread goes.
 	e.bg.Wait()
@@ -554,7 +588,7 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		e.prepareTemplate(tm, !opts.Ephemeral)
 	}
 	if c.imageDone != nil {
-		go e.dumpTemplates(c, t)
+		e.goDump(c, t)
 	}
 	go e.enforceBounds()
 	return &rec, nil

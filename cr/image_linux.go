@@ -78,8 +78,8 @@ func (e *Engine) dumpTemplates(c *ckpt, t Target) {
 	e.mu.Lock()
 	if err != nil {
 		c.image.ImageErr = err
-		if errors.Is(err, errDropped) {
-			e.log.Debug("checkpoint dropped before its image was written", "checkpoint", c.rec.ID)
+		if errors.Is(err, errDropped) || e.life.Err() != nil {
+			e.log.Debug("checkpoint dropped, or the engine closed, before its image was written", "checkpoint", c.rec.ID, "err", err)
 		} else {
 			e.log.Warn("checkpoint image failed; templates only", "checkpoint", c.rec.ID, "err", err)
 		}
@@ -146,7 +146,7 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 			e.forgetAux(tm, cp)
 			return err
 		}
-		dctx, cancel := context.WithTimeout(context.Background(), dumpTimeout)
+		dctx, cancel := context.WithTimeout(e.life, dumpTimeout)
 		derr := r.Dump(dctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir, External: ext})
 		cancel()
 		if derr != nil {

@@ -761,7 +761,9 @@ func (f *FS) waitServer() bool {
 		return true
 	case <-time.After(unmountGrace):
 	}
-	f.log.Error("unmount: FUSE requests still pending; aborting the connection", "mount", f.mountpoint, "err", abortFUSE(f.dev))
+	// Named before the abort, which unblocks them.
+	why := fuseHolders(f.dev)
+	f.log.Error("unmount: the FUSE connection is still in use; aborting it", "mount", f.mountpoint, "holders", why, "err", abortFUSE(f.dev))
 	select {
 	case <-done:
 		return true

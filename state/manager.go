@@ -294,12 +294,31 @@ func (m *Manager) Close(ctx context.Context) error {
 	case <-ctx.Done():
 		m.log.Warn("shutdown: asynchronous checkpoint work did not finish in time; leaving it")
 	}
-	for _, s := range sbs {
-		m.stopSandbox(s)
-	}
+	m.stopSandboxes(sbs)
 	m.pmu.Lock() // no store write in flight
 	defer m.pmu.Unlock()
 	return m.st.close()
+}
+
+// stopParallel bounds the sandboxes that stopSandboxes tears down at once.
+const stopParallel = 8
+
+// stopSandboxes tears down the live side of sbs, several at a time: one
+// sandbox whose teardown waits (processes that take long to die, a mount
+// whose FUSE connection has to be aborted) holds up no other.
+func (m *Manager) stopSandboxes(sbs []*sbox) {
+	sem := make(chan struct{}, stopParallel)
+	var wg sync.WaitGroup
+	for _, s := range sbs {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			m.stopSandbox(s)
+		}()
+	}
+	wg.Wait()
 }
 
 // stopSandbox tears down the live side; the record is left as is in the

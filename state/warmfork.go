@@ -121,9 +121,7 @@ func (m *Manager) discardWarm(sbs []*sbox) {
 	if len(sbs) == 0 {
 		return
 	}
-	for _, s := range sbs {
-		m.stopSandbox(s)
-	}
+	m.stopSandboxes(sbs)
 	if err := m.persist(func(b *batch) {
 		for _, s := range sbs {
 			b.delSandboxes = append(b.delSandboxes, s.rec.ID)
