@@ -37,15 +37,7 @@ func SocketFromEnv() string {
 
 // New returns a client for the daemon listening on socket.
 func New(socket string) *Client {
-	tr := &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", socket)
-		},
-		MaxIdleConns:        16,
-		MaxIdleConnsPerHost: 16,
-		IdleConnTimeout:     time.Minute,
-	}
+	tr := &transport{socket: socket, maxIdle: 16}
 	return &Client{socket: socket, hc: &http.Client{Transport: tr}}
 }
 

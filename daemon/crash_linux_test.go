@@ -20,7 +20,7 @@ import (
 )
 
 // spawnDaemon starts this test binary as a daemon process.
-func spawnDaemon(t *testing.T, stateDir, sock, backend string) (*exec.Cmd, *client.Client) {
+func spawnDaemon(t testing.TB, stateDir, sock, backend string) (*exec.Cmd, *client.Client) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "REWIND_TEST_DAEMON_STATE="+stateDir, "REWIND_TEST_DAEMON_SOCKET="+sock, "REWIND_TEST_DAEMON_BACKEND="+backend)

@@ -18,7 +18,7 @@ import (
 )
 
 // startFake runs a daemon with in-memory back ends and returns a client.
-func startFake(t *testing.T) (*client.Client, string) {
+func startFake(t testing.TB) (*client.Client, string) {
 	t.Helper()
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "run", "rewind.sock")

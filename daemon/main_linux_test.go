@@ -29,5 +29,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if sock := os.Getenv("REWIND_TEST_FLOOR_SOCKET"); sock != "" {
+		// This process is the trivial server of a latency floor benchmark.
+		if err := serveFloor(sock, os.Getenv("REWIND_TEST_FLOOR_KIND")); err != nil {
+			fmt.Fprintln(os.Stderr, "floor server:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	os.Exit(m.Run())
 }
