@@ -84,8 +84,27 @@ type SessionInfo struct {
 }
 
 // SendRequest is the body of POST /v1/sandboxes/{name}/sessions/{id}/send.
+//
+// Restore and Turn make one call of a tree-search step (go back to a
+// node, run the next action, end the turn): the daemon restores, sends,
+// then ends the turn, in that order, as the three calls would, without
+// the round trips between them. A bad request (a bad turn mode among
+// them) is refused before any step runs. Each step runs only if the one
+// before it succeeded; an error answer names the step that failed, and the
+// steps before it stay done (a failed send leaves the sandbox restored; a
+// failed turn leaves the text sent, and its output is lost with the
+// answer).
 type SendRequest struct {
-	Text string `json:"text"`
+	// Restore, when set, first restores the sandbox to this checkpoint
+	// (as POST .../restore). Epoch then applies to the restore; the text
+	// goes to the session of the restored state, and the turn, if any, is
+	// bound to the restore's new epoch.
+	Restore string `json:"restore,omitempty"`
+	// Turn, when set, ends the turn once the answer is read (as POST
+	// .../turn with this body; its own Epoch must be 0: the send's
+	// applies).
+	Turn *TurnRequest `json:"turn,omitempty"`
+	Text string       `json:"text"`
 	// IdleMS ends the read after this much quiet output (default 300).
 	IdleMS int `json:"idle_ms,omitempty"`
 	// Until is a regular expression that ends the read when matched.
@@ -98,6 +117,12 @@ type SendRequest struct {
 // SendResult answers a send.
 type SendResult struct {
 	Output string `json:"output"`
+	// Restore answers the request's Restore (nil without one); its
+	// ElapsedUS is the daemon's time of the restore.
+	Restore *RestoreResult `json:"restore,omitempty"`
+	// Turn answers the request's Turn (nil without one); its ElapsedUS is
+	// the daemon's time of the turn.
+	Turn *TurnResult `json:"turn,omitempty"`
 }
 
 // TurnRequest is the body of POST /v1/sandboxes/{name}/turn (and of

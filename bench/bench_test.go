@@ -127,16 +127,61 @@ func (f *fakeManager) Restore(_ context.Context, id string) (Cost, error) {
 	return Cost{Visible: f.restore}, nil
 }
 
+// fakeStepper is a fakeManager whose steps go through Stepper, each taking
+// exec of command time.
+type fakeStepper struct {
+	fakeManager
+	exec  time.Duration
+	steps int
+}
+
+func (f *fakeStepper) Step(ctx context.Context, restore string, cmds []string) (StepResult, error) {
+	f.steps++
+	var sr StepResult
+	if restore != "" {
+		sr.Restored = true
+		sr.Restore, _ = f.Restore(ctx, restore)
+	}
+	for _, c := range cmds {
+		f.Run(ctx, c)
+	}
+	sr.Exec = f.exec
+	var err error
+	sr.ID, sr.Checkpoint, err = f.Checkpoint(ctx)
+	return sr, err
+}
+
 func TestReplayAccounting(t *testing.T) {
 	tr := &Trace{Name: "t", Nodes: []Node{
 		{ID: 1, Parent: 0, Commands: []string{"a"}, LLMMS: 100},
 		{ID: 2, Parent: 1, Commands: []string{"b"}, LLMMS: 5},
 		{ID: 3, Parent: 1, Commands: []string{"c"}, LLMMS: 100}, // rollback
 	}}
-	m := &fakeManager{visible: time.Millisecond, async: 10 * time.Millisecond, restore: 4 * time.Millisecond, decision: "fs"}
+	fm := fakeManager{visible: time.Millisecond, async: 10 * time.Millisecond, restore: 4 * time.Millisecond, decision: "fs"}
+	st := &fakeStepper{fakeManager: fm, exec: 2 * time.Millisecond}
+	for _, tc := range []struct {
+		name string
+		m    Manager
+		fm   *fakeManager
+		// execMS is the stepper's reported exec time over its steps (-1:
+		// separate calls, timed by Replay).
+		execMS float64
+		steps  *int
+	}{
+		{"separate calls", &fm, &fm, -1, nil},
+		{"stepper", st, &st.fakeManager, 6, &st.steps},
+	} {
+		t.Run(tc.name, func(t *testing.T) { replayAccounting(t, tr, tc.m, tc.fm, tc.execMS, tc.steps) })
+	}
+}
+
+func replayAccounting(t *testing.T, tr *Trace, m Manager, fm *fakeManager, execMS float64, steps *int) {
 	res, err := Replay(context.Background(), tr, m, ReplayOptions{CrashChecks: 3})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if execMS >= 0 && (math.Abs(res.ExecMS-execMS) > 0.001 || *steps != 3) {
+		t.Errorf("ExecMS = %v after %d steps, want %v after 3", res.ExecMS, *steps, execMS)
 	}
 	// Root checkpoint's async is free. Node 1: llm 100 masks root async (10);
 	// checkpoint 1 visible. Node 2: llm 5 leaves 5 of the async; visible 1.
@@ -156,8 +201,8 @@ func TestReplayAccounting(t *testing.T) {
 	if res.CrashChecks != 3 || res.CrashCorrect != 3 || res.RecoveryCorrectness != 1 {
 		t.Errorf("crash checks %d/%d", res.CrashCorrect, res.CrashChecks)
 	}
-	if m.state != "ac" {
-		t.Errorf("state after replay %q, want the rolled-back branch \"ac\"", m.state)
+	if fm.state != "ac" {
+		t.Errorf("state after replay %q, want the rolled-back branch \"ac\"", fm.state)
 	}
 	lossy := &fakeManager{lossy: true}
 	res, err = Replay(context.Background(), tr, lossy, ReplayOptions{CrashChecks: 3})

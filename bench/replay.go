@@ -78,6 +78,27 @@ type Manager interface {
 	Close() error
 }
 
+// Stepper is a Manager whose API can do a tree-search step's state calls
+// together with its commands: restore (when restore is set), run the
+// commands, checkpoint. Replay uses it for every node with commands.
+type Stepper interface {
+	Step(ctx context.Context, restore string, cmds []string) (StepResult, error)
+}
+
+// StepResult is what a Stepper's step cost.
+type StepResult struct {
+	// ID is the checkpoint that ended the step.
+	ID string
+	// Restored says a restore ran; Restore is its cost.
+	Restored bool
+	Restore  Cost
+	// Checkpoint is the checkpoint's cost.
+	Checkpoint Cost
+	// Exec is the rest of the step's time: the commands, with the round
+	// trips of the calls that carried them.
+	Exec time.Duration
+}
+
 // ReplayOptions configures Replay.
 type ReplayOptions struct {
 	// CrashChecks is how many random turns get a crash-recovery check: the
@@ -207,7 +228,34 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 	ckpt[0] = root
 	pending = c.Async // the root is taken before the search starts: not charged
 	cur := 0
-	for _, n := range t.Nodes {
+	var n Node
+	// ended books the checkpoint that ends node n.
+	ended := func(id string, c Cost) error {
+		ckptLat = append(ckptLat, c.Visible)
+		charge(c)
+		if c.Decision == "" {
+			c.Decision = "full"
+		}
+		res.Decisions[c.Decision]++
+		ckpt[n.ID], cur = id, n.ID
+		expect[n.ID] = expect[n.Parent].next(n)
+
+		if checks[n.ID] {
+			ok, err := crashCheck(ctx, m, id, expect[n.ID])
+			if err != nil {
+				return fmt.Errorf("%s: node %d: crash check: %w", m.Name(), n.ID, err)
+			}
+			res.CrashChecks++
+			if ok {
+				res.CrashCorrect++
+			}
+		}
+		if o.Progress != nil {
+			fmt.Fprintf(o.Progress, "%s: node %d/%d (%s) checkpoint %s %.1f ms\n", m.Name(), n.ID, len(t.Nodes), n.Kind, c.Decision, ms(c.Visible))
+		}
+		return nil
+	}
+	for _, n = range t.Nodes {
 		llm := time.Duration(n.LLMMS * float64(time.Millisecond))
 		res.LLMMS += ms(llm)
 		// Async work overlaps the LLM wait; the rest is on the critical path.
@@ -215,6 +263,27 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 			state += pending - llm
 		}
 		pending = 0
+		if st, ok := m.(Stepper); ok && len(n.Commands) > 0 {
+			restore := ""
+			if n.Parent != cur {
+				restore = ckpt[n.Parent]
+			}
+			sr, err := st.Step(ctx, restore, n.Commands)
+			if err != nil {
+				return res, fmt.Errorf("%s: node %d: step: %w", m.Name(), n.ID, err)
+			}
+			if sr.Restored {
+				restLat = append(restLat, sr.Restore.Visible)
+				charge(sr.Restore)
+				state += pending // a restore's async part is charged in full
+				pending = 0
+			}
+			exec += sr.Exec
+			if err := ended(sr.ID, sr.Checkpoint); err != nil {
+				return res, err
+			}
+			continue
+		}
 		if n.Parent != cur {
 			c, err := m.Restore(ctx, ckpt[n.Parent])
 			if err != nil {
@@ -236,27 +305,8 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 		if err != nil {
 			return res, fmt.Errorf("%s: node %d: checkpoint: %w", m.Name(), n.ID, err)
 		}
-		ckptLat = append(ckptLat, c.Visible)
-		charge(c)
-		if c.Decision == "" {
-			c.Decision = "full"
-		}
-		res.Decisions[c.Decision]++
-		ckpt[n.ID], cur = id, n.ID
-		expect[n.ID] = expect[n.Parent].next(n)
-
-		if checks[n.ID] {
-			ok, err := crashCheck(ctx, m, id, expect[n.ID])
-			if err != nil {
-				return res, fmt.Errorf("%s: node %d: crash check: %w", m.Name(), n.ID, err)
-			}
-			res.CrashChecks++
-			if ok {
-				res.CrashCorrect++
-			}
-		}
-		if o.Progress != nil {
-			fmt.Fprintf(o.Progress, "%s: node %d/%d (%s) checkpoint %s %.1f ms\n", m.Name(), n.ID, len(t.Nodes), n.Kind, c.Decision, ms(c.Visible))
+		if err := ended(id, c); err != nil {
+			return res, err
 		}
 	}
 	state += pending // the last checkpoint's async part: no LLM wait follows

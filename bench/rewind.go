@@ -61,26 +61,36 @@ func (r *rewindManager) Start(ctx context.Context, setup []string) error {
 var rwMarker = regexp.MustCompile(`__RWB_\d+_(\d+)__`)
 
 func (r *rewindManager) run(ctx context.Context, cmd string) (string, int, error) {
+	out, code, _, err := r.send(ctx, cmd, "", nil)
+	return out, code, err
+}
+
+// send runs cmd in the session, after restoring to restore (when set) and
+// ending the turn with turn (when set), in one call.
+func (r *rewindManager) send(ctx context.Context, cmd, restore string, turn *api.TurnRequest) (string, int, *api.SendResult, error) {
 	r.seq++
 	marker := fmt.Sprintf("__RWB_%d_", r.seq)
-	out, err := r.c.Send(ctx, r.name, "sh", api.SendRequest{
+	res, err := r.c.Step(ctx, r.name, "sh", api.SendRequest{
+		Restore:   restore,
+		Turn:      turn,
 		Text:      cmd + "\necho " + marker + "$?__",
 		Until:     regexp.QuoteMeta(marker) + `\d+__`,
 		TimeoutMS: 300000,
 		IdleMS:    300000,
 	})
 	if err != nil {
-		return out, -1, err
+		return "", -1, nil, err
 	}
+	out := res.Output
 	i := strings.Index(out, marker)
 	if i < 0 {
-		return out, -1, fmt.Errorf("session output lacks the end marker of %q: %q", cmd, out)
+		return out, -1, res, fmt.Errorf("session output lacks the end marker of %q: %q", cmd, out)
 	}
 	code := -1
 	if m := rwMarker.FindStringSubmatch(out[i:]); m != nil {
 		code, _ = strconv.Atoi(m[1])
 	}
-	return out[:i], code, nil
+	return out[:i], code, res, nil
 }
 
 func (r *rewindManager) Run(ctx context.Context, cmd string) error {
@@ -88,15 +98,24 @@ func (r *rewindManager) Run(ctx context.Context, cmd string) error {
 	return err
 }
 
+// turnRequest is the bench's turn: auto, deferred (the probe read and the
+// policy's decision run with the checkpoint, off the call, as the
+// checkpoint's own work does).
+func turnRequest() *api.TurnRequest { return &api.TurnRequest{Mode: "auto", Defer: true} }
+
 func (r *rewindManager) Checkpoint(ctx context.Context) (string, Cost, error) {
 	start := time.Now()
-	// Deferred: the probe read and the policy's decision run with the
-	// checkpoint, off the call, as the checkpoint's own work does.
-	res, err := r.c.Turn(ctx, r.name, api.TurnRequest{Mode: "auto", Defer: true})
+	res, err := r.c.Turn(ctx, r.name, *turnRequest())
 	if err != nil {
 		return "", Cost{}, err
 	}
-	c := Cost{Visible: time.Since(start), Decision: string(res.Decision)}
+	return r.turnCost(ctx, res, time.Since(start))
+}
+
+// turnCost is the cost of a turn the harness waited visible for; it waits
+// for the checkpoint to be durable, accounted as asynchronous work.
+func (r *rewindManager) turnCost(ctx context.Context, res *api.TurnResult, visible time.Duration) (string, Cost, error) {
+	c := Cost{Visible: visible, Decision: string(res.Decision)}
 	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
 	c.Phases = map[string]time.Duration{
 		"turn." + string(res.Decision): c.Visible,
@@ -133,6 +152,11 @@ func (r *rewindManager) Restore(ctx context.Context, id string) (Cost, error) {
 	if err != nil {
 		return c, err
 	}
+	return restoreCost(res, c.Visible), nil
+}
+
+func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
+	c := Cost{Visible: visible, Decision: "full"}
 	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
 	ph := res.Phases
 	c.Phases = map[string]time.Duration{
@@ -147,7 +171,48 @@ func (r *rewindManager) Restore(ctx context.Context, id string) (Cost, error) {
 		"restore.queue":            us(ph.QueueUS),
 		"restore.outside_daemon":   c.Visible - us(ph.TotalUS+ph.QueueUS),
 	}
-	return c, nil
+	return c
+}
+
+// Step is a tree-search step the way a harness on rewind's API would do
+// it: the restore rides on the step's first send and the turn on its last
+// (api.SendRequest's Restore and Turn), so the step costs the round trips
+// of its sends only. What is charged to state management is the daemon's
+// own time of the restore and of the turn (their ElapsedUS, measured
+// around the state manager's calls), plus the checkpoint's asynchronous
+// part as for Checkpoint; the calls' round trips are the sends', charged
+// to exec like every other send's.
+func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string) (StepResult, error) {
+	var sr StepResult
+	start := time.Now()
+	var turnRes *api.TurnResult
+	for i, cmd := range cmds {
+		var turn *api.TurnRequest
+		if i == len(cmds)-1 {
+			turn = turnRequest()
+		}
+		_, _, res, err := r.send(ctx, cmd, restore, turn)
+		if err != nil {
+			return sr, err
+		}
+		if restore != "" {
+			if res.Restore == nil {
+				return sr, fmt.Errorf("the send answered no restore")
+			}
+			sr.Restore = restoreCost(res.Restore, time.Duration(res.Restore.ElapsedUS)*time.Microsecond)
+			sr.Restored = true
+			restore = ""
+		}
+		turnRes = res.Turn
+	}
+	if turnRes == nil {
+		return sr, fmt.Errorf("the send answered no turn")
+	}
+	visible := time.Duration(turnRes.ElapsedUS) * time.Microsecond
+	sr.Exec = time.Since(start) - sr.Restore.Visible - visible
+	id, c, err := r.turnCost(ctx, turnRes, visible)
+	sr.ID, sr.Checkpoint = id, c
+	return sr, err
 }
 
 func (r *rewindManager) Digest(ctx context.Context) (string, error) {

@@ -200,6 +200,19 @@ func (c *Client) Send(ctx context.Context, name, session string, req api.SendReq
 	return r.Output, err
 }
 
+// Step is Send with the whole answer: with req.Restore and req.Turn it is
+// one tree-search step in one call (restore, send, end the turn; see
+// api.SendRequest). The ElapsedUS of the answer's Restore and Turn are the
+// daemon's times of those steps; the call's own time is the caller's to
+// measure.
+func (c *Client) Step(ctx context.Context, name, session string, req api.SendRequest) (*api.SendResult, error) {
+	var r api.SendResult
+	if err := c.do(ctx, "POST", "/v1/sandboxes/"+esc(name)+"/sessions/"+esc(session)+"/send", req, &r); err != nil {
+		return nil, err
+	}
+	return &r, nil
+}
+
 // Turn ends a turn. ElapsedUS in the result is the time this call took as
 // the caller saw it.
 func (c *Client) Turn(ctx context.Context, name string, req api.TurnRequest) (*api.TurnResult, error) {

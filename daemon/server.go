@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -255,6 +256,28 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
+	if req.Turn != nil {
+		// Refused before any step runs, like every bad request.
+		if req.Turn.Epoch != 0 {
+			writeErr(w, &state.Error{Code: state.CodeBadRequest, Msg: "send: turn.epoch must be 0 (the send's epoch applies to its turn)"})
+			return
+		}
+		if _, err := state.ParseMode(req.Turn.Mode); err != nil {
+			writeErr(w, fmt.Errorf("send: turn: %w", err))
+			return
+		}
+	}
+	name := r.PathValue("name")
+	var res api.SendResult
+	epoch := req.Epoch
+	if req.Restore != "" {
+		rr, err := s.doRestore(r, name, req.Restore, epoch)
+		if err != nil {
+			writeErr(w, err)
+			return
+		}
+		res.Restore, epoch = rr, rr.Epoch
+	}
 	// Without --until the answer ends after 300 ms of quiet; with it, only
 	// the match (or an explicit idle_ms) ends it.
 	var idle time.Duration
@@ -270,59 +293,89 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), timeout+5*time.Second)
 	defer cancel()
-	out, err := s.m.Send(ctx, r.PathValue("name"), req.Epoch, state.SendRequest{
+	out, err := s.m.Send(ctx, name, epoch, state.SendRequest{
 		Session: r.PathValue("id"), Text: req.Text, Idle: idle, Until: req.Until, Timeout: timeout,
 	})
 	if err != nil {
+		if res.Restore != nil {
+			err = fmt.Errorf("send after the restore to %s (done, epoch %d): %w", req.Restore, epoch, err)
+		}
 		writeErr(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, api.SendResult{Output: out})
+	res.Output = out
+	if req.Turn != nil {
+		treq := *req.Turn
+		treq.Epoch = epoch
+		tr, err := s.doTurn(r, treq, "")
+		if err != nil {
+			writeErr(w, fmt.Errorf("turn after the send (done): %w", err))
+			return
+		}
+		res.Turn = tr
+	}
+	writeJSON(w, http.StatusOK, res)
 }
 
-func (s *server) doTurn(w http.ResponseWriter, r *http.Request, force state.Mode) {
+// doTurn ends a turn (force, when set, overrides the mode).
+func (s *server) doTurn(r *http.Request, req api.TurnRequest, force state.Mode) (*api.TurnResult, error) {
 	start := time.Now()
-	var req api.TurnRequest
-	if err := decode(r, &req); err != nil {
-		writeErr(w, err)
-		return
-	}
 	mode, err := state.ParseMode(req.Mode)
 	if err != nil {
-		writeErr(w, err)
-		return
+		return nil, err
 	}
 	if force != "" {
 		mode = force
 	}
 	res, err := s.m.Turn(r.Context(), r.PathValue("name"), state.TurnRequest{Mode: mode, Wait: req.Wait, Epoch: req.Epoch, Defer: req.Defer && force == ""})
 	if err != nil {
+		return nil, err
+	}
+	s.met.turn(res.Decision, time.Since(start))
+	return &api.TurnResult{TurnResult: *res, ElapsedUS: time.Since(start).Microseconds()}, nil
+}
+
+func (s *server) turnCall(w http.ResponseWriter, r *http.Request, force state.Mode) {
+	var req api.TurnRequest
+	if err := decode(r, &req); err != nil {
 		writeErr(w, err)
 		return
 	}
-	s.met.turn(res.Decision, time.Since(start))
-	writeJSON(w, http.StatusOK, api.TurnResult{TurnResult: *res, ElapsedUS: time.Since(start).Microseconds()})
+	res, err := s.doTurn(r, req, force)
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, res)
 }
 
-func (s *server) turn(w http.ResponseWriter, r *http.Request)       { s.doTurn(w, r, "") }
-func (s *server) checkpoint(w http.ResponseWriter, r *http.Request) { s.doTurn(w, r, state.ModeFull) }
+func (s *server) turn(w http.ResponseWriter, r *http.Request)       { s.turnCall(w, r, "") }
+func (s *server) checkpoint(w http.ResponseWriter, r *http.Request) { s.turnCall(w, r, state.ModeFull) }
+
+// doRestore restores sandbox name to checkpoint id.
+func (s *server) doRestore(r *http.Request, name, id string, epoch uint64) (*api.RestoreResult, error) {
+	start := time.Now()
+	// A restore, once started, completes even if the client goes away:
+	// a half-done restore is never left behind.
+	res, err := s.m.Restore(context.WithoutCancel(r.Context()), name, id, epoch)
+	if err != nil {
+		return nil, err
+	}
+	return &api.RestoreResult{RestoreResult: *res, ElapsedUS: time.Since(start).Microseconds()}, nil
+}
 
 func (s *server) restore(w http.ResponseWriter, r *http.Request) {
-	start := time.Now()
 	var req api.RestoreRequest
 	if err := decode(r, &req); err != nil {
 		writeErr(w, err)
 		return
 	}
-	// A restore, once started, completes even if the client goes away:
-	// a half-done restore is never left behind.
-	ctx := context.WithoutCancel(r.Context())
-	res, err := s.m.Restore(ctx, r.PathValue("name"), req.Checkpoint, req.Epoch)
+	res, err := s.doRestore(r, r.PathValue("name"), req.Checkpoint, req.Epoch)
 	if err != nil {
 		writeErr(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, api.RestoreResult{RestoreResult: *res, ElapsedUS: time.Since(start).Microseconds()})
+	writeJSON(w, http.StatusOK, res)
 }
 
 func (s *server) logTree(w http.ResponseWriter, r *http.Request) {

@@ -256,11 +256,20 @@ func newSessionCmd() *cobra.Command {
 	var o2 clientOpts
 	var sendReq api.SendRequest
 	var idle, timeout time.Duration
+	var turnMode string
+	var turnDefer bool
 	send := &cobra.Command{
 		Use:   "send NAME S TEXT",
 		Short: "Write TEXT and a newline to a session; print its answer until quiet (--idle) or --until matches",
+		Long: `Write TEXT and a newline to a session and print its answer.
+
+--restore CK first restores the sandbox to checkpoint CK, and --turn MODE ends the turn
+once the answer is read: with both, the call is one tree-search step (back to a node, run
+the next action, checkpoint the result) without the round trips between the three calls.
+What the restore and the turn answered goes to stderr (or into the --json answer).`,
 		Example: `  rewind session send agent1 sh 'export X=1; echo $X'
-  rewind session send agent1 py 'print(6*7)' --until '>>> $'`,
+  rewind session send agent1 py 'print(6*7)' --until '>>> $'
+  rewind session send agent1 sh 'make test' --restore ck-77aa01bb02cc --turn auto`,
 		Args: cobra.ExactArgs(3),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			c, err := o2.connect(cmd)
@@ -272,21 +281,35 @@ func newSessionCmd() *cobra.Command {
 				sendReq.IdleMS = int(idle.Milliseconds())
 			}
 			sendReq.TimeoutMS = int(timeout.Milliseconds())
-			out, err := c.Send(cmd.Context(), args[0], args[1], sendReq)
+			if cmd.Flags().Changed("turn") {
+				sendReq.Turn = &api.TurnRequest{Mode: turnMode, Defer: turnDefer}
+			} else if turnDefer {
+				return fmt.Errorf("--defer needs --turn")
+			}
+			res, err := c.Step(cmd.Context(), args[0], args[1], sendReq)
 			if err != nil {
 				return err
 			}
 			if o2.json {
-				return printJSON(cmd.OutOrStdout(), map[string]string{"output": out})
+				return printJSON(cmd.OutOrStdout(), res)
 			}
-			fmt.Fprint(cmd.OutOrStdout(), out)
+			fmt.Fprint(cmd.OutOrStdout(), res.Output)
+			if r := res.Restore; r != nil {
+				fmt.Fprintf(cmd.ErrOrStderr(), "restored %s to %s (%s, epoch %d, %d us)\n", args[0], sendReq.Restore, r.Path, r.Epoch, r.ElapsedUS)
+			}
+			if t := res.Turn; t != nil {
+				fmt.Fprintf(cmd.ErrOrStderr(), "turn: %s %s (%s, %d us)\n", t.Decision, t.ID, t.Reason, t.ElapsedUS)
+			}
 			return nil
 		},
 	}
 	send.Flags().DurationVar(&idle, "idle", 300*time.Millisecond, "return once the output has been quiet this long (with --until: only if given)")
 	send.Flags().StringVar(&sendReq.Until, "until", "", "return once the output matches this regular expression")
 	send.Flags().DurationVar(&timeout, "timeout", time.Minute, "give up after this long")
-	send.Flags().Uint64Var(&sendReq.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	send.Flags().Uint64Var(&sendReq.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch (with --restore: checked by the restore)")
+	send.Flags().StringVar(&sendReq.Restore, "restore", "", "first restore the sandbox to this checkpoint")
+	send.Flags().StringVar(&turnMode, "turn", "", "then end the turn in this mode (auto, skip, fs, full)")
+	send.Flags().BoolVar(&turnDefer, "defer", false, "with --turn auto: answer with the checkpoint id at once and let the checkpoint decide")
 	o2.add(send)
 	cmd.AddCommand(start, send)
 	return cmd
