@@ -117,6 +117,9 @@ type SendRequest struct {
 // SendResult answers a send.
 type SendResult struct {
 	Output string `json:"output"`
+	// ElapsedUS is the daemon's time of the send itself (writing the text
+	// and reading the answer), without the restore and the turn.
+	ElapsedUS int64 `json:"elapsed_us"`
 	// Restore answers the request's Restore (nil without one); its
 	// ElapsedUS is the daemon's time of the restore.
 	Restore *RestoreResult `json:"restore,omitempty"`

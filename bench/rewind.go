@@ -177,40 +177,56 @@ func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
 // Step is a tree-search step the way a harness on rewind's API would do
 // it: the restore rides on the step's first send and the turn on its last
 // (api.SendRequest's Restore and Turn), so the step costs the round trips
-// of its sends only. What is charged to state management is the daemon's
-// own time of the restore and of the turn (their ElapsedUS, measured
-// around the state manager's calls), plus the checkpoint's asynchronous
-// part as for Checkpoint; the calls' round trips are the sends', charged
-// to exec like every other send's.
+// of its sends only. Of a call that carries a restore or a turn, only the
+// daemon's time of the send itself (the command running and its answer
+// being read) is exec; everything else the harness waited for — the
+// restore, the turn, the round trip, anything the checkpoint's start
+// delayed the answer by — is charged to state management (to the turn
+// when the call has one, else to the restore). The checkpoint's
+// asynchronous part is accounted as for Checkpoint.
 func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string) (StepResult, error) {
 	var sr StepResult
-	start := time.Now()
+	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
 	var turnRes *api.TurnResult
+	var turnVisible time.Duration
 	for i, cmd := range cmds {
 		var turn *api.TurnRequest
 		if i == len(cmds)-1 {
 			turn = turnRequest()
 		}
+		start := time.Now()
 		_, _, res, err := r.send(ctx, cmd, restore, turn)
+		took := time.Since(start)
 		if err != nil {
 			return sr, err
 		}
+		if restore == "" && turn == nil {
+			sr.Exec += took
+			continue
+		}
+		sr.Exec += us(res.ElapsedUS)
+		rest := took - us(res.ElapsedUS)
 		if restore != "" {
 			if res.Restore == nil {
 				return sr, fmt.Errorf("the send answered no restore")
 			}
-			sr.Restore = restoreCost(res.Restore, time.Duration(res.Restore.ElapsedUS)*time.Microsecond)
+			visible := rest
+			if turn != nil {
+				visible = us(res.Restore.ElapsedUS)
+				rest -= visible
+			}
+			sr.Restore = restoreCost(res.Restore, visible)
 			sr.Restored = true
 			restore = ""
 		}
-		turnRes = res.Turn
+		if turn != nil {
+			if res.Turn == nil {
+				return sr, fmt.Errorf("the send answered no turn")
+			}
+			turnRes, turnVisible = res.Turn, rest
+		}
 	}
-	if turnRes == nil {
-		return sr, fmt.Errorf("the send answered no turn")
-	}
-	visible := time.Duration(turnRes.ElapsedUS) * time.Microsecond
-	sr.Exec = time.Since(start) - sr.Restore.Visible - visible
-	id, c, err := r.turnCost(ctx, turnRes, visible)
+	id, c, err := r.turnCost(ctx, turnRes, turnVisible)
 	sr.ID, sr.Checkpoint = id, c
 	return sr, err
 }

@@ -293,6 +293,7 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), timeout+5*time.Second)
 	defer cancel()
+	sent := time.Now()
 	out, err := s.m.Send(ctx, name, epoch, state.SendRequest{
 		Session: r.PathValue("id"), Text: req.Text, Idle: idle, Until: req.Until, Timeout: timeout,
 	})
@@ -303,7 +304,7 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
-	res.Output = out
+	res.Output, res.ElapsedUS = out, time.Since(sent).Microseconds()
 	if req.Turn != nil {
 		treq := *req.Turn
 		treq.Epoch = epoch

@@ -33,8 +33,8 @@ func TestSendStep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.Output != "step\n" {
-		t.Fatalf("output %q", res.Output)
+	if res.Output != "step\n" || res.ElapsedUS <= 0 {
+		t.Fatalf("output %q in %d us", res.Output, res.ElapsedUS)
 	}
 	if res.Restore == nil || res.Restore.Epoch != root.Epoch+1 || res.Restore.ElapsedUS <= 0 {
 		t.Fatalf("restore part: %+v", res.Restore)
