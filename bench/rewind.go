@@ -23,6 +23,9 @@ type rewindManager struct {
 	policy string
 	name   string
 	seq    int
+	// minRTT is the fastest round trip of a plain send so far (the call's
+	// time beyond the daemon's time of the send; 0 before the first).
+	minRTT time.Duration
 }
 
 // NewRewind returns a rewind row named "rewind-<policy>" ("always" is
@@ -70,6 +73,7 @@ func (r *rewindManager) run(ctx context.Context, cmd string) (string, int, error
 func (r *rewindManager) send(ctx context.Context, cmd, restore string, turn *api.TurnRequest) (string, int, *api.SendResult, error) {
 	r.seq++
 	marker := fmt.Sprintf("__RWB_%d_", r.seq)
+	start := time.Now()
 	res, err := r.c.Step(ctx, r.name, "sh", api.SendRequest{
 		Restore:   restore,
 		Turn:      turn,
@@ -80,6 +84,11 @@ func (r *rewindManager) send(ctx context.Context, cmd, restore string, turn *api
 	})
 	if err != nil {
 		return "", -1, nil, err
+	}
+	if restore == "" && turn == nil {
+		if rtt := time.Since(start) - time.Duration(res.ElapsedUS)*time.Microsecond; r.minRTT == 0 || rtt < r.minRTT {
+			r.minRTT = max(rtt, time.Microsecond)
+		}
 	}
 	out := res.Output
 	i := strings.Index(out, marker)
@@ -177,10 +186,12 @@ func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
 // Step is a tree-search step the way a harness on rewind's API would do
 // it: the restore rides on the step's first send and the turn on its last
 // (api.SendRequest's Restore and Turn), so the step costs the round trips
-// of its sends only. Of a call that carries a restore or a turn, only the
-// daemon's time of the send itself (the command running and its answer
-// being read) is exec; everything else the harness waited for — the
-// restore, the turn, the round trip, anything the checkpoint's start
+// of its sends only. Of a call that carries a restore or a turn, exec is
+// what the same send would have cost without them: the daemon's time of
+// the send itself (the command running and its answer being read) plus
+// the fastest round trip a plain send had so far in this run (none before
+// the first). Everything else the harness waited for — the restore, the
+// turn, the rest of the round trip, anything the checkpoint's start
 // delayed the answer by — is charged to state management (to the turn
 // when the call has one, else to the restore). The checkpoint's
 // asynchronous part is accounted as for Checkpoint.
@@ -188,7 +199,7 @@ func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string)
 	var sr StepResult
 	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
 	var turnRes *api.TurnResult
-	var turnVisible time.Duration
+	var turnVisible, credited time.Duration
 	for i, cmd := range cmds {
 		var turn *api.TurnRequest
 		if i == len(cmds)-1 {
@@ -204,8 +215,11 @@ func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string)
 			sr.Exec += took
 			continue
 		}
-		sr.Exec += us(res.ElapsedUS)
 		rest := took - us(res.ElapsedUS)
+		rtt := min(r.minRTT, max(rest, 0))
+		sr.Exec += us(res.ElapsedUS) + rtt
+		rest -= rtt
+		credited += rtt
 		if restore != "" {
 			if res.Restore == nil {
 				return sr, fmt.Errorf("the send answered no restore")
@@ -227,6 +241,9 @@ func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string)
 		}
 	}
 	id, c, err := r.turnCost(ctx, turnRes, turnVisible)
+	if c.Phases != nil {
+		c.Phases["step.send_round_trip"] = credited // counted as exec
+	}
 	sr.ID, sr.Checkpoint = id, c
 	return sr, err
 }
