@@ -226,7 +226,10 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 	if b.ResolveKind(spec.Kind) == "kernel" {
 		return b.mountKernel(id, mp, spec, from)
 	}
-	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log})
+	// A sandbox's mount is unmounted once its processes are dead: what
+	// still holds the connection then is a copy of the mount in a mount
+	// namespace made elsewhere on the host meanwhile.
+	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log, UnmountGrace: sandboxUnmountGrace})
 	if err != nil {
 		return nil, err
 	}
@@ -312,6 +315,9 @@ func (b *fsBackend) ResolveKind(kind string) string {
 func (b *fsBackend) Mount(_ context.Context, id string, spec state.FSSpec) (state.FSMount, error) {
 	return b.mount(id, spec, "")
 }
+
+// sandboxUnmountGrace is fs.Options.UnmountGrace for sandbox mounts.
+const sandboxUnmountGrace = 2 * time.Second
 
 func (b *fsBackend) MountFrom(_ context.Context, id string, spec state.FSSpec, ckpt string) (state.FSMount, error) {
 	return b.mount(id, spec, ckpt)

@@ -67,7 +67,22 @@ type Options struct {
 	Debug bool
 	// Logger receives diagnostics; nil means slog.Default().
 	Logger *slog.Logger
+	// UnmountGrace is how long Unmount waits, after the unmount, for the
+	// FUSE connection to end before it aborts it; 0 means
+	// DefaultUnmountGrace. The connection outlives the unmount while a
+	// process blocks on a request, has the file system open, or lives in
+	// a mount namespace holding a copy of the mount — and any process on
+	// the host that makes a mount namespace (unshare, a container start)
+	// copies every mount there is, this one included, and keeps it until
+	// that namespace ends. A caller that knows no process of its own uses
+	// the mount any more (the daemon, once a sandbox's processes are dead)
+	// sets it short.
+	UnmountGrace time.Duration
 }
+
+// DefaultUnmountGrace is the default of Options.UnmountGrace: time for
+// requests in flight to be answered and for clients to close their files.
+const DefaultUnmountGrace = 20 * time.Second
 
 // FS is a mounted DeltaFS view. It implements layer.FS.
 type FS struct {
@@ -743,23 +758,27 @@ func splitPath(p string) []string {
 	return out
 }
 
-// Unmount implements layer.FS.
-// unmountGrace is how long Unmount waits for in-flight FUSE requests
-// before it aborts the connection, and again after.
-const unmountGrace = 20 * time.Second
+// abortWait is how long waitServer waits for the server's loops after it
+// aborted the connection.
+const abortWait = 20 * time.Second
 
-// waitServer waits for the server's loops to end. If requests are still
-// pending after unmountGrace (a client blocked in the kernel on a request
-// that is never answered would otherwise keep the daemon from exiting), it
-// aborts the FUSE connection through fusectl, which fails every pending
-// request, and waits once more. It reports whether the server ended.
+// waitServer waits for the server's loops to end. If the connection is
+// still alive after Options.UnmountGrace (see there; a client blocked in
+// the kernel on a request that is never answered would otherwise keep the
+// daemon from exiting), it aborts the FUSE connection through fusectl,
+// which fails every pending request and ends the copies of the mount
+// elsewhere, and waits once more. It reports whether the server ended.
 func (f *FS) waitServer() bool {
 	done := make(chan struct{})
 	go func() { f.server.Wait(); close(done) }()
+	grace := f.opts.UnmountGrace
+	if grace <= 0 {
+		grace = DefaultUnmountGrace
+	}
 	select {
 	case <-done:
 		return true
-	case <-time.After(unmountGrace):
+	case <-time.After(grace):
 	}
 	// Named before the abort, which unblocks them.
 	why := fuseHolders(f.dev)
@@ -767,7 +786,7 @@ func (f *FS) waitServer() bool {
 	select {
 	case <-done:
 		return true
-	case <-time.After(unmountGrace):
+	case <-time.After(abortWait):
 		return false
 	}
 }
@@ -786,11 +805,21 @@ func abortFUSE(dev uint64) error {
 	return os.WriteFile(p, []byte("1"), 0o200)
 }
 
+// Unmount implements layer.FS.
 func (f *FS) Unmount() error {
 	f.unmountOnce.Do(func() {
+		// The unmount itself, not go-fuse's Server.Unmount: that also
+		// waits for the server's loops, which run for as long as the
+		// connection lives, and the connection may outlive the unmount
+		// (see Options.UnmountGrace); waitServer bounds that wait.
 		var err error
 		for i := 0; i < 50; i++ {
-			if err = f.server.Unmount(); err == nil {
+			if err = unix.Unmount(f.mountpoint, 0); err == nil || errors.Is(err, unix.EINVAL) {
+				err = nil // EINVAL: not mounted (any more)
+				break
+			}
+			if errors.Is(err, unix.EPERM) {
+				err = f.server.Unmount() // not root: fusermount
 				break
 			}
 			time.Sleep(20 * time.Millisecond)

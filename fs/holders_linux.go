@@ -13,8 +13,9 @@ import (
 const maxHolders = 16
 
 // fuseHolders explains why the FUSE connection of device dev is still
-// alive after an unmount: the tasks blocked in the kernel on one of its
-// requests (their kernel stack is in fuse code), and the mount namespaces
+// alive after an unmount: the tasks blocked in the kernel on a FUSE request
+// (their kernel stack is in fuse client code; /proc does not say on which
+// connection), and the mount namespaces
 // that still hold the mount (a namespace of a process that has not died,
 // or a process that has the file system open). It is for logs: a bounded,
 // best-effort description read from /proc.
@@ -41,7 +42,9 @@ func fuseHolders(dev uint64) string {
 			tasks, _ := os.ReadDir("/proc/" + pid + "/task")
 			for _, t := range tasks {
 				st, _ := os.ReadFile("/proc/" + pid + "/task/" + t.Name() + "/stack")
-				if strings.Contains(string(st), "fuse") {
+				// A server waiting for requests (fuse_dev_read) is not
+				// blocked on one.
+				if strings.Contains(string(st), "fuse") && !strings.Contains(string(st), "fuse_dev_") {
 					blocked = append(blocked, name+" in "+firstFuseFrame(string(st)))
 					break
 				}

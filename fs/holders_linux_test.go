@@ -1,11 +1,20 @@
 package fs
 
 import (
+	"errors"
+	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/layer"
 )
 
 func TestFuseHoldersNamesTheNamespaceOfTheMount(t *testing.T) {
@@ -23,5 +32,54 @@ func TestFuseHoldersNamesTheNamespaceOfTheMount(t *testing.T) {
 	}
 	if got := fuseHolders(0); got != "no device number recorded" {
 		t.Errorf("holders of device 0: %q", got)
+	}
+}
+
+// A mount namespace made elsewhere while the view is mounted holds a copy
+// of the mount, and with it the FUSE connection, after Unmount: Unmount
+// aborts the connection once UnmountGrace has passed, and the copy is then
+// dead (ENOTCONN), not served.
+func TestUnmountEndsCopiesInOtherNamespaces(t *testing.T) {
+	requireFUSE(t)
+	if _, err := exec.LookPath("unshare"); err != nil {
+		testenv.RequireNoErr(t, err, "unshare")
+	}
+	dir := t.TempDir()
+	st, err := layer.OpenStore(filepath.Join(dir, "state"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mp := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f, err := Mount(st, mp, Options{UnmountGrace: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustWrite(t, filepath.Join(mp, "f"), "served")
+	holder := exec.Command("unshare", "--mount", "--propagation", "private", "sleep", "60")
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = holder.Process.Kill(); _ = holder.Wait() })
+	copyPath := fmt.Sprintf("/proc/%d/root%s", holder.Process.Pid, filepath.Join(mp, "f"))
+	// unshare has made its namespace once sleep runs.
+	for i := 0; ; i++ {
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", holder.Process.Pid))
+		b, err := os.ReadFile(copyPath)
+		if strings.TrimSpace(string(comm)) == "sleep" && err == nil && string(b) == "served" {
+			break
+		}
+		if i == 500 {
+			t.Fatalf("no copy of the mount in the namespace of pid %d", holder.Process.Pid)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := f.Unmount(); err != nil {
+		t.Fatalf("unmount: %v", err)
+	}
+	if _, err := os.ReadFile(copyPath); !errors.Is(err, syscall.ENOTCONN) {
+		t.Fatalf("the copy after unmount: %v, want ENOTCONN", err)
 	}
 }
