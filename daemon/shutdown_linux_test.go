@@ -3,11 +3,8 @@ package daemon_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -22,8 +19,6 @@ import (
 // still stops promptly: it aborts those connections once the sandboxes'
 // processes are dead, and the copies are dead too, not served.
 func TestRealShutdownWithForeignCopiesOfTheMounts(t *testing.T) {
-	_, err := exec.LookPath("unshare")
-	testenv.RequireNoErr(t, err, "unshare")
 	dir := t.TempDir()
 	d := startRealWith(t, dir, nil)
 	c, ctx := d.c, context.Background()
@@ -39,22 +34,7 @@ func TestRealShutdownWithForeignCopiesOfTheMounts(t *testing.T) {
 	if err != nil || len(mps) < 4 {
 		t.Fatalf("sandbox mount points %v %v", mps, err)
 	}
-	holder := exec.Command("unshare", "--mount", "--propagation", "private", "sleep", "600")
-	if err := holder.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = holder.Process.Kill(); _ = holder.Wait() })
-	root := fmt.Sprintf("/proc/%d/root", holder.Process.Pid)
-	for i := 0; ; i++ {
-		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", holder.Process.Pid))
-		if strings.TrimSpace(string(comm)) == "sleep" {
-			break
-		}
-		if i == 500 {
-			t.Fatal("unshare did not start sleep")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	root := testenv.ForeignMountNS(t)
 	served := 0
 	for _, mp := range mps {
 		if b, err := os.ReadFile(root + mp + "/f"); err == nil && string(b) == "here\n" {

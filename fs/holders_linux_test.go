@@ -2,9 +2,7 @@ package fs
 
 import (
 	"errors"
-	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -41,9 +39,6 @@ func TestFuseHoldersNamesTheNamespaceOfTheMount(t *testing.T) {
 // dead (ENOTCONN), not served.
 func TestUnmountEndsCopiesInOtherNamespaces(t *testing.T) {
 	requireFUSE(t)
-	if _, err := exec.LookPath("unshare"); err != nil {
-		testenv.RequireNoErr(t, err, "unshare")
-	}
 	dir := t.TempDir()
 	st, err := layer.OpenStore(filepath.Join(dir, "state"))
 	if err != nil {
@@ -58,23 +53,9 @@ func TestUnmountEndsCopiesInOtherNamespaces(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustWrite(t, filepath.Join(mp, "f"), "served")
-	holder := exec.Command("unshare", "--mount", "--propagation", "private", "sleep", "60")
-	if err := holder.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = holder.Process.Kill(); _ = holder.Wait() })
-	copyPath := fmt.Sprintf("/proc/%d/root%s", holder.Process.Pid, filepath.Join(mp, "f"))
-	// unshare has made its namespace once sleep runs.
-	for i := 0; ; i++ {
-		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", holder.Process.Pid))
-		b, err := os.ReadFile(copyPath)
-		if strings.TrimSpace(string(comm)) == "sleep" && err == nil && string(b) == "served" {
-			break
-		}
-		if i == 500 {
-			t.Fatalf("no copy of the mount in the namespace of pid %d", holder.Process.Pid)
-		}
-		time.Sleep(10 * time.Millisecond)
+	copyPath := testenv.ForeignMountNS(t) + filepath.Join(mp, "f")
+	if b, err := os.ReadFile(copyPath); err != nil || string(b) != "served" {
+		t.Fatalf("the copy of the mount before unmount: %q %v", b, err)
 	}
 	if err := f.Unmount(); err != nil {
 		t.Fatalf("unmount: %v", err)
