@@ -23,15 +23,19 @@ func checkSessions(t *testing.T, sb *testSandbox, e *Engine) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A killed process may still be exiting when a restore returns (the
+	// kill waits for PF_EXITING, not for the exit): it never runs again,
+	// and is no leader of anything live.
+	gone := func(p nsIDs) bool { return p.zombie || exiting(p.host) }
 	alive := map[int]bool{1: true}
 	for _, p := range procs {
-		if !p.zombie {
+		if !gone(p) {
 			alive[p.pid] = true
 		}
 	}
 	helpers := e.templatePids(sb.ID())
 	for _, p := range procs {
-		if p.zombie {
+		if gone(p) {
 			continue
 		}
 		if helpers[p.host] && (p.sid != p.pid || p.pgid != p.pid) {
