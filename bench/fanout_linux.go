@@ -26,7 +26,10 @@ type FanoutOptions struct {
 	// (default 5000 ms): the trainer waits while forks come up.
 	TrainerStepMS float64
 	// Parent holds the baselines' copies (default: a temp dir).
-	Parent   string
+	Parent string
+	// FS is the file-system backend of the forked sandbox ("" or "auto",
+	// "fuse", "kernel"); its fork children get the same.
+	FS       string
 	Progress io.Writer
 }
 
@@ -84,7 +87,7 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 		return r
 	}
 	if o.Client != nil {
-		m := &rewindManager{c: o.Client, policy: "always"}
+		m := &rewindManager{c: o.Client, policy: "always", fs: o.FS}
 		if err := m.Start(ctx, setup); err != nil {
 			return nil, fmt.Errorf("rewind: %w", err)
 		}

@@ -21,6 +21,7 @@ const RepoDir = "/root/rewind-bench-repo"
 type rewindManager struct {
 	c      *client.Client
 	policy string
+	fs     string // file-system backend of the sandbox ("": the daemon's default)
 	name   string
 	seq    int
 	// minRTT is the fastest round trip of a plain send so far (the call's
@@ -40,7 +41,7 @@ func (r *rewindManager) Name() string { return "rewind-" + r.policy }
 
 func (r *rewindManager) Start(ctx context.Context, setup []string) error {
 	r.name = fmt.Sprintf("bench-%s-%d", r.policy, time.Now().UnixNano()%1e9)
-	if _, err := r.c.Create(ctx, api.CreateRequest{Name: r.name, Policy: r.policy}); err != nil {
+	if _, err := r.c.Create(ctx, api.CreateRequest{Name: r.name, Policy: r.policy, FS: r.fs}); err != nil {
 		return err
 	}
 	if _, err := r.c.StartSession(ctx, r.name, api.SessionRequest{ID: "sh", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"R=" + RepoDir, "HOME=/root", "PS1="}}); err != nil {

@@ -146,6 +146,7 @@ func newBenchFanoutCmd() *cobra.Command {
 		o      clientOpts
 		counts []int
 		step   float64
+		fsKind string
 	)
 	cmd := &cobra.Command{
 		Use:   "fanout",
@@ -163,7 +164,7 @@ for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms
 			if err != nil {
 				return err
 			}
-			rows, err := bench.RunFanout(cmd.Context(), bench.FanoutOptions{Counts: counts, Client: c, TrainerStepMS: step, Progress: cmd.ErrOrStderr()})
+			rows, err := bench.RunFanout(cmd.Context(), bench.FanoutOptions{Counts: counts, Client: c, TrainerStepMS: step, FS: fsKind, Progress: cmd.ErrOrStderr()})
 			if err != nil {
 				return err
 			}
@@ -185,6 +186,7 @@ for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms
 	}
 	cmd.Flags().IntSliceVarP(&counts, "n", "n", []int{16, 32, 64}, "fan-out widths")
 	cmd.Flags().Float64Var(&step, "trainer-step-ms", 5000, "simulated trainer step the rollouts feed")
+	cmd.Flags().StringVar(&fsKind, "fs", "", "file-system backend of the forked sandbox and its children: auto, fuse or kernel (default: the daemon's)")
 	o.add(cmd)
 	return cmd
 }
