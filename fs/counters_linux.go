@@ -61,6 +61,10 @@ type opCounts [numOps]atomic.Uint64
 type rawFS struct {
 	fuse.RawFileSystem
 	c *opCounts
+	// noOpen answers OPEN and FLUSH with ENOSYS, so the kernel stops
+	// sending them (and RELEASE), and drops RELEASEs of handle 0
+	// (Options.NoOpen).
+	noOpen bool
 }
 
 func (c *rawFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
@@ -150,6 +154,9 @@ func (c *rawFS) Create(cancel <-chan struct{}, in *fuse.CreateIn, name string, o
 
 func (c *rawFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	c.c[opOpen].Add(1)
+	if c.noOpen {
+		return fuse.ENOSYS
+	}
 	return c.RawFileSystem.Open(cancel, in, out)
 }
 
@@ -178,6 +185,9 @@ func (c *rawFS) killSuidgid(cancel <-chan struct{}, h fuse.InHeader) {
 
 func (c *rawFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {
 	c.c[opFlush].Add(1)
+	if c.noOpen && in.Fh == 0 {
+		return fuse.ENOSYS
+	}
 	return c.RawFileSystem.Flush(cancel, in)
 }
 
@@ -198,6 +208,9 @@ func (c *rawFS) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Sta
 
 func (c *rawFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
 	c.c[opRelease].Add(1)
+	if c.noOpen && in.Fh == 0 {
+		return // a file created before the first OPEN: no handle
+	}
 	c.RawFileSystem.Release(cancel, in)
 }
 
@@ -255,8 +268,8 @@ func (f *FS) RequestCounts() map[string]uint64 {
 }
 
 // mountCounting is gofs.Mount with the bridge wrapped in a rawFS.
-func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCounts) (*fuse.Server, error) {
-	raw := &rawFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c}
+func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCounts, noOpen bool) (*fuse.Server, error) {
+	raw := &rawFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c, noOpen: noOpen}
 	srv, err := fuse.NewServer(raw, mp, &o.MountOptions)
 	if err != nil {
 		return nil, err

@@ -59,30 +59,12 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 		return nil, 0, errno
 	}
 	defer done()
-	trunc := flags&unix.O_TRUNC != 0
-	if write {
-		if err := n.f.copyUp(st, n, trunc); err != nil {
-			return nil, 0, errnoOf(err)
-		}
+	h, fd, errno := n.openHandle(st, flags, write)
+	if errno != 0 {
+		return nil, 0, errno
 	}
-	l, p := n.top(st)
-	hf := hostFlags(flags, write)
-	if trunc {
-		hf |= unix.O_TRUNC
-	}
-	fd, err := openBeneath(l.fd, p, hf, 0)
-	if err != nil {
-		return nil, 0, errnoOf(err)
-	}
-	if trunc {
-		n.f.dirty.Store(true)
-		n.f.record("modify", n, "", 0)
-	}
-	h := &handle{n: n, fd: fd, l: l, flags: flags, viewGen: n.f.viewGen.Load()}
 	f := n.f
-	if write {
-		f.dirty.Store(true)
-	}
+	l := h.l
 	// Passthrough for files whose data is in the writable upper: the kernel
 	// reads and writes the backing file itself. A checkpoint moves such a
 	// file's inode into the new upper (and leaves a copy in the frozen
@@ -149,6 +131,35 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 		return &ptHandle{handle: h, write: write}, fuse.FOPEN_NOFLUSH, 0
 	}
 	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+}
+
+// openHandle opens n's top file as a handle with the open flags flags
+// (write: for writing, after copying it up). It returns the handle and
+// its fd. The caller holds what n.begin(write) took.
+func (n *node) openHandle(st *stack, flags uint32, write bool) (*handle, int, syscall.Errno) {
+	trunc := flags&unix.O_TRUNC != 0
+	if write {
+		if err := n.f.copyUp(st, n, trunc); err != nil {
+			return nil, -1, errnoOf(err)
+		}
+	}
+	l, p := n.top(st)
+	hf := hostFlags(flags, write)
+	if trunc {
+		hf |= unix.O_TRUNC
+	}
+	fd, err := openBeneath(l.fd, p, hf, 0)
+	if err != nil {
+		return nil, -1, errnoOf(err)
+	}
+	if trunc {
+		n.f.dirty.Store(true)
+		n.f.record("modify", n, "", 0)
+	}
+	if write {
+		n.f.dirty.Store(true)
+	}
+	return &handle{n: n, fd: fd, l: l, flags: flags, viewGen: n.f.viewGen.Load()}, fd, 0
 }
 
 // ptHandle is a handle served by FUSE passthrough (when the kernel took

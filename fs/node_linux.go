@@ -53,6 +53,16 @@ type node struct {
 	// next generation) and opens through this one fail with ESTALE, which
 	// makes the kernel look the name up again.
 	ptLower *layerDir
+
+	// Implicit handles (Options.NoOpen), guarded by mu: the handles
+	// serving requests that come without one, for reading and for
+	// writing; implUse counts requests using them; implPinned is set
+	// once the node lost its name while the kernel may hold it open
+	// (they then stay until the kernel forgets the node).
+	implR, implW *handle
+	implOld      []*handle // replaced by pinning while maybe in use
+	implUse      int
+	implPinned   bool
 }
 
 var (
@@ -269,8 +279,10 @@ func (n *node) newChild(ctx context.Context, cn *node, sa gofs.StableAttr) *gofs
 	return ch
 }
 
-// OnForget drops the node from the inode table.
+// OnForget drops the node from the inode table and closes its implicit
+// handles.
 func (n *node) OnForget() {
+	n.dropImplicit()
 	f := n.f
 	ino := n.StableAttr().Ino
 	f.inoMu.Lock()
@@ -310,6 +322,10 @@ func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*go
 // Getattr returns the attributes of the top source (or of the open handle).
 func (n *node) Getattr(ctx context.Context, fh gofs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	if h, ok := fh.(*handle); ok {
+		return h.Getattr(ctx, out)
+	}
+	if h := n.implicitForStat(); h != nil {
+		defer n.unuse()
 		return h.Getattr(ctx, out)
 	}
 	st, done, errno := n.begin(false)

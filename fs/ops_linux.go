@@ -89,6 +89,11 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		return nil, nil, 0, errno
 	}
 	hf := hostFlags(flags, true)
+	if n.f.noOpen() {
+		// The fd becomes the new node's implicit handle for writing:
+		// pwrite at the kernel's offsets (no O_APPEND), readable too.
+		hf = unix.O_RDWR
+	}
 	fd, err := openBeneath(st.upper.fd, p, hf|unix.O_CREAT|unix.O_EXCL, 0o600)
 	if err != nil {
 		return nil, nil, 0, errnoOf(err)
@@ -112,6 +117,20 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 	ch := n.finishCreateStat(ctx, st, name, p, &s, out)
 	cn := ch.Operations().(*node)
 	h := &handle{n: cn, fd: fd, l: st.upper, flags: flags, viewGen: n.f.viewGen.Load()}
+	if n.f.noOpen() {
+		// No handle for the kernel (it sends no RELEASE in no-open
+		// mode): the file's writes come without one.
+		h.flags = unix.O_RDWR
+		cn.mu.Lock()
+		old := cn.implW
+		cn.implW = h
+		cn.mu.Unlock()
+		if old != nil {
+			old.close()
+		}
+		n.f.addImplicit(cn)
+		return ch, nil, fuse.FOPEN_KEEP_CACHE, 0
+	}
 	if n.f.opts.Passthrough {
 		cn.mu.Lock()
 		ok := cn.ptOpen == 0 && cn.cachedOpen == 0 && mode&(unix.S_ISUID|unix.S_ISGID) == 0
@@ -273,6 +292,9 @@ func (n *node) removeEntry(st *stack, name string, e *entry, dir bool) syscall.E
 			return errnoOf(err)
 		}
 		e.srcs = []src{{u, p}}
+	}
+	if !dir {
+		n.pinChild(st, name, e)
 	}
 	if e.srcs[0].l == u {
 		if dir {
@@ -477,6 +499,8 @@ func (n *node) Rename(ctx context.Context, name string, newParent gofs.InodeEmbe
 	}
 	if !found2 {
 		removeWhiteout(u, p2)
+	} else if !e2.isDir() {
+		np.pinChild(st, newName, &e2)
 	}
 	if err := unix.Renameat2(u.fd, p1, u.fd, p2, 0); err != nil {
 		return errnoOf(err)
