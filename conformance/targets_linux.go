@@ -316,7 +316,7 @@ func (t *fsTarget) close() error {
 
 func fuseMount(log *slog.Logger) mountFunc {
 	return func(st *layer.Store, mp, id, from string) (layer.FS, error) {
-		return fs.Mount(st, mp, fs.Options{MountID: id, From: from, Logger: log})
+		return fs.Mount(st, mp, fs.Options{MountID: id, From: from, NoOpen: true, Logger: log})
 	}
 }
 

@@ -229,7 +229,7 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 	// A sandbox's mount is unmounted once its processes are dead: what
 	// still holds the connection then is a copy of the mount in a mount
 	// namespace made elsewhere on the host meanwhile.
-	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), Logger: b.log, UnmountGrace: sandboxUnmountGrace})
+	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), NoOpen: true, Logger: b.log, UnmountGrace: sandboxUnmountGrace})
 	if err != nil {
 		return nil, err
 	}
