@@ -29,8 +29,9 @@ import (
 // the next request that needs it).
 
 // implicitMax bounds the nodes of one mount holding implicit handles
-// (each one or two host fds) before idle ones are closed.
-const implicitMax = 128
+// (each one or two host fds) before idle ones are closed: a daemon serves
+// many mounts under one fd limit (64 fork children: at most 8k fds).
+const implicitMax = 64
 
 // noOpen reports whether the mount runs in no-open mode.
 func (f *FS) noOpen() bool { return f.opts.NoOpen && !f.opts.Passthrough }
