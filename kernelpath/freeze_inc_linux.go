@@ -1,9 +1,10 @@
 package kernelpath
 
 import (
+	"errors"
 	"fmt"
 	"os"
-	"path"
+	"sort"
 
 	"golang.org/x/sys/unix"
 
@@ -37,9 +38,16 @@ import (
 type incFreezer struct {
 	*treeCopier
 	prev     map[string]entryFP
-	prevDirs map[uint64]string   // inode -> path of the directories of P
-	children map[string][]string // path -> names of its children in P
+	prevDirs map[uint64]string              // inode -> path of the directories of P
+	children map[string]map[string]struct{} // path -> names of its children in P
 	changed  int
+	// strictLinks: a non-directory with other names (not a whiteout)
+	// aborts with errNeedWalk (a tracked freeze cannot see the other
+	// names change).
+	strictLinks bool
+	// gone are the paths of P whose entry (and subtree) the delta
+	// replaces or removes (tracked freeze).
+	gone []string
 }
 
 // lazyDir is a directory of D, created on first need.
@@ -71,44 +79,193 @@ func (z *incFreezer) ensure(d *lazyDir) (int, error) {
 	return fd, nil
 }
 
-// freezeDelta writes into the empty directory dst the delta of the upper
-// src since the fingerprint prev, and returns src's new fingerprint and the
-// number of entries written.
-func freezeDelta(src, dst string, prev map[string]entryFP, reflink bool, fstype string) (map[string]entryFP, int, error) {
+// newCopier opens src and dst and makes the copier of a freeze from the
+// upper src into the empty layer directory dst. The caller closes both fds.
+func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx) (*treeCopier, int, error) {
 	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, 0, fmt.Errorf("open upper: %w", err)
+		return nil, -1, fmt.Errorf("open upper: %w", err)
 	}
-	defer unix.Close(sfd)
 	dfd, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, 0, fmt.Errorf("open layer: %w", err)
+		unix.Close(sfd)
+		return nil, -1, fmt.Errorf("open layer: %w", err)
 	}
-	defer unix.Close(dfd)
 	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096),
-		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask()}
+		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr}
 	if !reflink || fstype != "btrfs" {
 		c.small = smallFileXFS
 	}
 	if err := c.knowSetgid(); err != nil {
+		unix.Close(sfd)
+		unix.Close(dfd)
+		return nil, -1, err
+	}
+	return c, sfd, nil
+}
+
+// freezeDelta writes into the empty directory dst the delta of the upper
+// src since the fingerprint prev (by a walk of the whole upper), and
+// returns src's new fingerprint and the number of entries written. tr, if
+// set, watches the directories walked.
+func freezeDelta(src, dst string, prev *fpIndex, reflink bool, fstype string, tr *trackCtx) (map[string]entryFP, int, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr)
+	if err != nil {
 		return nil, 0, err
 	}
-	z := &incFreezer{treeCopier: c, prev: prev, prevDirs: map[uint64]string{}, children: map[string][]string{}}
-	for p, e := range prev {
-		if e.mode&unix.S_IFMT == unix.S_IFDIR {
-			z.prevDirs[e.ino] = p
-		}
-		dir := path.Dir(p)
-		if dir == "." {
-			dir = ""
-		}
-		z.children[dir] = append(z.children[dir], path.Base(p))
-	}
-	root := &lazyDir{fd: dfd, created: true}
+	defer unix.Close(sfd)
+	defer unix.Close(c.dstRoot)
+	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children}
+	root := &lazyDir{fd: c.dstRoot, created: true}
 	if err := z.walkDir(sfd, "", "", true, root); err != nil {
 		return nil, 0, err
 	}
 	return c.fp, z.changed, nil
+}
+
+// trackedDelta is the result of a tracked freeze: the delta is written,
+// apply edits the fingerprint once the checkpoint is recorded.
+type trackedDelta struct {
+	z *incFreezer
+}
+
+// apply updates prev to the upper's fingerprint now.
+func (d trackedDelta) apply(prev *fpIndex, forget func(string, uint64)) {
+	for _, p := range d.z.gone {
+		prev.remove(p, forget)
+	}
+	// Parents before children (a new directory's entries need it).
+	paths := make([]string, 0, len(d.z.fp))
+	for p := range d.z.fp {
+		paths = append(paths, p)
+	}
+	sort.Slice(paths, func(i, j int) bool { return len(paths[i]) < len(paths[j]) })
+	for _, p := range paths {
+		prev.set(p, d.z.fp[p])
+	}
+}
+
+// freezeTracked writes into the empty directory dst the delta of the upper
+// src since prev like freezeDelta, but looks only at the names of todo
+// (directory path -> names, the directories on the way included) and walks
+// only directories new since prev. errNeedWalk when the entries seen show
+// that the names may not cover every change (dst must then be emptied and
+// freezeDelta run).
+func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]uint8, reflink bool, fstype string, tr *trackCtx) (trackedDelta, int, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr)
+	if err != nil {
+		return trackedDelta{}, 0, err
+	}
+	defer unix.Close(sfd)
+	defer unix.Close(c.dstRoot)
+	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children, strictLinks: true}
+	root := &lazyDir{fd: c.dstRoot, created: true}
+	if err := z.visit(sfd, "", root, todo); err != nil {
+		return trackedDelta{}, 0, err
+	}
+	return trackedDelta{z}, z.changed, nil
+}
+
+// visit handles the names todo[p] of the known directory ufd at path p
+// (unchanged in place since P), by the rules of walkDir.
+func (z *incFreezer) visit(ufd int, p string, d *lazyDir, todo map[string]map[string]uint8) error {
+	for name, flags := range todo[p] {
+		cp := join(p, name)
+		o, had := z.prev[cp]
+		if had && o.multiLink() {
+			return fmt.Errorf("%w: /%s has other names", errNeedWalk, cp)
+		}
+		var st unix.Stat_t
+		err := unix.Fstatat(ufd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+		if errors.Is(err, unix.ENOENT) {
+			if !had {
+				continue
+			}
+			z.gone = append(z.gone, cp)
+			if o.isWhiteout() {
+				continue
+			}
+			dfd, err := z.ensure(d)
+			if err != nil {
+				return fmt.Errorf("/%s: %w", cp, err)
+			}
+			if err := unix.Mknodat(dfd, name, unix.S_IFCHR, 0); err != nil {
+				return fmt.Errorf("whiteout /%s: %w", cp, err)
+			}
+			z.changed++
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("/%s: %w", cp, err)
+		}
+		cur := fpOf(&st)
+		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			if cur.multiLink() {
+				return fmt.Errorf("%w: /%s has other names", errNeedWalk, cp)
+			}
+			if had && o.mode&unix.S_IFMT == unix.S_IFDIR {
+				z.gone = append(z.gone, cp)
+			}
+			z.fp[cp] = cur
+			test := flags&nameOpened != 0 && st.Mode&unix.S_IFMT == unix.S_IFREG
+			if had && o.same(cur) {
+				if test {
+					z.tr.l.check(ufd, name, cp)
+				}
+				continue
+			}
+			dfd, err := z.ensure(d)
+			if err != nil {
+				return fmt.Errorf("/%s: %w", cp, err)
+			}
+			z.freshDir = test
+			if err := z.copyEntryStat(ufd, dfd, name, cp, &st); err != nil {
+				return fmt.Errorf("/%s: %w", cp, err)
+			}
+			z.changed++
+			continue
+		}
+		cfd, err := unix.Openat(ufd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("/%s: %w", cp, err)
+		}
+		cur.opaque, cur.redirect = dirFlags(cfd)
+		cd := &lazyDir{parent: d, name: name}
+		pq, known := z.prevDirs[cur.ino]
+		if known && cur.opaque && !z.prev[pq].opaque {
+			known = false
+		}
+		switch {
+		case known && pq == cp:
+			z.fp[cp] = cur
+			if o != cur {
+				_, err = z.ensure(cd)
+			}
+			if err == nil {
+				err = z.visit(cfd, cp, cd, todo)
+			}
+		case known:
+			err = fmt.Errorf("%w: directory /%s moved to /%s unseen", errNeedWalk, pq, cp)
+		default:
+			if had {
+				z.gone = append(z.gone, cp)
+			}
+			z.fp[cp] = cur
+			cd.opaque, cd.redirect = cur.opaque, cur.redirect
+			if cd.redirect == "" && had {
+				cd.opaque = true
+			}
+			if _, err = z.ensure(cd); err == nil {
+				err = z.walkDir(cfd, cp, "", false, cd)
+			}
+			z.changed++
+		}
+		unix.Close(cfd)
+		if err != nil {
+			return err
+		}
+	}
+	return z.finishDir(ufd, p, d)
 }
 
 func join(dir, name string) string {
@@ -122,6 +279,7 @@ func join(dir, name string) string {
 // merges with Lp's directory q (only changes are written, removed entries
 // become whiteouts); otherwise everything below is written.
 func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error {
+	fresh := z.tr.enterDir(ufd, p)
 	dupfd, err := unix.Dup(ufd)
 	if err != nil {
 		return err
@@ -142,9 +300,16 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 		}
 		cur := fpOf(&st)
 		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			if z.strictLinks && cur.multiLink() {
+				return fmt.Errorf("%w: /%s has other names", errNeedWalk, cp)
+			}
 			z.fp[cp] = cur
+			test := fresh && st.Mode&unix.S_IFMT == unix.S_IFREG
 			if merge {
-				if o, ok := z.prev[qp]; ok && o == cur {
+				if o, ok := z.prev[qp]; ok && o.same(cur) {
+					if test {
+						z.tr.l.check(ufd, name, cp)
+					}
 					continue // unchanged: Lp has it
 				}
 			}
@@ -152,6 +317,7 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 			if err != nil {
 				return fmt.Errorf("/%s: %w", cp, err)
 			}
+			z.freshDir = test
 			if err := z.copyEntryStat(ufd, dfd, name, cp, &st); err != nil {
 				return fmt.Errorf("/%s: %w", cp, err)
 			}
@@ -206,7 +372,7 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 		}
 	}
 	if merge {
-		for _, name := range z.children[q] {
+		for name := range z.children[q] {
 			if seen[name] || z.prev[join(q, name)].isWhiteout() {
 				continue
 			}
@@ -220,6 +386,12 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 			z.changed++
 		}
 	}
+	return z.finishDir(ufd, p, d)
+}
+
+// finishDir gives D's directory d (if made) the metadata and flags of the
+// upper's directory ufd at path p.
+func (z *incFreezer) finishDir(ufd int, p string, d *lazyDir) error {
 	if !d.created {
 		return nil
 	}
@@ -228,7 +400,7 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 		return err
 	}
 	z.noOvl = true
-	err = z.copyMeta(ufd, d.fd, &st)
+	err := z.copyMeta(ufd, d.fd, &st)
 	z.noOvl = false
 	if err != nil {
 		return fmt.Errorf("/%s: %w", p, err)

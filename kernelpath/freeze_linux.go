@@ -17,6 +17,7 @@ import (
 // between two walks of the upper (file-system effects, dirtiness).
 type entryFP struct {
 	mode  uint32
+	nlink uint32
 	rdev  uint64
 	ino   uint64
 	size  int64
@@ -30,6 +31,7 @@ type entryFP struct {
 func fpOf(st *unix.Stat_t) entryFP {
 	return entryFP{
 		mode:  st.Mode,
+		nlink: uint32(st.Nlink),
 		rdev:  st.Rdev,
 		ino:   st.Ino,
 		size:  st.Size,
@@ -40,6 +42,17 @@ func fpOf(st *unix.Stat_t) entryFP {
 
 // isWhiteout reports whether a fingerprint is an overlayfs whiteout.
 func (e entryFP) isWhiteout() bool { return e.mode&unix.S_IFMT == unix.S_IFCHR && e.rdev == 0 }
+
+// same reports whether an entry is unchanged for a freeze. Whiteouts are
+// all alike: overlayfs makes them as hard links of one shared whiteout
+// inode, whose link count and ctime change with every other delete.
+func (e entryFP) same(o entryFP) bool { return e == o || e.isWhiteout() && o.isWhiteout() }
+
+// multiLink reports whether a non-directory other than a whiteout has
+// other names (a change through one name changes them all).
+func (e entryFP) multiLink() bool {
+	return e.nlink > 1 && e.mode&unix.S_IFMT != unix.S_IFDIR && !e.isWhiteout()
+}
 
 // keepXattr tells which xattrs a frozen layer keeps: every xattr except
 // overlayfs's private bookkeeping (origin, impure, ...); of those only the
@@ -74,6 +87,52 @@ type treeCopier struct {
 	// modes after their children, so the layer root decides. Nil: ask the
 	// directory for each file.
 	rootSetgid *bool
+	// tr links a freeze of the live upper to its change tracker (nil: none).
+	tr *trackCtx
+	// freshDir: test the next regular file copied for writers.
+	freshDir bool
+}
+
+// trackCtx is a freeze's link to the upper's tracker: it watches every
+// directory the freeze enters, before reading it, and tests the regular
+// files of directories watched only now (their opens went unseen) for
+// writers.
+type trackCtx struct {
+	t       *tracker
+	l       *leases
+	all     bool  // test every regular file (after an overflow)
+	markErr error // the first directory that could not be watched
+}
+
+func newTrackCtx(t *tracker) *trackCtx {
+	if t == nil {
+		return nil
+	}
+	return &trackCtx{t: t, l: &leases{t: t, writers: map[string]unix.FileHandle{}}, all: t.allLeases}
+}
+
+// enterDir watches the directory fd at path p; it reports whether the
+// directory's files must be tested for writers.
+func (tr *trackCtx) enterDir(fd int, p string) bool {
+	if tr == nil {
+		return false
+	}
+	fresh, err := tr.t.enter(fd, p, 0)
+	if err != nil && tr.markErr == nil {
+		tr.markErr = err
+	}
+	return fresh || tr.all
+}
+
+// broken is why the next checkpoint must walk ("" = it need not).
+func (tr *trackCtx) broken() string {
+	if tr.markErr != nil {
+		return tr.markErr.Error()
+	}
+	if tr.l.err != nil {
+		return tr.l.err.Error()
+	}
+	return ""
 }
 
 // knowSetgid sets c.rootSetgid from the layer root dstRoot.
@@ -97,26 +156,14 @@ const smallFileXFS = 16 << 10
 // freezeTree copies every entry of the directory src into the empty
 // directory dst (both on the same file system for reflink) and returns the
 // fingerprints of the entries copied (paths relative, "/"-separated).
-func freezeTree(src, dst string, reflink bool, fstype string) (map[string]entryFP, error) {
-	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+// tr, if set, watches the directories copied.
+func freezeTree(src, dst string, reflink bool, fstype string, tr *trackCtx) (map[string]entryFP, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr)
 	if err != nil {
-		return nil, fmt.Errorf("open upper: %w", err)
-	}
-	dfd, err := unix.Open(dst, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		unix.Close(sfd)
-		return nil, fmt.Errorf("open layer: %w", err)
-	}
-	defer unix.Close(dfd)
-	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096),
-		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask()}
-	if !reflink || fstype != "btrfs" {
-		c.small = smallFileXFS
-	}
-	if err := c.knowSetgid(); err != nil {
-		unix.Close(sfd)
 		return nil, err
 	}
+	dfd := c.dstRoot
+	defer unix.Close(dfd)
 	var st unix.Stat_t
 	if err := unix.Fstat(sfd, &st); err != nil {
 		unix.Close(sfd)
@@ -139,6 +186,7 @@ func freezeTree(src, dst string, reflink bool, fstype string) (map[string]entryF
 // copyDir copies the children of directory fd src (ownership of src passes
 // to copyDir) into directory fd dst.
 func (c *treeCopier) copyDir(src, dst int, rel string) error {
+	fresh := c.tr.enterDir(src, rel)
 	dir := os.NewFile(uintptr(src), rel)
 	defer dir.Close()
 	names, err := dir.Readdirnames(-1)
@@ -150,6 +198,7 @@ func (c *treeCopier) copyDir(src, dst int, rel string) error {
 		if rel != "" {
 			p = rel + "/" + name
 		}
+		c.freshDir = fresh
 		if err := c.copyEntry(src, dst, name, p); err != nil {
 			return fmt.Errorf("/%s: %w", p, err)
 		}
@@ -212,6 +261,9 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 			return err
 		}
 		defer unix.Close(sfd)
+		if c.freshDir && c.tr != nil {
+			c.tr.l.checkFD(sfd, rel)
+		}
 		perm := st.Mode & 0o777
 		dfd, err := unix.Openat(dst, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|oflags, perm)
 		if err != nil {

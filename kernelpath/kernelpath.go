@@ -89,6 +89,10 @@ type Options struct {
 	// record is rename-atomic (a process crash never loses it) and synced
 	// in the background.
 	SyncCheckpoint bool
+	// NoTrack disables the change tracking of the upper (fanotify): every
+	// incremental stock-kernel checkpoint then walks the whole upper.
+	// Benchmarks and tests compare the two.
+	NoTrack bool
 	// NoIoctl disables the patched-kernel layer-switch ioctl even when the
 	// probe finds it.
 	NoIoctl bool

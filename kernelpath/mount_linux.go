@@ -37,10 +37,17 @@ type FS struct {
 	upper   string             // id of the live upper layer
 	base    string             // last checkpoint taken or switched to
 	gen     uint64             // ioctl generation (ioctl mode only)
-	ckptFP  map[string]entryFP // the upper as the last checkpoint froze it
+	ckpt    *fpIndex // the upper as the last checkpoint froze it (nil = none)
 	chain   []string           // layers frozen from the live upper, bottom first
 	live    []string           // frozen layers the live overlay uses (the mount record's)
 	takenFP map[string]entryFP
+
+	// track follows the live upper's changes (nil: every incremental
+	// checkpoint walks the upper); lastFreeze says how the last
+	// checkpoint found its entries ("tracked", "walk: <why>", "full").
+	track      *tracker
+	noTrack    bool
+	lastFreeze string
 
 	// teardown counts detached overlays still being torn down in the
 	// background (Switch); Unmount waits for them.
@@ -86,7 +93,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	if err := detachStale(st, mp, log); err != nil {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
-	f := &FS{st: st, id: id, mp: mp, log: log, lowers: append([]string(nil), opts.Lowers...), fstype: fsType(st.Dir()), syncCkpt: opts.SyncCheckpoint}
+	f := &FS{st: st, id: id, mp: mp, log: log, lowers: append([]string(nil), opts.Lowers...), fstype: fsType(st.Dir()), syncCkpt: opts.SyncCheckpoint, noTrack: opts.NoTrack}
 	if opts.From != "" {
 		c, err := st.Checkpoint(opts.From)
 		if err != nil {
@@ -118,12 +125,15 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
+	f.startTracking(upper)
 	mfd, err := createOverlay(f.stackFor(f.layers, upper))
 	if err != nil {
+		f.stopTracking()
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
 	defer unix.Close(mfd)
 	if err := attach(mfd, mp); err != nil {
+		f.stopTracking()
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
 	f.upper, f.live = upper, f.layers
@@ -133,8 +143,12 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			f.freeze, f.gen = FreezeIoctl, gen
 		}
 	}
+	if f.freeze == FreezeIoctl {
+		f.stopTracking()
+	}
 	if err := f.saveRecord(true); err != nil {
 		_ = unix.Unmount(mp, unix.MNT_DETACH)
+		f.stopTracking()
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
 	log.Info("kernelpath: mounted", "mount", id, "mountpoint", mp, "layers", len(f.layers), "freeze", f.freeze, "fstype", f.fstype)
@@ -265,7 +279,10 @@ func (f *FS) Checkpoint() (string, error) {
 	if f.freeze == FreezeIoctl {
 		return f.checkpointIoctl()
 	}
-	if f.ckptFP != nil && len(f.chain) >= maxChain {
+	if f.track != nil {
+		defer f.track.drainOwn()
+	}
+	if f.ckpt != nil && len(f.chain) >= maxChain {
 		// Bound the chain by merging its deltas (cost: the entries changed
 		// since the chain's first, full freeze) rather than by a new full
 		// freeze (cost: the whole upper).
@@ -276,7 +293,7 @@ func (f *FS) Checkpoint() (string, error) {
 			f.chain = []string{f.chain[0], id}
 		}
 	}
-	incremental := f.ckptFP != nil && len(f.chain) > 0 && len(f.chain) < maxChain
+	incremental := f.ckpt != nil && len(f.chain) > 0 && len(f.chain) < maxChain
 	parent := ""
 	switch {
 	case incremental:
@@ -288,13 +305,13 @@ func (f *FS) Checkpoint() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
-	var fp map[string]entryFP
 	chain := []string{lid}
+	var commit func()
 	if incremental {
-		fp, _, err = freezeDelta(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.ckptFP, f.freeze == FreezeReflink, f.fstype)
+		commit, err = f.freezeIncremental(f.st.LayerPath(lid))
 		chain = append(append([]string(nil), f.chain...), lid)
 	} else {
-		fp, err = freezeTree(f.st.LayerPath(f.upper), f.st.LayerPath(lid), f.freeze == FreezeReflink, f.fstype)
+		commit, err = f.freezeFull(f.st.LayerPath(lid))
 	}
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
@@ -306,11 +323,126 @@ func (f *FS) Checkpoint() (string, error) {
 	if err := f.saveCheckpoint(c); err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
-	f.base, f.ckptFP, f.chain = c.ID, fp, chain
+	commit()
+	f.base, f.chain = c.ID, chain
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}
 	return c.ID, nil
+}
+
+// startTracking watches the new upper's changes (track_linux.go); without
+// fanotify every incremental checkpoint walks the upper.
+func (f *FS) startTracking(upper string) {
+	if f.noTrack {
+		return
+	}
+	t, err := newTracker(f.st.LayerPath(upper))
+	if err != nil {
+		f.log.Info("kernelpath: no change tracking of the upper; checkpoints walk it", "mount", f.id, "err", err)
+		return
+	}
+	f.track = t
+}
+
+func (f *FS) stopTracking() {
+	if f.track != nil {
+		f.track.close()
+		f.track = nil
+	}
+}
+
+// freezeFull copies the whole upper into the empty layer dir dst. The
+// returned commit records the fingerprint once the checkpoint is saved.
+func (f *FS) freezeFull(dst string) (func(), error) {
+	if f.track != nil {
+		f.track.drain() // what the copy sees needs no events (an overflow: test every file)
+	}
+	tr := newTrackCtx(f.track)
+	fp, err := freezeTree(f.st.LayerPath(f.upper), dst, f.freeze == FreezeReflink, f.fstype, tr)
+	if err != nil {
+		return nil, err
+	}
+	return func() {
+		f.ckpt, f.lastFreeze = newIndex(fp), "full"
+		if tr != nil {
+			f.commitWalk(tr)
+		}
+	}, nil
+}
+
+// commitWalk ends a walk's checkpoint for the tracker: the files opened
+// since the last checkpoint and the writers then are tested wherever they
+// are now.
+func (f *FS) commitWalk(tr *trackCtx) {
+	for _, h := range tr.t.opened {
+		tr.l.checkHandle(h)
+	}
+	for _, h := range tr.t.writers {
+		tr.l.checkHandle(h)
+	}
+	tr.t.committed(tr.l, tr.broken())
+}
+
+// freezeIncremental writes into the empty layer dir dst the delta of the
+// upper since the last checkpoint: from the tracker's events when they
+// suffice, else by a walk of the upper. The returned commit records the
+// new fingerprint once the checkpoint is saved.
+func (f *FS) freezeIncremental(dst string) (func(), error) {
+	src, reflink := f.st.LayerPath(f.upper), f.freeze == FreezeReflink
+	if f.track != nil {
+		f.track.drain()
+	}
+	tr := newTrackCtx(f.track)
+	why := "no tracking"
+	if tr != nil {
+		todo, err := tr.t.plan()
+		if err == nil {
+			var d trackedDelta
+			d, _, err = freezeTracked(src, dst, f.ckpt, todo, reflink, f.fstype, tr)
+			if err == nil {
+				return func() {
+					d.apply(f.ckpt, tr.t.forget)
+					tr.t.committed(tr.l, tr.broken())
+					f.lastFreeze = "tracked"
+				}, nil
+			}
+		}
+		if !errors.Is(err, errNeedWalk) {
+			return nil, err
+		}
+		why = err.Error()
+		f.log.Debug("kernelpath: checkpoint walks the upper", "mount", f.id, "reason", why)
+		if err := emptyDir(dst); err != nil {
+			return nil, err
+		}
+		tr = newTrackCtx(f.track)
+	}
+	fp, _, err := freezeDelta(src, dst, f.ckpt, reflink, f.fstype, tr)
+	if err != nil {
+		return nil, err
+	}
+	return func() {
+		f.ckpt, f.lastFreeze = newIndex(fp), "walk: "+why
+		if tr != nil {
+			f.commitWalk(tr)
+		}
+	}, nil
+}
+
+// emptyDir removes everything in directory dir (a layer being written:
+// no mount, no sandbox path reaches it).
+func emptyDir(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // saveCheckpoint writes the record rename-atomically (a crash of this
@@ -404,7 +536,7 @@ func (f *FS) checkpointIoctl() (string, error) {
 	frozen := f.upper
 	layers := append(append([]string(nil), f.layers...), frozen)
 	c := layer.Checkpoint{ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(), Lowers: f.lowers, Layers: layers}
-	f.layers, f.live, f.upper, f.gen, f.base, f.ckptFP = layers, layers, upper, gen, c.ID, nil
+	f.layers, f.live, f.upper, f.gen, f.base, f.ckpt = layers, layers, upper, gen, c.ID, nil
 	if err := f.saveCheckpoint(c); err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
@@ -442,16 +574,24 @@ func (f *FS) Switch(id string) error {
 		f.layers = oldLayers
 		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
 	}
+	oldTrack := f.track
+	f.track = nil
 	if f.freeze == FreezeIoctl {
 		err = f.switchIoctl(upper)
 	} else {
+		f.startTracking(upper)
 		err = f.switchRemount(upper, oldLayers, oldUpper)
 	}
 	if err != nil {
+		f.stopTracking()
+		f.track = oldTrack
 		f.layers = oldLayers
 		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
 	}
-	f.upper, f.base, f.ckptFP, f.takenFP, f.chain, f.live = upper, id, nil, nil, nil, f.layers
+	if oldTrack != nil {
+		oldTrack.close()
+	}
+	f.upper, f.base, f.ckpt, f.takenFP, f.chain, f.live = upper, id, nil, nil, nil, f.layers
 	f.mntID = mountID(f.mp)
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
@@ -565,9 +705,13 @@ func (f *FS) TakeFSEffects() effect.FS {
 		out.UpperNonEmpty = true
 		return out
 	}
+	var ckptFP map[string]entryFP
+	if f.ckpt != nil {
+		ckptFP = f.ckpt.fp
+	}
 	prev := f.takenFP
 	if prev == nil {
-		prev = f.ckptFP
+		prev = ckptFP
 	}
 	paths := make([]string, 0, len(cur))
 	for p := range cur {
@@ -634,7 +778,7 @@ func (f *FS) TakeFSEffects() effect.FS {
 		}
 	}
 	f.takenFP = cur
-	out.UpperNonEmpty = !sameFP(cur, f.ckptFP)
+	out.UpperNonEmpty = !sameFP(cur, ckptFP)
 	return out
 }
 
@@ -681,6 +825,9 @@ func sameFP(a, b map[string]entryFP) bool {
 	}
 	for p, x := range a {
 		y, ok := b[p]
+		if ok && x.isWhiteout() && y.isWhiteout() {
+			continue
+		}
 		if !ok || x.mode != y.mode || x.size != y.size || x.mtime != y.mtime || x.ctime != y.ctime {
 			return false
 		}
@@ -698,6 +845,7 @@ func (f *FS) Unmount() error {
 	}
 	defer f.syncWG.Wait()
 	defer f.teardown.Wait()
+	defer f.stopTracking()
 	if cur := mountID(f.mp); f.mntID != 0 && cur != f.mntID {
 		// Our overlay is no longer there (detached as stale, or replaced by
 		// a newer mount of the same id): never unmount someone else's.
