@@ -32,14 +32,14 @@ type FS struct {
 
 	mu      sync.Mutex
 	closed  bool
-	lowers  []string           // external base dirs, topmost first
-	layers  []string           // frozen layers under the upper, bottom first
-	upper   string             // id of the live upper layer
-	base    string             // last checkpoint taken or switched to
-	gen     uint64             // ioctl generation (ioctl mode only)
+	lowers  []string // external base dirs, topmost first
+	layers  []string // frozen layers under the upper, bottom first
+	upper   string   // id of the live upper layer
+	base    string   // last checkpoint taken or switched to
+	gen     uint64   // ioctl generation (ioctl mode only)
 	ckpt    *fpIndex // the upper as the last checkpoint froze it (nil = none)
-	chain   []string           // layers frozen from the live upper, bottom first
-	live    []string           // frozen layers the live overlay uses (the mount record's)
+	chain   []string // layers frozen from the live upper, bottom first
+	live    []string // frozen layers the live overlay uses (the mount record's)
 	takenFP map[string]entryFP
 
 	// track follows the live upper's changes (nil: every incremental
