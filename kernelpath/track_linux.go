@@ -83,6 +83,8 @@ type tracker struct {
 	writers map[string]unix.FileHandle
 
 	buf []byte
+	// failMark makes watching the directory at this path fail (tests).
+	failMark string
 }
 
 type trackedDir struct {
@@ -176,6 +178,9 @@ func (t *tracker) enter(fd int, p string, ino uint64) (fresh bool, err error) {
 			t.dirs[k] = trackedDir{p, ino}
 		}
 		return false, nil
+	}
+	if p == t.failMark && p != "" {
+		return true, fmt.Errorf("watch /%s: %w", p, unix.ENOSPC)
 	}
 	if err := unix.FanotifyMark(t.fan, unix.FAN_MARK_ADD, trackMask, fd, ""); err != nil {
 		return true, fmt.Errorf("watch /%s: fanotify_mark: %w", p, err)

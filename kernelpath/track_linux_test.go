@@ -98,6 +98,7 @@ type trackRun struct {
 	maps       map[string][]byte // path -> a shared writable mapping kept
 	dirRenamed bool
 	linked     bool
+	faulty     bool // a fault was injected: a walk is expected
 	n          int
 	ids        []string
 }
@@ -291,7 +292,7 @@ func (r *trackRun) checkpoint(round int) string {
 	if g, w := nonEmpty(f.ckpt.children), nonEmpty(x.children); !reflect.DeepEqual(g, w) {
 		t.Fatalf("round %d (%s): children index differs from the walk's:\n%v\n%v", round, f.lastFreeze, g, w)
 	}
-	if f.lastFreeze != "full" && !r.dirRenamed && !r.linked && !prevMulti && !anyMultiLink(wfp) && f.lastFreeze != "tracked" {
+	if f.lastFreeze != "full" && !r.faulty && !r.dirRenamed && !r.linked && !prevMulti && !anyMultiLink(wfp) && f.lastFreeze != "tracked" {
 		t.Errorf("round %d: no directory renamed, no hard links, yet the checkpoint walked (%s)", round, f.lastFreeze)
 	}
 	how := f.lastFreeze
@@ -363,4 +364,81 @@ func layerDump(t *testing.T, root string) string {
 		}
 	}
 	return strings.Join(lines, "\n")
+}
+
+// TestTrackerFallsBackToWalk: each fault makes that checkpoint walk the
+// upper (and write the walk's delta), and the next one is tracked again.
+func TestTrackerFallsBackToWalk(t *testing.T) {
+	cases := []struct {
+		name   string
+		fault  func(r *trackRun)
+		reason string
+	}{
+		{"queue overflow", func(r *trackRun) { r.f.track.event(unix.FAN_Q_OVERFLOW, false, nil) }, "overflow"},
+		{"unknown directory handle", func(r *trackRun) {
+			rec := make([]byte, 32)
+			rec[0] = unix.FAN_EVENT_INFO_TYPE_DFID_NAME
+			rec[2] = 32
+			rec[12], rec[16] = 8, 1 // handle_bytes, handle_type
+			copy(rec[20:], "\xde\xad\xbe\xef\x01\x02\x03\x04x\x00")
+			r.f.track.event(unix.FAN_CREATE, false, rec)
+		}, "unknown directory"},
+		{"directory renamed", func(r *trackRun) {
+			if err := os.Rename(r.p("a/c"), r.p("b/c2")); err != nil {
+				r.t.Fatal(err)
+			}
+		}, "renamed"},
+		{"hard link", func(r *trackRun) {
+			if err := os.Link(r.p("a/f0"), r.p("b/l0")); err != nil {
+				r.t.Fatal(err)
+			}
+		}, "other names"},
+		{"unlink of a hard link", func(r *trackRun) {
+			if err := os.Remove(r.p("b/l0")); err != nil {
+				r.t.Fatal(err)
+			}
+		}, "other names"},
+		{"mark failure", func(r *trackRun) {
+			r.f.track.failMark = "n"
+			if err := os.MkdirAll(r.p("n/m"), 0o755); err != nil {
+				r.t.Fatal(err)
+			}
+		}, ""}, // this checkpoint walks n (new); the next one must walk
+	}
+	st := newStore(t, "xfs")
+	f := mountKP(t, st, Options{MountID: "faults"})
+	r := &trackRun{t: t, f: f, st: st, rng: rand.New(rand.NewPCG(1, 2)), maps: map[string][]byte{}}
+	for _, d := range []string{"a", "b", "a/c"} {
+		if err := os.MkdirAll(r.p(d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		writeFile(t, r.p(d+"/f0"), "x")
+	}
+	if _, err := f.Checkpoint(); err != nil {
+		t.Fatal(err)
+	}
+	r.faulty = true
+	for i, tc := range cases {
+		writeFile(t, r.p("a/f1"), tc.name)
+		tc.fault(r)
+		r.checkpoint(i)
+		f.track.failMark = ""
+		if tc.reason != "" && !strings.Contains(f.lastFreeze, tc.reason) {
+			t.Errorf("%s: checkpoint %q, want a walk (%s)", tc.name, f.lastFreeze, tc.reason)
+		}
+		writeFile(t, r.p("a/f2"), tc.name)
+		r.checkpoint(i)
+		want := "tracked"
+		if tc.name == "mark failure" {
+			want = "walk: tracked freeze needs the full walk: watch /n"
+		}
+		if !strings.HasPrefix(f.lastFreeze, want) {
+			t.Errorf("%s: next checkpoint %q, want %q", tc.name, f.lastFreeze, want)
+		}
+	}
+	writeFile(t, r.p("a/f2"), "after")
+	r.checkpoint(len(cases))
+	if f.lastFreeze != "tracked" {
+		t.Errorf("after the faults: %q", f.lastFreeze)
+	}
 }
