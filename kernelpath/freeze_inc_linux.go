@@ -31,8 +31,10 @@ import (
 //     size or mode differ);
 //   - an entry of P missing from U now becomes a whiteout in D.
 //
-// The walk stats every entry of U (cheap) but copies only the delta, so
-// the cost follows the number of entries changed since the last checkpoint.
+// The walk stats every entry of U but copies only the delta. A tracked
+// freeze (freezeTracked, from the change tracker's events, track_linux.go)
+// applies the same rules to the entries named by events only, so its cost
+// follows the number of entries changed, not the size of U.
 
 // incFreezer writes one delta layer.
 type incFreezer struct {

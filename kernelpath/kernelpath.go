@@ -13,7 +13,8 @@
 //     processes follow (lazy redirection by a generation counter).
 //   - Stock overlayfs (this host): the live upper cannot be swapped, so
 //     Checkpoint copies the upper's entries changed since the previous
-//     checkpoint into a new delta layer stacked on that checkpoint's
+//     checkpoint (named by fanotify events on the upper's directories, no
+//     walk of the upper; track_linux.go) into a new delta layer stacked on that checkpoint's
 //     layers (a full copy of the upper every 16th time, bounding the
 //     chain). Data is reflinked (FICLONE) on XFS or btrfs, so the cost
 //     grows with the number of entries changed, not with their size; it is

@@ -688,7 +688,8 @@ func (f *FS) Compact() error {
 
 // TakeFSEffects returns what changed in the view since the previous call,
 // found by comparing the live upper with the previous call's walk (cost:
-// one walk of the upper; native overlayfs has no per-operation hook).
+// one walk of the upper; unlike Checkpoint it does not use the change
+// tracker yet).
 // Renames show as a create plus a delete; deletes of lower entries show as
 // whiteouts created. UpperNonEmpty reports whether the upper differs from
 // what the last checkpoint froze.
