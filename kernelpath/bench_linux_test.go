@@ -437,3 +437,41 @@ func BenchmarkIODepth(b *testing.B) {
 	}
 	b.ReportMetric(0, "ns/op")
 }
+
+// BenchmarkEffectsBigUpper: like BenchmarkCheckpointBigUpper, but one op
+// is the per-turn effect report (TakeFSEffects) after `delta` rewritten
+// files, kernel path against FUSE in one run. The kernel path still finds
+// effects by a walk of the live upper (the change tracker serves
+// Checkpoint only).
+func BenchmarkEffectsBigUpper(b *testing.B) {
+	b.Run("xfs/upper=10000/delta=100", func(b *testing.B) {
+		st := benchStore(b, "xfs")
+		res := map[string]*lat{}
+		backends := []string{"kernel", "fuse"}
+		views := map[string]view{}
+		for _, backend := range backends {
+			v := mountBackend(b, st, backend, "")
+			populate(b, v.Mountpoint(), "u", 10000)
+			if _, err := v.Checkpoint(); err != nil {
+				b.Fatal(err)
+			}
+			v.TakeFSEffects()
+			views[backend], res[backend] = v, &lat{}
+		}
+		b.ResetTimer()
+		for i := range b.N {
+			for k := range backends {
+				backend := backends[(i+k)%len(backends)]
+				v := views[backend]
+				b.StopTimer()
+				populate(b, v.Mountpoint(), "d", 100)
+				b.StartTimer()
+				t0 := time.Now()
+				v.TakeFSEffects()
+				res[backend].add(time.Since(t0))
+			}
+		}
+		b.StopTimer()
+		report(b, res)
+	})
+}
