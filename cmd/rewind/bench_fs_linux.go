@@ -37,6 +37,9 @@ type benchFSOpts struct {
 	asJSON   bool
 	pt       bool
 	ptLower  bool
+	inProc   bool
+	// worker names the I/O case a child process runs (see fsRunWorker).
+	worker, workerDir, workerRead, workerTar string
 }
 
 type fsBenchRow struct {
@@ -57,7 +60,10 @@ func newBenchFSCmd() *cobra.Command {
 100k files in the view; restore latency against the size of the delta (paths changed since the
 common ancestor); and I/O rows (sequential write/read, create+write+close of small files,
 stat of many files, unpacking a tarball) on the plain backing directory, on rewind's FUSE
-overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
+overlay and on fuse-overlayfs over the same lower, printed with ratios. Each I/O workload runs
+in a child process, as an agent's programs do (--in-process runs them in the bench process,
+which also serves rewind's mount); the "new mount" row mounts rewind and fuse-overlayfs anew
+for every run.`,
 		Example: "  rewind bench fs\n  rewind bench fs --sizes 1000,10000 --io-mib 256 --json\n  rewind bench fs --io-only --io-mib 256 --repeat 5",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -80,6 +86,14 @@ overlay and on fuse-overlayfs over the same lower, printed with ratios.`,
 	f.BoolVar(&o.asJSON, "json", false, "print JSON rows")
 	f.BoolVar(&o.pt, "passthrough", true, "mount rewind with FUSE passthrough for the I/O rows")
 	f.BoolVar(&o.ptLower, "passthrough-lower", false, "with --passthrough, also pass read-only opens of lower and checkpointed files through (fs.Options.PassthroughLower)")
+	f.BoolVar(&o.inProc, "in-process", false, "run the I/O workloads inside the bench process, which also serves rewind's mount, instead of in a child process")
+	for _, n := range []struct {
+		v    *string
+		name string
+	}{{&o.worker, "worker"}, {&o.workerDir, "worker-dir"}, {&o.workerRead, "worker-read"}, {&o.workerTar, "worker-tarball"}} {
+		f.StringVar(n.v, n.name, "", "internal: run one I/O case in this process")
+		_ = f.MarkHidden(n.name)
+	}
 	return cmd
 }
 
@@ -142,6 +156,9 @@ func (e *fsBenchEnv) mountOpts(name string, opts fs.Options) (*fs.FS, string, er
 }
 
 func runBenchFS(cmd *cobra.Command, o benchFSOpts) error {
+	if o.worker != "" {
+		return fsRunWorker(cmd.OutOrStdout(), o)
+	}
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("bench fs: must run as root (FUSE DirectMount)")
 	}
@@ -315,14 +332,12 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 	}
 	defer f.Unmount()
 	targets = append(targets, fsIOTarget{name: "rewind", dir: mp, close: func() {}})
+	var fofsPath string
 	if !o.skipFOFS {
 		if path, err := exec.LookPath("fuse-overlayfs"); err == nil {
-			up, wk, fmp := filepath.Join(env.root, "fofs-up"), filepath.Join(env.root, "fofs-work"), filepath.Join(env.root, "fofs-mnt")
-			for _, d := range []string{up, wk, fmp} {
-				os.MkdirAll(d, 0o755)
-			}
-			if b, err := exec.Command(path, "-o", "lowerdir="+lower+",upperdir="+up+",workdir="+wk, fmp).CombinedOutput(); err != nil {
-				fmt.Fprintf(out, "fuse-overlayfs: %v: %s\n", err, b)
+			fofsPath = path
+			if fmp, err := fsMountFOFS(path, env.root, "fofs", lower); err != nil {
+				fmt.Fprintf(out, "%v\n", err)
 			} else {
 				defer unix.Unmount(fmp, unix.MNT_DETACH)
 				targets = append(targets, fsIOTarget{name: "fofs", dir: fmp})
@@ -331,15 +346,112 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			fmt.Fprintln(out, "fuse-overlayfs not installed: baseline skipped")
 		}
 	}
-	type ioCase struct {
-		name   string
-		target string
-		run    func(dir, readDir string) error
-		// fresh runs rewind's turn on a new mount of the same lower (a
-		// fork's cold view; fuse-overlayfs is skipped).
-		fresh bool
+	cases := fsIOCases(o, tarball)
+	var only *regexp.Regexp
+	if o.rows != "" {
+		var err error
+		if only, err = regexp.Compile(o.rows); err != nil {
+			return nil, fmt.Errorf("bench fs: --rows: %w", err)
+		}
 	}
-	cases := []ioCase{
+	var rows []fsBenchRow
+	for _, c := range cases {
+		if only != nil && !only.MatchString(c.name) {
+			continue
+		}
+		res := map[string][]float64{}
+		var reqs map[string]uint64
+		// Interleave the targets within each repetition, so that load
+		// from elsewhere on the machine hits them alike.
+		for rep := 0; rep < max(o.repeat, 1); rep++ {
+			for _, tg := range targets {
+				readDir := tg.dir
+				if tg.name == "plain" {
+					readDir = lower
+				}
+				if c.fresh && tg.name != "plain" {
+					_ = fsReadAll(filepath.Join(lower, "big")) // the host's cache is warm, as for plain
+					name := fmt.Sprintf("io-fresh%d", rep)
+					var fmp string
+					var umount func() error
+					var ff *fs.FS
+					if tg.name == "rewind" {
+						var err error
+						if ff, fmp, err = env.mountOpts(name, ioOpts); err != nil {
+							return nil, fmt.Errorf("bench fs: %w", err)
+						}
+						umount = ff.Unmount
+					} else {
+						var err error
+						if fmp, err = fsMountFOFS(fofsPath, env.root, name, lower); err != nil {
+							return nil, fmt.Errorf("bench fs: %w", err)
+						}
+						umount = func() error { return unix.Unmount(fmp, 0) }
+					}
+					var before map[string]uint64
+					if ff != nil {
+						before = ff.RequestCounts()
+					}
+					us, err := fsRunCase(o, c, tarball, fmp, fmp)
+					res[tg.name] = append(res[tg.name], us)
+					if ff != nil && rep == 0 {
+						reqs = fsCountsSince(ff.RequestCounts(), before)
+					}
+					if uerr := umount(); err == nil {
+						err = uerr
+					}
+					if err != nil {
+						return nil, fmt.Errorf("bench fs: %s on a new %s mount: %w", c.name, tg.name, err)
+					}
+					continue
+				}
+				if strings.HasPrefix(c.name, "stat") {
+					_, _ = fsStatAll(readDir) // warm
+				}
+				if strings.HasPrefix(c.name, "seq read") {
+					_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
+					seqw := filepath.Join(tg.dir, "seqw")
+					if _, err := os.Stat(seqw); err != nil {
+						// The seq write row did not run (--rows).
+						if err := fsWriteRandom(seqw, int64(o.ioMiB)<<20); err != nil {
+							return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
+						}
+					}
+					_ = fsReadAll(seqw)
+				}
+				before := f.RequestCounts()
+				us, err := fsRunCase(o, c, tarball, tg.dir, readDir)
+				if err != nil {
+					return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
+				}
+				res[tg.name] = append(res[tg.name], us)
+				if tg.name == "rewind" && rep == 0 {
+					reqs = fsCountsSince(f.RequestCounts(), before)
+				}
+			}
+		}
+		r := fsBenchRow{Name: c.name, RewindUS: fsMedian(res["rewind"]), PlainUS: fsMedian(res["plain"]), FOFSUS: fsMedian(res["fofs"]), Target: c.target + " plain, < fuse-overlayfs"}
+		fmt.Fprintf(out, "%s: rewind %.1f ms plain %.1f ms fuse-overlayfs %.1f ms (median of %d); rewind's FUSE requests: %s\n",
+			c.name, r.RewindUS/1000, r.PlainUS/1000, r.FOFSUS/1000, max(o.repeat, 1), fsFormatCounts(reqs))
+		rows = append(rows, r)
+	}
+	return rows, nil
+}
+
+// fsIOCase is one I/O row.
+type fsIOCase struct {
+	name   string
+	target string
+	run    func(dir, readDir string) error
+	// fresh runs the row on a new mount of the same lower (a fork's cold
+	// view), for rewind and fuse-overlayfs alike.
+	fresh bool
+}
+
+// fsIOCases lists the I/O rows for the sizes in o; tarball is the
+// archive the untar row unpacks.
+func fsIOCases(o benchFSOpts, tarball string) []fsIOCase {
+	return []fsIOCase{
 		{name: fmt.Sprintf("seq write %d MiB", o.ioMiB), target: "<=1.1x", run: func(dir, _ string) error {
 			return fsWriteRandom(filepath.Join(dir, "seqw"), int64(o.ioMiB)<<20)
 		}},
@@ -380,84 +492,72 @@ func benchIO(env *fsBenchEnv, o benchFSOpts, out io.Writer) ([]fsBenchRow, error
 			return nil
 		}},
 	}
-	var only *regexp.Regexp
-	if o.rows != "" {
-		var err error
-		if only, err = regexp.Compile(o.rows); err != nil {
-			return nil, fmt.Errorf("bench fs: --rows: %w", err)
-		}
-	}
-	var rows []fsBenchRow
-	for _, c := range cases {
-		if only != nil && !only.MatchString(c.name) {
+}
+
+// fsRunWorker runs the I/O case o.worker once, in this process, and prints
+// its duration in microseconds. The bench runs every workload this way, in
+// a child process: an agent's programs never share the daemon's Go
+// runtime, while a workload run inside the bench process would share its
+// garbage collector (which scans rewind's node tree) and its scheduler
+// with the FUSE server, a cost neither the plain directory nor
+// fuse-overlayfs pays.
+func fsRunWorker(out io.Writer, o benchFSOpts) error {
+	for _, c := range fsIOCases(o, o.workerTar) {
+		if c.name != o.worker {
 			continue
 		}
-		res := map[string][]float64{}
-		var reqs map[string]uint64
-		// Interleave the targets within each repetition, so that load
-		// from elsewhere on the machine hits them alike.
-		for rep := 0; rep < max(o.repeat, 1); rep++ {
-			for _, tg := range targets {
-				readDir := tg.dir
-				if tg.name == "plain" {
-					readDir = lower
-				}
-				if c.fresh && tg.name == "fofs" {
-					continue
-				}
-				if c.fresh && tg.name == "rewind" {
-					_ = fsReadAll(filepath.Join(lower, "big")) // the host's cache is warm, as for plain
-					ff, fmp, err := env.mountOpts(fmt.Sprintf("io-fresh%d", rep), ioOpts)
-					if err != nil {
-						return nil, fmt.Errorf("bench fs: %w", err)
-					}
-					r0, _ := ff.Requests()
-					t0 := time.Now()
-					err = c.run(fmp, fmp)
-					res[tg.name] = append(res[tg.name], float64(time.Since(t0).Nanoseconds())/1000)
-					r1, _ := ff.Requests()
-					if rep == 0 {
-						reqs = map[string]uint64{"READ": r1 - r0}
-					}
-					if uerr := ff.Unmount(); err == nil {
-						err = uerr
-					}
-					if err != nil {
-						return nil, fmt.Errorf("bench fs: %s on a new mount: %w", c.name, err)
-					}
-					continue
-				}
-				if strings.HasPrefix(c.name, "stat") {
-					_, _ = fsStatAll(readDir) // warm
-				}
-				if strings.HasPrefix(c.name, "seq read") {
-					_ = fsReadAll(filepath.Join(readDir, "big")) // warm page cache
-					seqw := filepath.Join(tg.dir, "seqw")
-					if _, err := os.Stat(seqw); err != nil {
-						// The seq write row did not run (--rows).
-						if err := fsWriteRandom(seqw, int64(o.ioMiB)<<20); err != nil {
-							return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
-						}
-					}
-					_ = fsReadAll(seqw)
-				}
-				before := f.RequestCounts()
-				t0 := time.Now()
-				if err := c.run(tg.dir, readDir); err != nil {
-					return nil, fmt.Errorf("bench fs: %s on %s: %w", c.name, tg.name, err)
-				}
-				res[tg.name] = append(res[tg.name], float64(time.Since(t0).Nanoseconds())/1000)
-				if tg.name == "rewind" && rep == 0 {
-					reqs = fsCountsSince(f.RequestCounts(), before)
-				}
-			}
+		t0 := time.Now()
+		if err := c.run(o.workerDir, o.workerRead); err != nil {
+			return fmt.Errorf("bench fs worker: %s: %w", c.name, err)
 		}
-		r := fsBenchRow{Name: c.name, RewindUS: fsMedian(res["rewind"]), PlainUS: fsMedian(res["plain"]), FOFSUS: fsMedian(res["fofs"]), Target: c.target + " plain, < fuse-overlayfs"}
-		fmt.Fprintf(out, "%s: rewind %.1f ms plain %.1f ms fuse-overlayfs %.1f ms (median of %d); rewind's FUSE requests: %s\n",
-			c.name, r.RewindUS/1000, r.PlainUS/1000, r.FOFSUS/1000, max(o.repeat, 1), fsFormatCounts(reqs))
-		rows = append(rows, r)
+		fmt.Fprintf(out, "%d\n", time.Since(t0).Microseconds())
+		return nil
 	}
-	return rows, nil
+	return fmt.Errorf("bench fs worker: no I/O case %q", o.worker)
+}
+
+// fsRunCase runs c on dir (reading from readDir) and returns its duration
+// in microseconds: in a child process (fsRunWorker) unless o.inProc.
+func fsRunCase(o benchFSOpts, c fsIOCase, tarball, dir, readDir string) (float64, error) {
+	if o.inProc {
+		t0 := time.Now()
+		err := c.run(dir, readDir)
+		return float64(time.Since(t0).Nanoseconds()) / 1000, err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return 0, err
+	}
+	args := []string{"bench", "fs", "--worker", c.name, "--worker-dir", dir, "--worker-read", readDir, "--worker-tarball", tarball,
+		fmt.Sprintf("--io-mib=%d", o.ioMiB), fmt.Sprintf("--small=%d", o.small), fmt.Sprintf("--stats=%d", o.stats)}
+	b, err := exec.Command(exe, args...).Output()
+	if err != nil {
+		if ee, ok := err.(*exec.ExitError); ok {
+			return 0, fmt.Errorf("%w: %s", err, ee.Stderr)
+		}
+		return 0, err
+	}
+	var us float64
+	if _, err := fmt.Sscan(string(b), &us); err != nil {
+		return 0, fmt.Errorf("worker output %q: %w", b, err)
+	}
+	return us, nil
+}
+
+// fsMountFOFS mounts fuse-overlayfs (binary path) over lower with an
+// upper and a work directory of its own under root, and returns the
+// mountpoint.
+func fsMountFOFS(path, root, name, lower string) (string, error) {
+	up, wk, mp := filepath.Join(root, name+"-up"), filepath.Join(root, name+"-work"), filepath.Join(root, name+"-mnt")
+	for _, d := range []string{up, wk, mp} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return "", fmt.Errorf("fuse-overlayfs: %w", err)
+		}
+	}
+	if b, err := exec.Command(path, "-o", "lowerdir="+lower+",upperdir="+up+",workdir="+wk, mp).CombinedOutput(); err != nil {
+		return "", fmt.Errorf("fuse-overlayfs: %v: %s", err, b)
+	}
+	return mp, nil
 }
 
 func fsMedian(v []float64) float64 {
