@@ -16,34 +16,59 @@ import (
 // descendants.
 func cgroupPIDs(dir string) ([]int, error) {
 	var pids []int
-	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
-		if err != nil {
-			if path != dir && errors.Is(err, os.ErrNotExist) {
-				return nil // a nested cgroup vanished meanwhile
-			}
-			return err
-		}
-		if !d.IsDir() {
-			return nil
-		}
-		b, err := os.ReadFile(filepath.Join(path, "cgroup.procs"))
-		if err != nil {
-			if path != dir && errors.Is(err, os.ErrNotExist) {
-				return nil
-			}
-			return err
-		}
-		for _, f := range strings.Fields(string(b)) {
-			if pid, err := strconv.Atoi(f); err == nil {
-				pids = append(pids, pid)
-			}
-		}
-		return nil
-	})
-	if err != nil {
+	if err := addCgroupPIDs(dir, true, &pids); err != nil {
 		return nil, fmt.Errorf("list processes of cgroup %s: %w", dir, err)
 	}
 	return pids, nil
+}
+
+// addCgroupPIDs appends the processes of cgroup dir and of its nested
+// cgroups to pids. A cgroup directory's link count is two plus its number
+// of subdirectories (kernfs keeps it so), which tells, at the cost of one
+// stat, that there is no nested cgroup to list: a listing of the directory
+// itself (a score of control files) cost more than the rest of a /proc
+// snapshot of a one-process sandbox. A nested cgroup that vanishes
+// meanwhile is no error; top is dir itself.
+func addCgroupPIDs(dir string, top bool, pids *[]int) error {
+	gone := func(err error) bool { return !top && errors.Is(err, os.ErrNotExist) }
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	if err != nil {
+		if gone(err) {
+			return nil
+		}
+		return err
+	}
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil {
+			*pids = append(*pids, pid)
+		}
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(dir, &st); err != nil {
+		if gone(err) {
+			return nil
+		}
+		return err
+	}
+	if st.Nlink == 2 {
+		return nil // no nested cgroup
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		if gone(err) {
+			return nil
+		}
+		return err
+	}
+	for _, e := range ents {
+		if !e.IsDir() {
+			continue
+		}
+		if err := addCgroupPIDs(filepath.Join(dir, e.Name()), false, pids); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // takeSnapshot reads the processes of cgroup dir. Processes that exit while

@@ -3,8 +3,10 @@ package probe
 import (
 	"encoding/binary"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 
 	"github.com/rewind-sandbox/rewind/effect"
@@ -133,5 +135,50 @@ func TestDirSource(t *testing.T) {
 	}
 	if f := s.TakeFSEffects(); f.Created+f.Modified+f.Deleted+f.Renamed+f.MetaChanged != 0 || !f.UpperNonEmpty {
 		t.Fatalf("second take: %+v", f)
+	}
+}
+
+// TestCgroupPIDs lists the processes of a cgroup with and without nested
+// cgroups (the nested ones are found by the directory's link count).
+func TestCgroupPIDs(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		nested []string // cgroups below the top one, in creation order
+		in     []string // where each process runs: "" is the top cgroup
+	}{
+		{name: "flat", in: []string{"", ""}},
+		{name: "empty nested", nested: []string{"a"}, in: nil},
+		{name: "one nested", nested: []string{"a"}, in: []string{"a", "a"}},
+		{name: "deep", nested: []string{"a", "a/b", "c"}, in: []string{"a/b", "c", "a/b"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			top := newCgroup(t)
+			for _, n := range tc.nested {
+				d := filepath.Join(top, n)
+				if err := os.Mkdir(d, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { removeCgroup(t, d) })
+			}
+			var want []int
+			for _, where := range tc.in {
+				cmd := exec.Command("sleep", "3600")
+				cmd.SysProcAttr = cgroupAttr(t, filepath.Join(top, where))
+				if err := cmd.Start(); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+				want = append(want, cmd.Process.Pid)
+			}
+			got, err := cgroupPIDs(top)
+			if err != nil {
+				t.Fatal(err)
+			}
+			slices.Sort(got)
+			slices.Sort(want)
+			if !slices.Equal(got, want) {
+				t.Fatalf("cgroupPIDs = %v, want %v", got, want)
+			}
+		})
 	}
 }
