@@ -478,6 +478,16 @@ func (w *ebpfWindow) Next() (*effect.Report, Window, error) {
 	return r, nw, nil
 }
 
+// samplesTaken reports whether the eBPF programs took a sample for the
+// window so far (or the counters cannot be read: then it may have).
+func (w *ebpfWindow) samplesTaken() bool {
+	var vals [nCounters]uint64
+	if err := w.p.cgstats.Lookup(w.cgid, &vals); err != nil {
+		return true
+	}
+	return vals[cSampFS]+vals[cSampExec]+vals[cSampNet] > 0
+}
+
 // rearm reads and zeroes the window's counters and hands the cgroup over to
 // a new window for the next turn.
 func (w *ebpfWindow) rearm(began time.Time) (vals [nCounters]uint64, nw *ebpfWindow, err error) {
@@ -510,8 +520,14 @@ func (w *ebpfWindow) finish(next bool) (*effect.Report, *ebpfWindow, error) {
 		r.FS = boundFS(w.t.FS.TakeFSEffects())
 	}
 	// The samples committed so far, then the counters (which stops or
-	// restarts counting), then the processes.
-	flushErr := w.p.flush()
+	// restarts counting), then the processes. No sample needs waiting for
+	// when none was taken: every program counts its sample (cSamp*) before
+	// it writes one, so a window whose sample counters read zero has none
+	// committed, and the round trip to the reader is saved.
+	var flushErr error
+	if w.samplesTaken() {
+		flushErr = w.p.flush()
+	}
 	var (
 		c   [nCounters]uint64
 		nw  *ebpfWindow

@@ -269,3 +269,46 @@ func TestShortLivedProcesses(t *testing.T) {
 		})
 	}
 }
+
+// TestEBPFSamplesTaken: a window knows from its counters whether any
+// sample was taken (End then waits for the reader), and the samples of a
+// window that took some are all in its report.
+func TestEBPFSamplesTaken(t *testing.T) {
+	testenv.RequireRoot(t)
+	p, err := OpenEBPF(Options{})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer p.Close()
+	cg, dir := newCgroup(t), t.TempDir()
+	bash := startShell(t, cg, dir, false)
+	for _, tc := range []struct {
+		name  string
+		cmd   string // run in the persistent shell; "" runs nothing
+		taken bool
+		execs int
+	}{
+		{name: "idle", taken: false},
+		{name: "builtin", cmd: "x=1", taken: false},
+		{name: "exec", cmd: "/bin/true", taken: true, execs: 1},
+		{name: "two execs", cmd: "/bin/true; /bin/true", taken: true, execs: 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, err := p.Begin(Target{Sandbox: "samples", CgroupV2Dir: cg, FS: NewDirSource(dir)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.cmd != "" {
+				bash.run(tc.cmd)
+			}
+			if got := w.(*ebpfWindow).samplesTaken(); got != tc.taken {
+				t.Errorf("samplesTaken = %v, want %v", got, tc.taken)
+			}
+			r, err := w.End()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if int(r.Proc.Execs) != tc.execs || len(r.Proc.ExecSamples) != tc.execs {
+				t.Errorf("execs %d, samples %+v, want %d of each", r.Proc.Execs, r.Proc.ExecSamples, tc.execs)
+			}
+		})
+	}
+}
