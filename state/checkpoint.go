@@ -927,8 +927,12 @@ func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph Re
 	ph.TotalUS = time.Since(start).Microseconds()
 	res.Phases = ph
 	m.obs.Restored(path, time.Since(start), nil)
-	m.log.Info("restored", "sandbox", s.rec.Name, "checkpoint", c.rec.ID, "path", path, "epoch", res.Epoch, "took", time.Since(start),
-		"window_us", ph.WindowUS, "undo", ph.Undo, "undo_us", ph.UndoUS, "kill_us", ph.KillUS, "fs_switch_us", ph.SwitchUS, "proc_us", ph.ProcUS, "persist_us", ph.PersistUS)
+	// Per restore, so at Debug: a tree search restores every other turn,
+	// and writing the line cost the caller some 25 us (a loaded machine).
+	if m.log.Enabled(bg, slog.LevelDebug) {
+		m.log.Debug("restored", "sandbox", s.rec.Name, "checkpoint", c.rec.ID, "path", path, "epoch", res.Epoch, "took", time.Since(start),
+			"window_us", ph.WindowUS, "undo", ph.Undo, "undo_us", ph.UndoUS, "kill_us", ph.KillUS, "fs_switch_us", ph.SwitchUS, "proc_us", ph.ProcUS, "persist_us", ph.PersistUS)
+	}
 	return res, nil
 }
 
