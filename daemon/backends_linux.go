@@ -616,6 +616,12 @@ type procSandbox struct {
 
 	mu    sync.Mutex
 	ckpts map[string]bool // cr checkpoints taken here
+	// restored, when restoredOK, are the pids of the processes the last
+	// template restore left alive (every one of the agent's: it killed
+	// the rest), for the probe window opened next (takeRestored). A
+	// probe window's End and Watch forget them.
+	restored   []int
+	restoredOK bool
 	// origin maps each live process the daemon knows the origin of to
 	// the cr checkpoint process it is (the one checkpointed last) or was
 	// restored from.
@@ -914,6 +920,7 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 	id := part.Data["cr"]
 	p.mu.Lock()
 	mine := p.ckpts[id]
+	p.restored, p.restoredOK = nil, false
 	p.mu.Unlock()
 	if !mine && part.Data["mode"] == string(cr.ModeEmpty) {
 		// Nothing to recreate: kill what runs and switch.
@@ -1000,7 +1007,29 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		}
 	}
 	settle(shells)
+	if res.Path == "template" {
+		// A template restore (copies, parked processes, or none) kills
+		// every live process but the ones it returns; a CRIU restore
+		// reports the roots of its trees only.
+		live := make([]int, 0, len(res.Procs))
+		for _, r := range res.Procs {
+			live = append(live, r.PID)
+		}
+		p.mu.Lock()
+		p.restored, p.restoredOK = live, true
+		p.mu.Unlock()
+	}
 	return res.Path, nil
+}
+
+// takeRestored returns, once, the pids the last template restore left
+// alive, if no probe window ended since.
+func (p *procSandbox) takeRestored() ([]int, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	pids, ok := p.restored, p.restoredOK
+	p.restored, p.restoredOK = nil, false
+	return pids, ok
 }
 
 // ownSession reports whether session sid is still served by process pid
@@ -1076,7 +1105,8 @@ func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, p
 	if !ok {
 		return nil, errors.New("probe: not a real sandbox")
 	}
-	pw := &probeWindow{p: a.p, eng: a.eng, sb: ps.sb}
+	pw := &probeWindow{p: a.p, eng: a.eng, sb: ps.sb, ps: ps}
+	ps.takeRestored() // this window's snapshot lists the cgroup
 	// cr's templates and warm spares are rewind's processes, not effects
 	// of the agent's turn.
 	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID(),
@@ -1098,6 +1128,7 @@ type probeWindow struct {
 	p   probe.Probe
 	eng *cr.Engine
 	sb  *sandbox.Sandbox
+	ps  *procSandbox
 	t   probe.Target
 	w   probe.Window
 	// next is the window End opened at once (probe.Window.Next), for
@@ -1205,6 +1236,7 @@ func tracedByUs(pid int) bool {
 func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	w.ps.takeRestored() // what a restore left alive may change from now on
 	if w.w == nil {
 		return nil, errors.New("no probe window open")
 	}
@@ -1268,7 +1300,19 @@ func (w *probeWindow) Begin(context.Context) error {
 		w.next.Abort() // what ran since End may be rewind's own work
 		w.next = nil
 	}
-	nw, err := w.p.Begin(w.t)
+	var nw probe.Window
+	var err error
+	if pids, ok := w.ps.takeRestored(); ok {
+		if kb, can := w.p.(probe.KnownBeginner); can {
+			// A template restore just made the processes: the window
+			// starts from them, without a listing of the cgroup.
+			nw, err = kb.BeginKnown(w.t, pids)
+		} else {
+			nw, err = w.p.Begin(w.t)
+		}
+	} else {
+		nw, err = w.p.Begin(w.t)
+	}
 	if err != nil {
 		return err
 	}

@@ -328,6 +328,17 @@ func (p *ebpfProbe) dispatch(raw []byte) {
 }
 
 func (p *ebpfProbe) Begin(t Target) (Window, error) {
+	return p.begin(t, nil, false)
+}
+
+// BeginKnown implements KnownBeginner.
+func (p *ebpfProbe) BeginKnown(t Target, pids []int) (Window, error) {
+	return p.begin(t, pids, true)
+}
+
+// begin opens a window; with known, pids are the agent's processes and the
+// first snapshot reads only them.
+func (p *ebpfProbe) begin(t Target, pids []int, known bool) (Window, error) {
 	if t.CgroupV2Dir == "" {
 		return nil, fmt.Errorf("begin %s: no cgroup v2 dir in target", t.Sandbox)
 	}
@@ -369,7 +380,9 @@ func (p *ebpfProbe) Begin(t Target) (Window, error) {
 	if err := p.cgstats.Put(cgid, zero); err != nil {
 		return fail(fmt.Errorf("arm cgroup %d: %w", cgid, err))
 	}
-	if w.begin, err = takeSnapshot(t.CgroupV2Dir, false, t.Exclude); err != nil {
+	if known {
+		w.begin = snapshotOf(pids, false)
+	} else if w.begin, err = takeSnapshot(t.CgroupV2Dir, false, t.Exclude); err != nil {
 		return fail(err)
 	}
 	return w, nil

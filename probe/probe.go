@@ -54,6 +54,17 @@ type Probe interface {
 	Close() error
 }
 
+// KnownBeginner is implemented by probes that can open a window on
+// processes the caller knows: pids are every process of the agent's in the
+// target's cgroup at this moment (a restore just made them and killed the
+// rest), so the window's first snapshot reads only those, without listing
+// the cgroup or asking Target.Exclude. A process of pids that is gone is
+// left out. The caller must not forget one: End would count it as new if
+// it still runs, and not at all had it exited.
+type KnownBeginner interface {
+	BeginKnown(t Target, pids []int) (Window, error)
+}
+
 // Window is the observation of one turn of one sandbox.
 type Window interface {
 	// End closes the window and returns the turn's report.

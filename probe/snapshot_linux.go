@@ -95,6 +95,22 @@ func takeSnapshot(dir string, withNet bool, exclude func(int) bool) (*snapshot, 
 	return s, nil
 }
 
+// snapshotOf reads processes pids, leaving out those that exited. It lists
+// no cgroup and excludes nothing: the caller knows pids to be exactly the
+// agent's processes (KnownBeginner).
+func snapshotOf(pids []int, withNet bool) *snapshot {
+	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
+	for _, pid := range pids {
+		if p, err := readProc(pid, withNet); err == nil {
+			s.Procs[pid] = p
+		}
+	}
+	if withNet {
+		s.Socks = readSockets(s.Procs)
+	}
+	return s
+}
+
 // readProc reads one process from /proc.
 func readProc(pid int, withNet bool) (*procInfo, error) {
 	base := "/proc/" + strconv.Itoa(pid)

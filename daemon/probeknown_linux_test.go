@@ -1,0 +1,91 @@
+package daemon
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/probe"
+)
+
+// TestRestoreOpensTheProbeWindowOnItsCopies: a template restore hands the
+// next probe window the processes it left alive, once (the window then
+// lists no cgroup), and that window reports the next turn's effects as a
+// window on a listing of the cgroup does; a window's End forgets them.
+func TestRestoreOpensTheProbeWindowOnItsCopies(t *testing.T) {
+	ps, send := parkSandbox(t)
+	ctx := context.Background()
+	p, err := probe.OpenEBPF(probe.Options{})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer p.Close()
+	target, err := ps.Checkpoint(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pw, err := (&probeAdapter{p: p, eng: ps.b.eng}).Watch(ctx, "known", nil, ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := pw.(*probeWindow)
+	defer w.Close()
+	if _, ok := ps.takeRestored(); ok {
+		t.Fatal("pids to hand over before any restore")
+	}
+	for _, tc := range []struct {
+		name    string
+		cmd     string // run in the restored shell in the window
+		newLong uint64
+		alive   uint64
+	}{
+		{name: "idle", alive: 1},
+		{name: "builtin", cmd: "V=3", alive: 1},
+		{name: "background job", cmd: "sleep 1000 & true", newLong: 1, alive: 2},
+		{name: "job and its exit", cmd: "sleep 1000 & kill $!; wait", alive: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			send("sleep 1000 & true") // killed by the restore
+			if _, err := w.End(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := ps.Restore(ctx, target, func() error { return nil }); err != nil {
+				t.Fatal(err)
+			}
+			live, err := ps.b.eng.Processes(ps.sb)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var want []int
+			for _, l := range live {
+				want = append(want, l.PID)
+			}
+			w.ps.mu.Lock()
+			got := slices.Clone(w.ps.restored)
+			w.ps.mu.Unlock()
+			slices.Sort(got)
+			slices.Sort(want)
+			if !slices.Equal(got, want) || len(got) != 1 {
+				t.Fatalf("restore hands over %v, live processes %v", got, want)
+			}
+			if err := w.Begin(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := ps.takeRestored(); ok {
+				t.Fatal("the restore's pids are handed over twice")
+			}
+			if tc.cmd != "" {
+				send(tc.cmd)
+			}
+			r, err := w.End(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.Proc.NewLongLived != tc.newLong || r.Proc.Alive != tc.alive || r.Proc.Exited != 0 {
+				t.Errorf("report %+v, want %d new, %d alive, none exited", r.Proc, tc.newLong, tc.alive)
+			}
+			if err := w.Begin(ctx); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
