@@ -1,0 +1,63 @@
+package cr
+
+import (
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"sync"
+	"testing"
+)
+
+// TestChildren lists the children of this test process, started from
+// several threads (each thread has its own list of children).
+func TestChildren(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		threads int // each locked to its own OS thread, starting one child
+	}{
+		{name: "none"},
+		{name: "one thread", threads: 1},
+		{name: "four threads", threads: 4},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before, err := children(os.Getpid())
+			if err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			var want []int
+			var wg sync.WaitGroup
+			for i := 0; i < tc.threads; i++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					runtime.LockOSThread() // the thread exits with the goroutine
+					cmd := exec.Command("sleep", "1000")
+					if err := cmd.Start(); err != nil {
+						t.Error(err)
+						return
+					}
+					t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+					mu.Lock()
+					want = append(want, cmd.Process.Pid)
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			got, err := children(os.Getpid())
+			if err != nil {
+				t.Fatal(err)
+			}
+			got = slices.DeleteFunc(got, func(p int) bool { return slices.Contains(before, p) })
+			slices.Sort(got)
+			slices.Sort(want)
+			if !slices.Equal(got, want) {
+				t.Fatalf("children = %v, want %v", got, want)
+			}
+		})
+	}
+	if _, err := children(1 << 30); err == nil {
+		t.Error("children of a pid that does not exist: no error")
+	}
+}
