@@ -256,7 +256,14 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			MaxWrite:             maxIO,
 			MaxReadAhead:         maxIO,
 			EnableSymlinkCaching: true,
-			Debug:                opts.Debug,
+			// Reads are answered from buffers, never from an fd: with
+			// splice on, go-fuse still fills a pipe with each READ
+			// reply's header before falling back to a plain write (two
+			// wasted system calls per READ), and for a 1 MiB READ it
+			// cannot even grow the pipe (pipe-max-size without
+			// CAP_SYS_RESOURCE) and logs a line per request.
+			DisableSplice: true,
+			Debug:         opts.Debug,
 			// The kernel then asks for security.capability once per
 			// inode instead of before every write(2) (SB_NOSEC), and
 			// leaves dropping setuid/setgid bits to us (see Setattr).
