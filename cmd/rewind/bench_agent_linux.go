@@ -186,7 +186,7 @@ for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms
 	}
 	cmd.Flags().IntSliceVarP(&counts, "n", "n", []int{16, 32, 64}, "fan-out widths")
 	cmd.Flags().Float64Var(&step, "trainer-step-ms", 5000, "simulated trainer step the rollouts feed")
-	cmd.Flags().StringVar(&fsKind, "fs", "", "file-system backend of the forked sandbox and its children: auto, fuse or kernel (default: the daemon's)")
+	cmd.Flags().StringVar(&fsKind, "fs", "", "file-system backend of the forked sandbox and its children: auto, fuse or kernel (native overlayfs: needs the daemon's state dir on its own file system, see rewind init-store; default: the daemon's)")
 	o.add(cmd)
 	return cmd
 }
