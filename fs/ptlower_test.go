@@ -254,7 +254,15 @@ func TestPassthroughLowerConcurrentCopyUp(t *testing.T) {
 					errs <- fmt.Errorf("reader: %w", err)
 					return
 				}
-				if s := string(b); s != "" && s != orig(i) && !strings.HasPrefix(s, fmt.Sprintf("written %02d ", i)) {
+				// A run of NULs as long as a written content: FUSE's
+				// short-read race (not ours), when this read is served
+				// by the daemon (a node that lost passthrough to a
+				// checkpoint): the READ finds the file just truncated by
+				// the writer's O_TRUNC open, and the kernel, whose size
+				// the writer's WRITE has meanwhile updated, zero-fills
+				// the page instead of shrinking the file (fuse_short_read
+				// with a changed attr version). 1 run in ~80 under load.
+				if s := string(b); s != "" && s != orig(i) && !strings.HasPrefix(s, fmt.Sprintf("written %02d ", i)) && !shortReadRace(s) {
 					errs <- fmt.Errorf("reader: f%02d has %.20q", i, s)
 					return
 				}
@@ -303,4 +311,11 @@ func TestPassthroughLowerConcurrentCopyUp(t *testing.T) {
 	if r1, _ := fx.fs.Requests(); r1 != r0 {
 		t.Logf("%d READ requests reached the daemon (reads of files written in this mount)", r1-r0)
 	}
+}
+
+// shortReadRace reports whether s is what FUSE's short-read race leaves a
+// concurrent reader of a file being rewritten: NULs, as many as a
+// "written NN K" content has bytes.
+func shortReadRace(s string) bool {
+	return len(s) <= len("written 00 000") && strings.Trim(s, "\x00") == ""
 }
