@@ -440,14 +440,13 @@ func BenchmarkIODepth(b *testing.B) {
 
 // BenchmarkEffectsBigUpper: like BenchmarkCheckpointBigUpper, but one op
 // is the per-turn effect report (TakeFSEffects) after `delta` rewritten
-// files, kernel path against FUSE in one run. The kernel path still finds
-// effects by a walk of the live upper (the change tracker serves
-// Checkpoint only).
+// files: the kernel path with its change tracker, without it (a walk of
+// the live upper) and FUSE, interleaved in one run.
 func BenchmarkEffectsBigUpper(b *testing.B) {
 	b.Run("xfs/upper=10000/delta=100", func(b *testing.B) {
 		st := benchStore(b, "xfs")
 		res := map[string]*lat{}
-		backends := []string{"kernel", "fuse"}
+		backends := []string{"kernel", "kernel-walk", "fuse"}
 		views := map[string]view{}
 		for _, backend := range backends {
 			v := mountBackend(b, st, backend, "")
@@ -472,6 +471,9 @@ func BenchmarkEffectsBigUpper(b *testing.B) {
 			}
 		}
 		b.StopTimer()
+		if kv, ok := views["kernel"].(*FS); ok && kv.lastEffects != "tracked" {
+			b.Fatalf("the tracked view's last effect report was not tracked: %s", kv.lastEffects)
+		}
 		report(b, res)
 	})
 }

@@ -50,6 +50,9 @@ type incFreezer struct {
 	// gone are the paths of P whose entry (and subtree) the delta
 	// replaces or removes (tracked freeze).
 	gone []string
+	// todo are a tracked freeze's names: a file opened since the last
+	// checkpoint is tested for writers wherever the freeze meets it.
+	todo map[string]map[string]uint8
 }
 
 // lazyDir is a directory of D, created on first need.
@@ -160,7 +163,7 @@ func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]ui
 	}
 	defer unix.Close(sfd)
 	defer unix.Close(c.dstRoot)
-	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children, strictLinks: true}
+	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children, strictLinks: true, todo: todo}
 	root := &lazyDir{fd: c.dstRoot, created: true}
 	if err := z.visit(sfd, "", root, todo); err != nil {
 		return trackedDelta{}, 0, err
@@ -203,6 +206,7 @@ func (z *incFreezer) visit(ufd int, p string, d *lazyDir, todo map[string]map[st
 		cur := fpOf(&st)
 		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			if cur.multiLink() {
+				z.tr.t.noteLinked(ufd, name)
 				return fmt.Errorf("%w: /%s has other names", errNeedWalk, cp)
 			}
 			if had && o.mode&unix.S_IFMT == unix.S_IFDIR {
@@ -302,11 +306,14 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 		}
 		cur := fpOf(&st)
 		if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			if cur.multiLink() && z.tr != nil {
+				z.tr.t.noteLinked(ufd, name)
+			}
 			if z.strictLinks && cur.multiLink() {
 				return fmt.Errorf("%w: /%s has other names", errNeedWalk, cp)
 			}
 			z.fp[cp] = cur
-			test := fresh && st.Mode&unix.S_IFMT == unix.S_IFREG
+			test := (fresh || z.todo[p][name]&nameOpened != 0) && st.Mode&unix.S_IFMT == unix.S_IFREG
 			if merge {
 				if o, ok := z.prev[qp]; ok && o.same(cur) {
 					if test {

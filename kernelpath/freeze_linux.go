@@ -219,6 +219,9 @@ func (c *treeCopier) copyEntry(src, dst int, name, rel string) error {
 func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Stat_t) error {
 	st := *stp
 	c.fp[rel] = fpOf(&st)
+	if c.tr != nil && c.fp[rel].multiLink() {
+		c.tr.t.noteLinked(src, name)
+	}
 	const oflags = unix.O_NOFOLLOW | unix.O_CLOEXEC
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFDIR:

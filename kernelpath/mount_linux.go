@@ -7,14 +7,12 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 
-	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/layer"
 )
 
@@ -30,24 +28,25 @@ type FS struct {
 	syncCkpt bool
 	mntID    uint64 // our overlay's mount id at mp (0 = unknown)
 
-	mu      sync.Mutex
-	closed  bool
-	lowers  []string // external base dirs, topmost first
-	layers  []string // frozen layers under the upper, bottom first
-	upper   string   // id of the live upper layer
-	base    string   // last checkpoint taken or switched to
-	gen     uint64   // ioctl generation (ioctl mode only)
-	ckpt    *fpIndex // the upper as the last checkpoint froze it (nil = none)
-	chain   []string // layers frozen from the live upper, bottom first
-	live    []string // frozen layers the live overlay uses (the mount record's)
-	takenFP map[string]entryFP
+	mu     sync.Mutex
+	closed bool
+	lowers []string // external base dirs, topmost first
+	layers []string // frozen layers under the upper, bottom first
+	upper  string   // id of the live upper layer
+	base   string   // last checkpoint taken or switched to
+	gen    uint64   // ioctl generation (ioctl mode only)
+	ckpt   *fpIndex // the upper as the last checkpoint froze it (nil = none)
+	chain  []string // layers frozen from the live upper, bottom first
+	live   []string // frozen layers the live overlay uses (the mount record's)
+	taken  *fpIndex // the upper as the last effect report saw it (nil = as the last checkpoint froze it)
 
 	// track follows the live upper's changes (nil: every incremental
 	// checkpoint walks the upper); lastFreeze says how the last
 	// checkpoint found its entries ("tracked", "walk: <why>", "full").
-	track      *tracker
-	noTrack    bool
-	lastFreeze string
+	track       *tracker
+	noTrack     bool
+	lastFreeze  string
+	lastEffects string // how the last effect report found its entries
 
 	// teardown counts detached overlays still being torn down in the
 	// background (Switch); Unmount waits for them.
@@ -591,7 +590,7 @@ func (f *FS) Switch(id string) error {
 	if oldTrack != nil {
 		oldTrack.close()
 	}
-	f.upper, f.base, f.ckpt, f.takenFP, f.chain, f.live = upper, id, nil, nil, nil, f.layers
+	f.upper, f.base, f.ckpt, f.taken, f.chain, f.live = upper, id, nil, nil, nil, f.layers
 	f.mntID = mountID(f.mp)
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
@@ -684,103 +683,6 @@ func (f *FS) Compact() error {
 		return fmt.Errorf("compact %s: unmounted", f.id)
 	}
 	return f.compactLocked()
-}
-
-// TakeFSEffects returns what changed in the view since the previous call,
-// found by comparing the live upper with the previous call's walk (cost:
-// one walk of the upper; unlike Checkpoint it does not use the change
-// tracker yet).
-// Renames show as a create plus a delete; deletes of lower entries show as
-// whiteouts created. UpperNonEmpty reports whether the upper differs from
-// what the last checkpoint froze.
-func (f *FS) TakeFSEffects() effect.FS {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	var out effect.FS
-	if f.closed {
-		return out
-	}
-	cur, err := fingerprintTree(f.st.LayerPath(f.upper))
-	if err != nil {
-		f.log.Warn("kernelpath: walk upper for effects", "mount", f.id, "err", err)
-		out.UpperNonEmpty = true
-		return out
-	}
-	var ckptFP map[string]entryFP
-	if f.ckpt != nil {
-		ckptFP = f.ckpt.fp
-	}
-	prev := f.takenFP
-	if prev == nil {
-		prev = ckptFP
-	}
-	paths := make([]string, 0, len(cur))
-	for p := range cur {
-		paths = append(paths, p)
-	}
-	sort.Strings(paths)
-	sample := func(op, p string) {
-		if len(out.Samples) < effect.MaxSamples {
-			out.Samples = append(out.Samples, effect.PathSample{Op: op, Path: "/" + p})
-		}
-	}
-	for _, p := range paths {
-		c := cur[p]
-		o, had := prev[p]
-		switch {
-		case c.isWhiteout() && (!had || !o.isWhiteout()):
-			out.Deleted++
-			sample("delete", p)
-		case c.isWhiteout():
-		case !had:
-			if l, ok := f.lowerStat(p); ok && c.mode&unix.S_IFMT == l.mode&unix.S_IFMT {
-				// A copy-up of a lower entry: a change, not a creation.
-				if c.mode&unix.S_IFMT == unix.S_IFDIR {
-					continue // a directory copied up for a change below it
-				}
-				if c.size != l.size || c.mtime != l.mtime {
-					out.Modified++
-					sample("modify", p)
-					if c.size > l.size {
-						out.BytesWritten += uint64(c.size - l.size)
-					}
-				} else {
-					out.MetaChanged++
-					sample("meta", p)
-				}
-				continue
-			}
-			out.Created++
-			sample("create", p)
-			if c.mode&unix.S_IFMT == unix.S_IFREG {
-				out.BytesWritten += uint64(c.size)
-			}
-		case o.ino != c.ino || o.mode&unix.S_IFMT != c.mode&unix.S_IFMT:
-			out.Created++
-			sample("create", p)
-		case c.mode&unix.S_IFMT != unix.S_IFDIR && (o.size != c.size || o.mtime != c.mtime):
-			out.Modified++
-			sample("modify", p)
-			if c.size > o.size {
-				out.BytesWritten += uint64(c.size - o.size)
-			}
-		case o.ctime != c.ctime && c.mode&unix.S_IFMT != unix.S_IFDIR:
-			out.MetaChanged++
-			sample("meta", p)
-		case o.mode != c.mode:
-			out.MetaChanged++
-			sample("meta", p)
-		}
-	}
-	for p, o := range prev {
-		if _, ok := cur[p]; !ok && !o.isWhiteout() {
-			out.Deleted++
-			sample("delete", p)
-		}
-	}
-	f.takenFP = cur
-	out.UpperNonEmpty = !sameFP(cur, ckptFP)
-	return out
 }
 
 // lowerStat finds path p in the frozen layers and base dirs, topmost first

@@ -81,6 +81,18 @@ type tracker struct {
 	created map[string]unix.FileHandle
 	// writers are the files open for write at the last checkpoint.
 	writers map[string]unix.FileHandle
+	// linked are the files seen with other names since the upper was
+	// mounted (by handle key). overlayfs (index=off) keeps one upper
+	// dentry per inode, the first name looked up: once that name is
+	// removed, changes through the other names raise events under the
+	// removed one. Every event for such a file makes the checkpoint walk.
+	linked map[string]struct{}
+
+	// The same since the last effect report (TakeFSEffects), whose
+	// baseline is its own: names, created files, why it must walk.
+	eff        map[string]map[string]uint8
+	effCreated map[string]unix.FileHandle
+	effBroken  string
 
 	buf []byte
 	// failMark makes watching the directory at this path fail (tests).
@@ -128,7 +140,8 @@ func newTracker(upperPath string) (*tracker, error) {
 	}
 	t := &tracker{fan: fan, root: root, rootPath: rootPath, pid: int32(os.Getpid()),
 		dirs: map[string]trackedDir{}, byIno: map[uint64]string{}, dirty: map[string]map[string]uint8{},
-		opened: map[string]unix.FileHandle{}, created: map[string]unix.FileHandle{}, writers: map[string]unix.FileHandle{}, broken: "no walk yet", buf: make([]byte, 64<<10)}
+		eff: map[string]map[string]uint8{}, effCreated: map[string]unix.FileHandle{},
+		linked: map[string]struct{}{}, opened: map[string]unix.FileHandle{}, created: map[string]unix.FileHandle{}, writers: map[string]unix.FileHandle{}, broken: "no walk yet", buf: make([]byte, 64<<10)}
 	// Mark the root now: opens and changes before the first checkpoint
 	// are then seen (the first freeze walks anyway).
 	var st unix.Stat_t
@@ -190,6 +203,17 @@ func (t *tracker) enter(fd int, p string, ino uint64) (fresh bool, err error) {
 	return true, nil
 }
 
+// noteLinked records the file name in directory dirfd, seen with other
+// names.
+func (t *tracker) noteLinked(dirfd int, name string) {
+	h, _, err := unix.NameToHandleAt(dirfd, name, 0)
+	if err != nil {
+		t.breakf("hard-linked file: name_to_handle_at: %v", err)
+		return
+	}
+	t.linked[handleKey(h.Type(), h.Bytes())] = struct{}{}
+}
+
 // forget drops a directory removed from the upper.
 func (t *tracker) forget(p string, ino uint64) {
 	if k, ok := t.byIno[ino]; ok && t.dirs[k].path == p {
@@ -199,17 +223,22 @@ func (t *tracker) forget(p string, ino uint64) {
 }
 
 func (t *tracker) touch(dir, name string, flags uint8) {
-	m := t.dirty[dir]
-	if m == nil {
-		m = map[string]uint8{}
-		t.dirty[dir] = m
+	for _, set := range []map[string]map[string]uint8{t.dirty, t.eff} {
+		m := set[dir]
+		if m == nil {
+			m = map[string]uint8{}
+			set[dir] = m
+		}
+		m[name] |= flags
 	}
-	m[name] |= flags
 }
 
 func (t *tracker) breakf(format string, args ...any) {
 	if t.broken == "" {
 		t.broken = fmt.Sprintf(format, args...)
+	}
+	if t.effBroken == "" {
+		t.effBroken = t.broken
 	}
 }
 
@@ -265,7 +294,7 @@ func (t *tracker) event(mask uint64, own bool, info []byte) {
 	}
 	var dir, name string
 	var child []byte
-	haveDir := false
+	haveDir, unknown := false, false
 	for len(info) >= 4 {
 		typ, l := info[0], int(binary.LittleEndian.Uint16(info[2:]))
 		if l < 20 || l > len(info) {
@@ -290,7 +319,8 @@ func (t *tracker) event(mask uint64, own bool, info []byte) {
 			}
 			if !ok {
 				t.breakf("event for an unknown directory (mask %#x name %q)%s", mask, nameIn(info[20+hb:l]), t.debugHandle(info[12:20+hb]))
-				return
+				unknown = true
+				break
 			}
 			rest := info[20+hb : l]
 			if i := indexNUL(rest); i >= 0 {
@@ -301,6 +331,13 @@ func (t *tracker) event(mask uint64, own bool, info []byte) {
 			child = info[12 : 20+hb]
 		}
 		info = info[l:]
+	}
+	if unknown {
+		// The walk this asks for still tests an opened file for writers.
+		if len(child) >= 8 && mask&unix.FAN_OPEN != 0 && mask&unix.FAN_ONDIR == 0 {
+			t.opened[string(child)] = unix.NewFileHandle(int32(binary.LittleEndian.Uint32(child[4:])), child[8:])
+		}
+		return
 	}
 	if !haveDir {
 		t.breakf("event without a directory (mask %#x)", mask)
@@ -337,12 +374,26 @@ func (t *tracker) event(mask uint64, own bool, info []byte) {
 		flags = nameOpened
 	}
 	if len(child) >= 8 && mask&unix.FAN_ONDIR == 0 {
+		// (Recorded below all the same: a walk still tests the file for
+		// writers.)
+		if _, ok := t.linked[string(child)]; ok {
+			t.breakf("event for /%s, a file that had other names", join(dir, name))
+		}
 		h := unix.NewFileHandle(int32(binary.LittleEndian.Uint32(child[4:])), child[8:])
 		if flags != 0 {
 			t.opened[string(child)] = h
 		}
 		if mask&unix.FAN_CREATE != 0 {
 			t.created[string(child)] = h
+			t.effCreated[string(child)] = h
+		}
+		if mask&unix.FAN_DELETE != 0 {
+			// A name removed from a file that lives on: it had another.
+			// (overlayfs's whiteouts all share one inode: not links.)
+			if alive, err := t.aliveFile(h); err != nil || alive {
+				t.linked[string(child)] = struct{}{}
+				t.breakf("/%s removed, its file has other names", join(dir, name))
+			}
 		}
 	}
 	t.touch(dir, name, flags)
@@ -371,6 +422,27 @@ func baseOf(p string) string {
 // not suffice.
 func (t *tracker) plan() (map[string]map[string]uint8, error) {
 	t.drain()
+	t.resolve(t.created)
+	if t.broken != "" {
+		return nil, fmt.Errorf("%w: %s", errNeedWalk, t.broken)
+	}
+	return closure(t.dirty), nil
+}
+
+// planEff is plan for the effect report (its own names since the last
+// report); the checkpoint's names are left for the checkpoint.
+func (t *tracker) planEff() (map[string]map[string]uint8, error) {
+	t.drain()
+	t.resolve(t.effCreated)
+	if t.effBroken != "" {
+		return nil, fmt.Errorf("%w: %s", errNeedWalk, t.effBroken)
+	}
+	return closure(t.eff), nil
+}
+
+// resolve names the writers of the last checkpoint and the files created
+// wherever they are now.
+func (t *tracker) resolve(created map[string]unix.FileHandle) {
 	for k, h := range t.writers {
 		p, ok, err := t.pathOf(h)
 		switch {
@@ -382,19 +454,21 @@ func (t *tracker) plan() (map[string]map[string]uint8, error) {
 			t.touch(parentOf(p), baseOf(p), nameOpened)
 		}
 	}
-	if t.broken != "" {
-		return nil, fmt.Errorf("%w: %s", errNeedWalk, t.broken)
-	}
-	for _, h := range t.created {
+	for _, h := range created {
 		p, ok, err := t.pathOf(h)
 		switch {
 		case err != nil:
-			return nil, fmt.Errorf("%w: created file: %v", errNeedWalk, err)
+			t.breakf("created file: %v", err)
 		case ok:
 			t.touch(parentOf(p), baseOf(p), 0)
 		}
 	}
-	todo := make(map[string]map[string]uint8, len(t.dirty))
+}
+
+// closure adds to the names of each directory those of the directories on
+// the way to it.
+func closure(names map[string]map[string]uint8) map[string]map[string]uint8 {
+	todo := make(map[string]map[string]uint8, len(names))
 	add := func(dir, name string, fl uint8) {
 		m := todo[dir]
 		if m == nil {
@@ -403,8 +477,8 @@ func (t *tracker) plan() (map[string]map[string]uint8, error) {
 		}
 		m[name] |= fl
 	}
-	for dir, names := range t.dirty {
-		for name, fl := range names {
+	for dir, ns := range names {
+		for name, fl := range ns {
 			add(dir, name, fl)
 		}
 		for a := dir; a != ""; a = parentOf(a) {
@@ -415,7 +489,14 @@ func (t *tracker) plan() (map[string]map[string]uint8, error) {
 			add(p, b, 0)
 		}
 	}
-	return todo, nil
+	return todo
+}
+
+// effCommitted ends an effect report: its names are accounted for.
+func (t *tracker) effCommitted() {
+	t.eff = map[string]map[string]uint8{}
+	t.effCreated = map[string]unix.FileHandle{}
+	t.effBroken = ""
 }
 
 // pathOf finds the path of a file of the upper by its handle: ok false if
@@ -445,6 +526,24 @@ func (t *tracker) pathOf(h unix.FileHandle) (string, bool, error) {
 		return "", false, nil // moved out of the upper (into overlayfs's work dir)
 	}
 	return rel, true, nil
+}
+
+// aliveFile reports whether the file h still has a name (whiteouts
+// excepted).
+func (t *tracker) aliveFile(h unix.FileHandle) (bool, error) {
+	fd, err := unix.OpenByHandleAt(t.root, h, unix.O_PATH|unix.O_CLOEXEC)
+	if errors.Is(err, unix.ESTALE) || errors.Is(err, unix.ENOENT) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("open_by_handle_at: %w", err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return false, err
+	}
+	return st.Nlink > 0 && !fpOf(&st).isWhiteout(), nil
 }
 
 // leaseBusy reports whether the regular file name in directory dirfd is
