@@ -105,7 +105,7 @@ func choose(r *Report) Chosen {
 	case r.OK("overlayfs", "layer-switch-ioctl"):
 		ch.FS = Choice{"kernel", "patched overlayfs with the layer-switch ioctl"}
 	case r.OK("fuse", "mount"):
-		ch.FS = Choice{"fuse", "stock overlayfs has no layer-switch ioctl, so a kernel-path checkpoint copies (reflinks) each entry changed (found by fanotify; its cost grows with the entries changed, the FUSE overlay's is constant), its per-turn effect report walks the live upper, and its switch replaces the sandbox's root mount, so every restore re-creates the processes; the FUSE overlay checkpoints and switches in place; --fs kernel forces native overlayfs for native-speed I/O"}
+		ch.FS = Choice{"fuse", "stock overlayfs has no layer-switch ioctl, so a kernel-path checkpoint copies (reflinks) each entry changed (found by fanotify; its cost grows with the entries changed, the FUSE overlay's is constant), and its switch replaces the sandbox's root mount, so every restore re-creates the processes; the FUSE overlay checkpoints and switches in place; --fs kernel forces native overlayfs for native-speed I/O"}
 		if r.OK("fuse", "passthrough") {
 			ch.FS.Reason += "; FUSE passthrough gives native-speed data I/O"
 		}

@@ -762,7 +762,7 @@ func ChooseFS(stateDir string) Choice {
 	dir := existingParent(stateDir)
 	switch err := kernelpath.ProbeSwitchIoctl(dir); {
 	case errors.Is(err, kernelpath.ErrIoctlAbsent):
-		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel checkpoint copies (reflinks) each entry changed since the previous one (found by fanotify, not by a walk of the live upper: its cost grows with the entries changed, the FUSE overlay's is constant), the per-turn effect report still walks the live upper, and a switch replaces the sandbox's root mount, so every restore re-creates the processes; sandboxes use the FUSE overlay, which checkpoints and switches in place (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
+		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel checkpoint copies (reflinks) each entry changed since the previous one (found by fanotify, not by a walk of the live upper: its cost grows with the entries changed, the FUSE overlay's is constant), and a switch replaces the sandbox's root mount, so every restore re-creates the processes; sandboxes use the FUSE overlay, which checkpoints and switches in place (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
 	case err != nil:
 		return Choice{"fuse", "layer-switch ioctl probe failed (" + errnoDetail(err) + "): using the FUSE overlay"}
 	case onRootFS(dir):
