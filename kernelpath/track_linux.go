@@ -27,7 +27,9 @@ import (
 // directories to their paths. A checkpoint then visits only the names
 // named by events (and the directories on their paths), with the same
 // per-entry rules as the walk (freeze_inc_linux.go), so the delta is the
-// one the walk would write.
+// one the walk would write. The per-turn effect report (TakeFSEffects,
+// effects_linux.go) keeps its own set of names, since its own baseline,
+// the same way.
 //
 // The tracked freeze falls back to the full walk for one checkpoint, never
 // to a guess, when the events may not name every change:
@@ -38,7 +40,10 @@ import (
 //     changes), or a known directory shows up at another path;
 //   - an entry with more than one link (other than overlayfs's shared
 //     whiteouts) was touched or found in a new directory: its other names
-//     change too and raise no event;
+//     change too and raise no event; and any event for a file ever seen
+//     with other names, or whose removed name left it alive: overlayfs
+//     (index=off) reports changes through a surviving name under the
+//     first name looked up, even once that name is gone;
 //   - a directory could not be marked (the walk marks it again).
 //
 // A hard link made and then removed again in a directory created since the
