@@ -1,10 +1,15 @@
 package fs
 
 import (
+	"fmt"
+	"os"
+	"strconv"
 	"sync/atomic"
+	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
 )
 
 // Request opcodes counted by rawFS, in the order RequestCounts
@@ -270,8 +275,24 @@ func (f *FS) RequestCounts() map[string]uint64 {
 // mountCounting is gofs.Mount with the bridge wrapped in a rawFS.
 func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCounts, noOpen bool) (*fuse.Server, error) {
 	raw := &rawFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c, noOpen: noOpen}
+	// go-fuse opens /dev/fuse without O_CLOEXEC, so every program this
+	// process starts would inherit the connection: a sandbox's init would
+	// hold the connections of the other sandboxes' mounts, and once this
+	// process died their requests would never be answered nor failed
+	// (the connection lives while any fd holds it), leaving the sandboxes'
+	// processes, the inits included, blocked for good. No fork runs
+	// between the open and the fix (ForkLock; a direct mount only, which
+	// starts no fusermount).
+	syscall.ForkLock.Lock()
 	srv, err := fuse.NewServer(raw, mp, &o.MountOptions)
+	if err == nil {
+		err = cloexecFuseFDs()
+	}
+	syscall.ForkLock.Unlock()
 	if err != nil {
+		if srv != nil {
+			_ = unix.Unmount(mp, unix.MNT_DETACH)
+		}
 		return nil, err
 	}
 	go srv.Serve()
@@ -279,4 +300,26 @@ func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCou
 		return nil, err // as gofs.Mount: a failed mount has no loop to stop
 	}
 	return srv, nil
+}
+
+// cloexecFuseFDs sets close-on-exec on every /dev/fuse descriptor of this
+// process.
+func cloexecFuseFDs() error {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return fmt.Errorf("list descriptors: %w", err)
+	}
+	for _, e := range ents {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if t, err := os.Readlink("/proc/self/fd/" + e.Name()); err != nil || t != "/dev/fuse" {
+			continue
+		}
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, unix.FD_CLOEXEC); err != nil {
+			return fmt.Errorf("close-on-exec on /dev/fuse descriptor %d: %w", fd, err)
+		}
+	}
+	return nil
 }

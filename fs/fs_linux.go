@@ -250,6 +250,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		MountOptions: fuse.MountOptions{
 			AllowOther:           true,
 			DirectMount:          true,
+			DirectMountStrict:    true, // never fusermount (see mountCounting)
 			FsName:               "rewind:" + f.id,
 			Name:                 "rewind",
 			Options:              []string{"default_permissions", "suid", "dev"},

@@ -3,6 +3,7 @@ package fs
 import (
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -62,5 +63,19 @@ func TestUnmountEndsCopiesInOtherNamespaces(t *testing.T) {
 	}
 	if _, err := os.ReadFile(copyPath); !errors.Is(err, syscall.ENOTCONN) {
 		t.Fatalf("the copy after unmount: %v, want ENOTCONN", err)
+	}
+}
+
+// A program started while views are mounted inherits none of their FUSE
+// connections (go-fuse opens /dev/fuse without O_CLOEXEC).
+func TestMountConnectionNotInherited(t *testing.T) {
+	fx := mountT(t, nil, Options{})
+	mustWrite(t, fx.p("f"), "x")
+	out, err := exec.Command("sh", "-c", `for f in /proc/$$/fd/*; do readlink "$f"; done; true`).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if strings.Contains(string(out), "/dev/fuse") {
+		t.Fatalf("a child holds a FUSE connection:\n%s", out)
 	}
 }
