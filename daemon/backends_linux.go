@@ -402,13 +402,55 @@ func (b *fsBackend) stopGC() {
 
 func (b *fsBackend) Cleanup(_ context.Context, id string) error {
 	mp := filepath.Join(b.mnt, id)
-	if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("unmount stale %s: %w", mp, err)
+	// Every mount stacked there (a kernel-path view may sit beneath
+	// another), until none is left.
+	for i := 0; ; i++ {
+		err := unix.Unmount(mp, unix.MNT_DETACH)
+		if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT) {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("unmount stale %s: %w", mp, err)
+		}
+		if i == 64 {
+			return fmt.Errorf("unmount stale %s: still mounted after %d unmounts", mp, i+1)
+		}
+	}
+	if err := os.Remove(mp); err != nil && !errors.Is(err, os.ErrNotExist) {
+		b.log.Debug("remove stale mount point", "path", mp, "err", err)
 	}
 	if _, err := b.st.Mount(id); err == nil {
 		return b.st.RemoveMount(id)
 	}
 	return nil
+}
+
+// Leftovers implements state.LeftoverLister: the sandboxes with a mount
+// point under STATE/mnt or a mount record in the layer store.
+func (b *fsBackend) Leftovers(context.Context) ([]string, error) {
+	seen := map[string]bool{}
+	var ids []string
+	add := func(id string) {
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	ents, err := os.ReadDir(b.mnt)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("list mount points: %w", err)
+	}
+	for _, e := range ents {
+		add(e.Name())
+	}
+	recs, err := b.st.Mounts()
+	if err != nil {
+		return nil, fmt.Errorf("list mount records: %w", err)
+	}
+	for _, r := range recs {
+		add(r.ID)
+	}
+	return ids, nil
 }
 
 type fsMount struct {

@@ -5,12 +5,15 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/fs"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/layer"
 )
 
 // Any process on the host that makes a mount namespace while sandboxes run
@@ -53,5 +56,39 @@ func TestRealShutdownWithForeignCopiesOfTheMounts(t *testing.T) {
 		if _, err := os.ReadFile(root + mp + "/f"); !errors.Is(err, syscall.ENOTCONN) && !errors.Is(err, syscall.ENOENT) {
 			t.Errorf("copy of %s after shutdown: %v, want ENOTCONN or ENOENT", mp, err)
 		}
+	}
+}
+
+// A daemon that died while creating a sandbox leaves its mount and mount
+// record without a sandbox record. The next daemon removes both.
+func TestRealStartRemovesMountsWithoutARecord(t *testing.T) {
+	dir := t.TempDir()
+	st, err := layer.OpenStore(filepath.Join(dir, "state", "layers"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const id = "sb-0123456789ab"
+	mp := filepath.Join(dir, "state", "mnt", id)
+	if err := os.MkdirAll(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f, err := fs.Mount(st, mp, fs.Options{MountID: id, UnmountGrace: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Unmount() })
+	if err := os.WriteFile(filepath.Join(mp, "f"), []byte("left"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	startRealWith(t, dir, nil)
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(mi), " "+mp+" ") {
+		t.Errorf("%s is still mounted", mp)
+	}
+	if _, err := st.Mount(id); !errors.Is(err, layer.ErrNotFound) {
+		t.Errorf("mount record of %s: %v, want not found", id, err)
 	}
 }

@@ -38,6 +38,15 @@ type FSBackend interface {
 	Cleanup(ctx context.Context, id string) error
 }
 
+// LeftoverLister is implemented by an FSBackend that can name the
+// sandboxes it holds something for (mount points, mount records), whether
+// or not the store knows them: a daemon that dies while it creates a
+// sandbox leaves them behind without a record. Open cleans up (FSBackend
+// and ProcBackend Cleanup) every one the store does not know.
+type LeftoverLister interface {
+	Leftovers(ctx context.Context) ([]string, error)
+}
+
 // UndoCheckpointer is implemented by process sandboxes that can take a
 // cheaper checkpoint for a restore's undo point: one that lives only until
 // the restore ends and is restored, if ever, at once (so it needs no

@@ -213,6 +213,7 @@ func (m *Manager) recover(ctx context.Context) error {
 			b.unpin = append(b.unpin, id)
 		}
 	}
+	m.cleanLeftovers(ctx, l.sandboxes)
 	for _, sb := range l.sandboxes {
 		if sb.Warm {
 			// A fork child prepared by the previous daemon: never handed
@@ -298,6 +299,39 @@ func (m *Manager) Close(ctx context.Context) error {
 	m.pmu.Lock() // no store write in flight
 	defer m.pmu.Unlock()
 	return m.st.close()
+}
+
+// cleanLeftovers cleans up what the back ends hold for sandboxes the store
+// does not know (see LeftoverLister): a daemon that died while creating
+// them. Nothing of them runs in this daemon yet.
+func (m *Manager) cleanLeftovers(ctx context.Context, known []*Sandbox) {
+	ll, ok := m.cfg.FS.(LeftoverLister)
+	if !ok {
+		return
+	}
+	ids, err := ll.Leftovers(ctx)
+	if err != nil {
+		m.log.Warn("list what a previous daemon left", "err", err)
+		return
+	}
+	isKnown := make(map[string]bool, len(known))
+	for _, sb := range known {
+		isKnown[sb.ID] = true
+	}
+	for _, id := range ids {
+		if isKnown[id] {
+			continue
+		}
+		// Processes first: they may hold the mount.
+		if err := m.cfg.Proc.Cleanup(ctx, id); err != nil {
+			m.log.Warn("process cleanup of a sandbox without a record", "sandbox", id, "err", err)
+		}
+		if err := m.cfg.FS.Cleanup(ctx, id); err != nil {
+			m.log.Warn("fs cleanup of a sandbox without a record", "sandbox", id, "err", err)
+			continue
+		}
+		m.log.Info("cleaned up a sandbox a previous daemon left without a record", "sandbox", id)
+	}
 }
 
 // stopParallel bounds the sandboxes that stopSandboxes tears down at once.
