@@ -257,7 +257,7 @@ func getxattr(f func([]byte) (int, error)) (string, error) {
 }
 
 func readdirnames(fd int) ([]string, error) {
-	dfd, err := unix.Dup(fd)
+	dfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0) // no program started meanwhile inherits it
 	if err != nil {
 		return nil, err
 	}
