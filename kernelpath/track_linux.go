@@ -99,6 +99,13 @@ type tracker struct {
 	effCreated map[string]unix.FileHandle
 	effBroken  string
 
+	// pendingCreate is a regular file's CREATE event not (yet) followed by
+	// the OPEN of the same open(2); linkSuspects are the files created
+	// otherwise (link(2), mknod): see findLinks.
+	pendingCreate string
+	pendingHandle unix.FileHandle
+	linkSuspects  map[string]unix.FileHandle
+
 	buf []byte
 	// failMark makes watching the directory at this path fail (tests).
 	failMark string
@@ -146,7 +153,7 @@ func newTracker(upperPath string) (*tracker, error) {
 	t := &tracker{fan: fan, root: root, rootPath: rootPath, pid: int32(os.Getpid()),
 		dirs: map[string]trackedDir{}, byIno: map[uint64]string{}, dirty: map[string]map[string]uint8{},
 		eff: map[string]map[string]uint8{}, effCreated: map[string]unix.FileHandle{},
-		linked: map[string]struct{}{}, opened: map[string]unix.FileHandle{}, created: map[string]unix.FileHandle{}, writers: map[string]unix.FileHandle{}, broken: "no walk yet", buf: make([]byte, 64<<10)}
+		linked: map[string]struct{}{}, linkSuspects: map[string]unix.FileHandle{}, opened: map[string]unix.FileHandle{}, created: map[string]unix.FileHandle{}, writers: map[string]unix.FileHandle{}, broken: "no walk yet", buf: make([]byte, 64<<10)}
 	// Mark the root now: opens and changes before the first checkpoint
 	// are then seen (the first freeze walks anyway).
 	var st unix.Stat_t
@@ -259,6 +266,7 @@ func (t *tracker) read(dropOwn bool) {
 	for {
 		n, err := unix.Read(t.fan, t.buf)
 		if errors.Is(err, unix.EAGAIN) {
+			t.endCreate()
 			return
 		}
 		if errors.Is(err, unix.EINTR) {
@@ -379,6 +387,15 @@ func (t *tracker) event(mask uint64, own bool, info []byte) {
 		flags = nameOpened
 	}
 	if len(child) >= 8 && mask&unix.FAN_ONDIR == 0 {
+		k := string(child)
+		if t.pendingCreate != "" && !(k == t.pendingCreate && mask&unix.FAN_OPEN != 0) {
+			t.endCreate()
+		}
+		if t.pendingCreate == k {
+			t.pendingCreate = "" // open(O_CREAT)
+		} else if mask&unix.FAN_CREATE != 0 && mask&unix.FAN_OPEN == 0 {
+			t.pendingCreate, t.pendingHandle = k, unix.NewFileHandle(int32(binary.LittleEndian.Uint32(child[4:])), child[8:])
+		}
 		// (Recorded below all the same: a walk still tests the file for
 		// writers.)
 		if _, ok := t.linked[string(child)]; ok {
@@ -427,6 +444,7 @@ func baseOf(p string) string {
 // not suffice.
 func (t *tracker) plan() (map[string]map[string]uint8, error) {
 	t.drain()
+	t.findLinks()
 	t.resolve(t.created)
 	if t.broken != "" {
 		return nil, fmt.Errorf("%w: %s", errNeedWalk, t.broken)
@@ -466,6 +484,46 @@ func (t *tracker) resolve(created map[string]unix.FileHandle) {
 			t.breakf("created file: %v", err)
 		case ok:
 			t.touch(parentOf(p), baseOf(p), 0)
+		}
+	}
+}
+
+// endCreate ends a pending CREATE: no OPEN of the same file followed.
+func (t *tracker) endCreate() {
+	if t.pendingCreate != "" {
+		t.linkSuspects[t.pendingCreate] = t.pendingHandle
+		t.pendingCreate = ""
+	}
+}
+
+// findLinks finds the regular files created since the last checkpoint
+// without being opened by the same call (a CREATE event not followed by
+// that file's OPEN) and not copied up: made by link(2) (or mknod), so they
+// have, or had, another name. (A link to a file copied up before is not
+// told from a copy-up unless both names still exist.) If that name is then replaced (a rename over it) nothing
+// else tells, and overlayfs reports changes through the new name under
+// the replaced one; they are remembered as linked, and the checkpoint
+// walks.
+func (t *tracker) findLinks() {
+	for k, h := range t.linkSuspects {
+		delete(t.linkSuspects, k)
+		if _, ok := t.linked[k]; ok {
+			continue
+		}
+		fd, err := unix.OpenByHandleAt(t.root, h, unix.O_PATH|unix.O_CLOEXEC)
+		if err != nil {
+			continue // gone
+		}
+		var st unix.Stat_t
+		err = unix.Fstat(fd, &st)
+		// overlayfs copies a file up by linking an O_TMPFILE into the
+		// upper (a CREATE without OPEN too, when a chmod, utimes or
+		// truncate asked for the copy): those carry the origin xattr.
+		_, oerr := unix.Getxattr("/proc/self/fd/"+strconv.Itoa(fd), "trusted.overlay.origin", nil)
+		unix.Close(fd)
+		if err == nil && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Nlink > 0 && (oerr != nil || st.Nlink > 1) {
+			t.linked[k] = struct{}{}
+			t.breakf("a file created by link(2) (or mknod)")
 		}
 	}
 }

@@ -36,7 +36,9 @@ var (
 // compared with the walk's the same way. Rounds without directory renames
 // or hard links must not have needed the walk (but for a directory whose
 // inode number a removed one had: the walk's index is by inode, so that
-// looks like a move, and the tracker walks rather than disagree).
+// looks like a move, and the tracker walks rather than disagree; and a
+// file the tracker takes for a hard link, which it cannot always tell from
+// a copy-up: it walks then).
 func TestTrackedDeltaMatchesWalk(t *testing.T) {
 	cases := []struct {
 		name, fs string
@@ -305,7 +307,8 @@ func (r *trackRun) checkpoint(round int) string {
 		t.Fatalf("round %d (%s): children index differs from the walk's:\n%v\n%v", round, f.lastFreeze, g, w)
 	}
 	if f.lastFreeze != "full" && !r.faulty && !r.dirRenamed && !r.linked && !prevMulti && !anyMultiLink(wfp) && f.lastFreeze != "tracked" &&
-		!(r.everLinked && strings.Contains(f.lastFreeze, "other names")) && !strings.Contains(f.lastFreeze, "unseen") {
+		!(r.everLinked && strings.Contains(f.lastFreeze, "other names")) && !strings.Contains(f.lastFreeze, "unseen") &&
+		!strings.Contains(f.lastFreeze, "link(2)") {
 		t.Errorf("round %d: no directory renamed, no hard links, yet the checkpoint walked (%s)", round, f.lastFreeze)
 	}
 	how := f.lastFreeze
@@ -354,7 +357,7 @@ func (r *trackRun) effects(round int, prevMulti bool) {
 	}
 	if !r.faulty && !r.takeRenamed && !r.takeLinked && !prevMulti && !anyMultiLink(cur) && f.lastEffects != "tracked" &&
 		!(r.everLinked && strings.Contains(f.lastEffects, "other names")) && !strings.Contains(f.lastEffects, "no walk yet") &&
-		!strings.Contains(f.lastEffects, "unseen") {
+		!strings.Contains(f.lastEffects, "unseen") && !strings.Contains(f.lastEffects, "link(2)") {
 		t.Errorf("round %d: no directory renamed, no hard links, yet the effect report walked (%s)", round, f.lastEffects)
 	}
 	r.takeRenamed, r.takeLinked = false, false
@@ -445,6 +448,22 @@ func TestTrackerFallsBackToWalk(t *testing.T) {
 			if err := os.Remove(r.p("b/l0")); err != nil {
 				r.t.Fatal(err)
 			}
+		}, "other names"},
+		{"hard link whose first name is replaced", func(r *trackRun) {
+			writeFile(r.t, r.p("b/h0"), "h")
+			if _, err := r.f.Checkpoint(); err != nil {
+				r.t.Fatal(err)
+			}
+			if err := os.Link(r.p("b/h0"), r.p("a/h1")); err != nil {
+				r.t.Fatal(err)
+			}
+			writeFile(r.t, r.p("b/h0.new"), "other")
+			if err := os.Rename(r.p("b/h0.new"), r.p("b/h0")); err != nil {
+				r.t.Fatal(err)
+			}
+		}, "link"},
+		{"write through the surviving name", func(r *trackRun) {
+			writeFile(r.t, r.p("a/h1"), "changed through the second name")
 		}, "other names"},
 		{"mark failure", func(r *trackRun) {
 			r.f.track.failMark = "n"
