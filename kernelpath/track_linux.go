@@ -319,10 +319,10 @@ func (t *tracker) event(mask uint64, own bool, info []byte) {
 			t.breakf("malformed file handle")
 			return
 		}
-		key := string(info[12 : 20+hb])
+		key := info[12 : 20+hb]
 		switch typ {
 		case unix.FAN_EVENT_INFO_TYPE_DFID_NAME:
-			d, ok := t.dirs[key]
+			d, ok := t.dirs[string(key)]
 			if !ok && nameIn(info[20+hb:l]) == "." {
 				// An event on a directory itself, reported through its
 				// marked parent: a directory the tracker does not know is
