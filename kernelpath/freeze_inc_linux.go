@@ -171,6 +171,36 @@ func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]ui
 	return trackedDelta{z}, z.changed, nil
 }
 
+// copyChanged copies entry name of upper directory ufd (view path cp, stat
+// st) into the delta layer's directory d, made on first use; test has the
+// copy test the file for writers still holding it open (freshDir).
+func (z *incFreezer) copyChanged(ufd int, d *lazyDir, name, cp string, st *unix.Stat_t, test bool) error {
+	dfd, err := z.ensure(d)
+	if err != nil {
+		return fmt.Errorf("/%s: %w", cp, err)
+	}
+	z.freshDir = test
+	if err := z.copyEntryStat(ufd, dfd, name, cp, st); err != nil {
+		return fmt.Errorf("/%s: %w", cp, err)
+	}
+	z.changed++
+	return nil
+}
+
+// whiteout writes a whiteout for name (view path cp) into the delta
+// layer's directory d, made on first use.
+func (z *incFreezer) whiteout(d *lazyDir, name, cp string) error {
+	dfd, err := z.ensure(d)
+	if err != nil {
+		return fmt.Errorf("/%s: %w", cp, err)
+	}
+	if err := unix.Mknodat(dfd, name, unix.S_IFCHR, 0); err != nil {
+		return fmt.Errorf("whiteout /%s: %w", cp, err)
+	}
+	z.changed++
+	return nil
+}
+
 // visit handles the names todo[p] of the known directory ufd at path p
 // (unchanged in place since P), by the rules of walkDir.
 func (z *incFreezer) visit(ufd int, p string, d *lazyDir, todo map[string]map[string]uint8) error {
@@ -190,14 +220,9 @@ func (z *incFreezer) visit(ufd int, p string, d *lazyDir, todo map[string]map[st
 			if o.isWhiteout() {
 				continue
 			}
-			dfd, err := z.ensure(d)
-			if err != nil {
-				return fmt.Errorf("/%s: %w", cp, err)
+			if err := z.whiteout(d, name, cp); err != nil {
+				return err
 			}
-			if err := unix.Mknodat(dfd, name, unix.S_IFCHR, 0); err != nil {
-				return fmt.Errorf("whiteout /%s: %w", cp, err)
-			}
-			z.changed++
 			continue
 		}
 		if err != nil {
@@ -220,15 +245,9 @@ func (z *incFreezer) visit(ufd int, p string, d *lazyDir, todo map[string]map[st
 				}
 				continue
 			}
-			dfd, err := z.ensure(d)
-			if err != nil {
-				return fmt.Errorf("/%s: %w", cp, err)
+			if err := z.copyChanged(ufd, d, name, cp, &st, test); err != nil {
+				return err
 			}
-			z.freshDir = test
-			if err := z.copyEntryStat(ufd, dfd, name, cp, &st); err != nil {
-				return fmt.Errorf("/%s: %w", cp, err)
-			}
-			z.changed++
 			continue
 		}
 		cfd, err := unix.Openat(ufd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -322,15 +341,9 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 					continue // unchanged: Lp has it
 				}
 			}
-			dfd, err := z.ensure(d)
-			if err != nil {
-				return fmt.Errorf("/%s: %w", cp, err)
+			if err := z.copyChanged(ufd, d, name, cp, &st, test); err != nil {
+				return err
 			}
-			z.freshDir = test
-			if err := z.copyEntryStat(ufd, dfd, name, cp, &st); err != nil {
-				return fmt.Errorf("/%s: %w", cp, err)
-			}
-			z.changed++
 			continue
 		}
 		cfd, err := unix.Openat(ufd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -385,14 +398,9 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 			if seen[name] || z.prev[join(q, name)].isWhiteout() {
 				continue
 			}
-			dfd, err := z.ensure(d)
-			if err != nil {
+			if err := z.whiteout(d, name, join(p, name)); err != nil {
 				return err
 			}
-			if err := unix.Mknodat(dfd, name, unix.S_IFCHR, 0); err != nil {
-				return fmt.Errorf("whiteout /%s: %w", join(p, name), err)
-			}
-			z.changed++
 		}
 	}
 	return z.finishDir(ufd, p, d)
