@@ -227,7 +227,7 @@ func cloneIndex(x *fpIndex) *fpIndex {
 }
 
 func dirHasEntries(fd int) bool {
-	dup, err := unix.Dup(fd)
+	dup, err := dupCloexec(fd)
 	if err != nil {
 		return true
 	}

@@ -305,7 +305,7 @@ func join(dir, name string) string {
 // become whiteouts); otherwise everything below is written.
 func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error {
 	fresh := z.tr.enterDir(ufd, p)
-	dupfd, err := unix.Dup(ufd)
+	dupfd, err := dupCloexec(ufd)
 	if err != nil {
 		return err
 	}

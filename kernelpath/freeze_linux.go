@@ -242,7 +242,7 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 		}
 		defer unix.Close(dfd)
 		// copyDir closes its fd; keep one for the metadata.
-		mfd, err := unix.Dup(sfd)
+		mfd, err := dupCloexec(sfd)
 		if err != nil {
 			unix.Close(sfd)
 			return err
@@ -569,4 +569,10 @@ func walkFP(fd int, rel string, out map[string]entryFP) error {
 		}
 	}
 	return nil
+}
+
+// dupCloexec duplicates fd close-on-exec: a program the daemon starts
+// meanwhile (a sandbox's init, criu) inherits none of the layers' fds.
+func dupCloexec(fd int) (int, error) {
+	return unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 }
