@@ -149,9 +149,18 @@ func walk(init int, skip map[int]bool, full bool) ([]Proc, error) {
 // visitDescendants calls visit for every process below init (init
 // excluded), breadth first, parents before children, skipping the pids in
 // skip and their subtrees. Only listing init's own children can fail.
+//
+// Pids are host pids, and a host's pids are reused (pid_max is 32768 on
+// this project's machine kind): a descendant that exits while the walk
+// runs may be replaced by a process of another sandbox or of the host,
+// whose children would then be listed as the sandbox's. So a child counts
+// only if its parent, read from its own stat, is a process the walk
+// already holds, and a process's children count only if it is still the
+// process the walk found (same start time after its list was read).
 func visitDescendants(init int, skip map[int]bool, visit func(pid int)) error {
 	queue := []int{init}
 	seen := map[int]bool{init: true}
+	start := map[int]uint64{}
 	for len(queue) > 0 {
 		pid := queue[0]
 		queue = queue[1:]
@@ -162,16 +171,51 @@ func visitDescendants(init int, skip map[int]bool, visit func(pid int)) error {
 			}
 			continue
 		}
+		if pid != init {
+			if _, st, err := statIDs(pid); err != nil || st != start[pid] {
+				continue // gone, and maybe reused, while its list was read
+			}
+		}
 		for _, c := range kids {
 			if seen[c] || skip[c] {
 				continue
 			}
+			ppid, st, err := statIDs(c)
+			if err != nil || !seen[ppid] {
+				continue // exited, or no longer the child that was listed
+			}
 			seen[c] = true
+			start[c] = st
 			queue = append(queue, c)
 			visit(c)
 		}
 	}
 	return nil
+}
+
+// statIDs reads pid's parent pid and start time (clock ticks since boot)
+// from /proc/<pid>/stat.
+func statIDs(pid int) (ppid int, start uint64, err error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, 0, err
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: no command name", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: %d fields", pid, len(f))
+	}
+	// After the command: state, ppid, ..., starttime (field 22 of stat).
+	if ppid, err = strconv.Atoi(f[1]); err != nil {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: ppid: %w", pid, err)
+	}
+	if start, err = strconv.ParseUint(f[19], 10, 64); err != nil {
+		return 0, 0, fmt.Errorf("/proc/%d/stat: start time: %w", pid, err)
+	}
+	return ppid, start, nil
 }
 
 func itoa(i int) string { return strconv.Itoa(i) }

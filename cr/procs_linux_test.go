@@ -61,3 +61,22 @@ func TestChildren(t *testing.T) {
 		t.Error("children of a pid that does not exist: no error")
 	}
 }
+
+func TestStatIDs(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	ppid, start, err := statIDs(cmd.Process.Pid)
+	if err != nil || ppid != os.Getpid() {
+		t.Fatalf("statIDs(child): ppid %d, %v; want %d", ppid, err, os.Getpid())
+	}
+	_, self, err := statIDs(os.Getpid())
+	if err != nil || self == 0 || start < self {
+		t.Fatalf("start times: child %d, self %d (%v): the child started after this process", start, self, err)
+	}
+	if _, _, err := statIDs(1 << 30); err == nil {
+		t.Fatal("statIDs of a pid that cannot exist succeeded")
+	}
+}
