@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -110,10 +111,26 @@ type testSandbox struct {
 func (s *testSandbox) ID() string   { return s.id }
 func (s *testSandbox) InitPID() int { return s.init.Process.Pid }
 
+// systemLookPath finds a program in the system's directories before $PATH:
+// a $PATH entry ahead of them may hold wrappers (pyenv's python3 is a bash
+// script that forks subshells while it starts), and a test's sandbox must
+// run the program itself, one process, when the test checkpoints it.
+func systemLookPath(name string) (string, error) {
+	if !strings.Contains(name, "/") {
+		for _, dir := range []string{"/usr/bin", "/bin", "/usr/sbin", "/sbin"} {
+			p := filepath.Join(dir, name)
+			if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+				return p, nil
+			}
+		}
+	}
+	return exec.LookPath(name)
+}
+
 func startSandbox(t testing.TB, argv ...string) *testSandbox {
 	t.Helper()
 	testenv.RequireRoot(t)
-	path, err := exec.LookPath(argv[0])
+	path, err := systemLookPath(argv[0])
 	testenv.RequireNoErr(t, err, argv[0])
 	exe, err := os.Executable()
 	if err != nil {
