@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -303,7 +304,10 @@ func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCou
 }
 
 // cloexecFuseFDs sets close-on-exec on every /dev/fuse descriptor of this
-// process.
+// process. Only descriptors without the flag are looked at (everything
+// Go opens has it): the daemon holds a thousand descriptors with 64 fork
+// children, and this runs under ForkLock at every mount. A descriptor
+// closed since the listing (another mount going away) is skipped.
 func cloexecFuseFDs() error {
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
@@ -314,10 +318,14 @@ func cloexecFuseFDs() error {
 		if err != nil {
 			continue
 		}
+		flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+		if err != nil || flags&unix.FD_CLOEXEC != 0 {
+			continue
+		}
 		if t, err := os.Readlink("/proc/self/fd/" + e.Name()); err != nil || t != "/dev/fuse" {
 			continue
 		}
-		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, unix.FD_CLOEXEC); err != nil {
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, flags|unix.FD_CLOEXEC); err != nil && !errors.Is(err, unix.EBADF) {
 			return fmt.Errorf("close-on-exec on /dev/fuse descriptor %d: %w", fd, err)
 		}
 	}

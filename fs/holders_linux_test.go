@@ -2,10 +2,12 @@ package fs
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -77,5 +79,47 @@ func TestMountConnectionNotInherited(t *testing.T) {
 	}
 	if strings.Contains(string(out), "/dev/fuse") {
 		t.Fatalf("a child holds a FUSE connection:\n%s", out)
+	}
+}
+
+// Mounts made while other mounts go away succeed: marking the new
+// connection close-on-exec walks every descriptor of the process, and one
+// closed by a concurrent unmount since the listing is no error.
+func TestMountWhileOthersUnmount(t *testing.T) {
+	requireFUSE(t)
+	dir := t.TempDir()
+	st, err := layer.OpenStore(filepath.Join(dir, "state"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const workers, rounds = 4, 8
+	var wg sync.WaitGroup
+	errs := make(chan error, workers*rounds)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for r := range rounds {
+				mp := filepath.Join(dir, fmt.Sprintf("m%d-%d", w, r))
+				if err := os.Mkdir(mp, 0o755); err != nil {
+					errs <- err
+					return
+				}
+				f, err := Mount(st, mp, Options{})
+				if err != nil {
+					errs <- fmt.Errorf("mount %d of worker %d: %w", r, w, err)
+					return
+				}
+				if err := f.Unmount(); err != nil {
+					errs <- fmt.Errorf("unmount %d of worker %d: %w", r, w, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
 	}
 }
