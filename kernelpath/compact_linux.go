@@ -127,7 +127,7 @@ func mergeLayers(st *layer.Store, run []string, dst string, reflink bool, fstype
 		return err
 	}
 	defer unix.Close(dfd)
-	m.treeCopier = &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096),
+	m.treeCopier = &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{},
 		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), noOvl: true}
 	if !reflink || fstype != "btrfs" {
 		m.small = smallFileXFS

@@ -86,7 +86,7 @@ func (z *incFreezer) ensure(d *lazyDir) (int, error) {
 
 // newCopier opens src and dst and makes the copier of a freeze from the
 // upper src into the empty layer directory dst. The caller closes both fds.
-func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx) (*treeCopier, int, error) {
+func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (*treeCopier, int, error) {
 	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, -1, fmt.Errorf("open upper: %w", err)
@@ -96,8 +96,8 @@ func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx) (*tre
 		unix.Close(sfd)
 		return nil, -1, fmt.Errorf("open layer: %w", err)
 	}
-	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{}, buf: make([]byte, 4096),
-		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr}
+	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{},
+		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr, files: newFileCopier(pool)}
 	if !reflink || fstype != "btrfs" {
 		c.small = smallFileXFS
 	}
@@ -113,16 +113,20 @@ func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx) (*tre
 // src since the fingerprint prev (by a walk of the whole upper), and
 // returns src's new fingerprint and the number of entries written. tr, if
 // set, watches the directories walked.
-func freezeDelta(src, dst string, prev *fpIndex, reflink bool, fstype string, tr *trackCtx) (map[string]entryFP, int, error) {
-	c, sfd, err := newCopier(src, dst, reflink, fstype, tr)
+func freezeDelta(src, dst string, prev *fpIndex, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (map[string]entryFP, int, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer unix.Close(sfd)
 	defer unix.Close(c.dstRoot)
+	defer c.files.close()
 	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children}
 	root := &lazyDir{fd: c.dstRoot, created: true}
 	if err := z.walkDir(sfd, "", "", true, root); err != nil {
+		return nil, 0, err
+	}
+	if err := c.files.close(); err != nil {
 		return nil, 0, err
 	}
 	return c.fp, z.changed, nil
@@ -156,16 +160,20 @@ func (d trackedDelta) apply(prev *fpIndex, forget func(string, uint64)) {
 // only directories new since prev. errNeedWalk when the entries seen show
 // that the names may not cover every change (dst must then be emptied and
 // freezeDelta run).
-func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]uint8, reflink bool, fstype string, tr *trackCtx) (trackedDelta, int, error) {
-	c, sfd, err := newCopier(src, dst, reflink, fstype, tr)
+func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]uint8, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (trackedDelta, int, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool)
 	if err != nil {
 		return trackedDelta{}, 0, err
 	}
 	defer unix.Close(sfd)
 	defer unix.Close(c.dstRoot)
+	defer c.files.close()
 	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children, strictLinks: true, todo: todo}
 	root := &lazyDir{fd: c.dstRoot, created: true}
 	if err := z.visit(sfd, "", root, todo); err != nil {
+		return trackedDelta{}, 0, err
+	}
+	if err := c.files.close(); err != nil {
 		return trackedDelta{}, 0, err
 	}
 	return trackedDelta{z}, z.changed, nil
@@ -411,6 +419,11 @@ func (z *incFreezer) walkDir(ufd int, p, q string, merge bool, d *lazyDir) error
 func (z *incFreezer) finishDir(ufd int, p string, d *lazyDir) error {
 	if !d.created {
 		return nil
+	}
+	// The copies into d finish (and name their files) first: the
+	// directory's times come after its children.
+	if err := z.files.wait(); err != nil {
+		return err
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(ufd, &st); err != nil {

@@ -76,8 +76,7 @@ type treeCopier struct {
 	dstRoot int
 	links   map[uint64]string // inode -> path (relative to dstRoot) of a first copy
 	fp      map[string]entryFP
-	buf     []byte
-	data    []byte
+	bufs    copyBufs // the calling goroutine's
 	// noOvl drops every trusted.overlay.* xattr (incremental freeze sets
 	// the flags itself).
 	noOvl bool
@@ -91,6 +90,9 @@ type treeCopier struct {
 	tr *trackCtx
 	// freshDir: test the next regular file copied for writers.
 	freshDir bool
+	// files finishes the copies of regular files, on helper goroutines
+	// when set (copyfile_linux.go); nil: each copy is finished inline.
+	files *fileCopier
 }
 
 // trackCtx is a freeze's link to the upper's tracker: it watches every
@@ -157,19 +159,23 @@ const smallFileXFS = 16 << 10
 // directory dst (both on the same file system for reflink) and returns the
 // fingerprints of the entries copied (paths relative, "/"-separated).
 // tr, if set, watches the directories copied.
-func freezeTree(src, dst string, reflink bool, fstype string, tr *trackCtx) (map[string]entryFP, error) {
-	c, sfd, err := newCopier(src, dst, reflink, fstype, tr)
+func freezeTree(src, dst string, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (map[string]entryFP, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool)
 	if err != nil {
 		return nil, err
 	}
 	dfd := c.dstRoot
 	defer unix.Close(dfd)
+	defer c.files.close()
 	var st unix.Stat_t
 	if err := unix.Fstat(sfd, &st); err != nil {
 		unix.Close(sfd)
 		return nil, err
 	}
 	if err := c.copyDir(sfd, dfd, ""); err != nil {
+		return nil, err
+	}
+	if err := c.files.close(); err != nil {
 		return nil, err
 	}
 	sfd2, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -240,7 +246,11 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 			unix.Close(sfd)
 			return err
 		}
-		defer unix.Close(dfd)
+		defer func() {
+			// Copies into it may still be in flight (after an error).
+			_ = c.files.wait()
+			unix.Close(dfd)
+		}()
 		// copyDir closes its fd; keep one for the metadata.
 		mfd, err := dupCloexec(sfd)
 		if err != nil {
@@ -255,34 +265,22 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 	case unix.S_IFREG:
 		if st.Nlink > 1 {
 			if first, ok := c.links[st.Ino]; ok {
+				// The first name's copy must be in place.
+				if err := c.files.wait(); err != nil {
+					return err
+				}
 				return unix.Linkat(c.dstRoot, first, dst, name, 0)
 			}
 			c.links[st.Ino] = rel
 		}
-		sfd, err := unix.Openat(src, name, unix.O_RDONLY|oflags, 0)
+		sfd, err := openSource(src, name)
 		if err != nil {
 			return err
 		}
-		defer unix.Close(sfd)
 		if c.freshDir && c.tr != nil {
 			c.tr.l.checkFD(sfd, rel)
 		}
-		perm := st.Mode & 0o777
-		dfd, err := unix.Openat(dst, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|oflags, perm)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(dfd)
-		if st.Size > 0 {
-			if err := c.copyData(sfd, dfd, st.Size); err != nil {
-				return err
-			}
-		}
-		// The file was created with our ids and perm &^ umask; fix only
-		// what differs (setgid parents, special bits, other owners).
-		chown := st.Uid != c.uid || st.Gid != c.gid || c.parentSetgid(dst)
-		chmod := chown || st.Mode&0o7777 != perm&^c.umask
-		return c.copyMetaOpt(sfd, dfd, &st, chown, chmod)
+		return c.files.copy(c, fileJob{sfd: sfd, dir: dst, name: name, rel: rel, st: st})
 	case unix.S_IFLNK:
 		target, err := readlinkat(src, name)
 		if err != nil {
@@ -301,18 +299,18 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 }
 
 // copyData clones (or copies) size bytes from sfd to dfd.
-func (c *treeCopier) copyData(sfd, dfd int, size int64) error {
+func (c *treeCopier) copyData(sfd, dfd int, size int64, b *copyBufs) error {
 	if size <= c.small {
 		// A clone costs a log transaction; a small file's few blocks are
 		// cheaper to copy, and copying them keeps the cost bounded per entry.
-		if int64(len(c.data)) < c.small {
-			c.data = make([]byte, int(c.small))
+		if int64(len(b.data)) < c.small {
+			b.data = make([]byte, int(c.small))
 		}
-		n, err := unix.Pread(sfd, c.data[:size], 0)
+		n, err := unix.Pread(sfd, b.data[:size], 0)
 		if err != nil {
 			return fmt.Errorf("read: %w", err)
 		}
-		if _, err := unix.Pwrite(dfd, c.data[:n], 0); err != nil {
+		if _, err := unix.Pwrite(dfd, b.data[:n], 0); err != nil {
 			return fmt.Errorf("write: %w", err)
 		}
 		if int64(n) == size {
@@ -365,10 +363,14 @@ func (c *treeCopier) copyRW(sfd, dfd int, off int64) error {
 
 // copyMeta copies owner, mode, xattrs and times from fd sfd to fd dfd.
 func (c *treeCopier) copyMeta(sfd, dfd int, st *unix.Stat_t) error {
-	return c.copyMetaOpt(sfd, dfd, st, true, true)
+	// A directory's times and metadata come after its children's copies.
+	if err := c.files.wait(); err != nil {
+		return err
+	}
+	return c.copyMetaOpt(sfd, dfd, st, true, true, &c.bufs)
 }
 
-func (c *treeCopier) copyMetaOpt(sfd, dfd int, st *unix.Stat_t, chown, chmod bool) error {
+func (c *treeCopier) copyMetaOpt(sfd, dfd int, st *unix.Stat_t, chown, chmod bool, b *copyBufs) error {
 	if chown {
 		if err := unix.Fchown(dfd, int(st.Uid), int(st.Gid)); err != nil {
 			return fmt.Errorf("chown: %w", err)
@@ -379,7 +381,7 @@ func (c *treeCopier) copyMetaOpt(sfd, dfd int, st *unix.Stat_t, chown, chmod boo
 			return fmt.Errorf("chmod: %w", err)
 		}
 	}
-	if err := c.copyXattrs(
+	if err := c.copyXattrs(b,
 		func(b []byte) (int, error) { return unix.Flistxattr(sfd, b) },
 		func(n string, b []byte) (int, error) { return unix.Fgetxattr(sfd, n, b) },
 		func(n string, b []byte) error { return unix.Fsetxattr(dfd, n, b, 0) },
@@ -404,7 +406,7 @@ func (c *treeCopier) copyMetaAt(src, dst int, name string, st *unix.Stat_t, syml
 	// final symlink.
 	sp := "/proc/self/fd/" + strconv.Itoa(src) + "/" + name
 	dp := "/proc/self/fd/" + strconv.Itoa(dst) + "/" + name
-	if err := c.copyXattrs(
+	if err := c.copyXattrs(&c.bufs,
 		func(b []byte) (int, error) { return unix.Llistxattr(sp, b) },
 		func(n string, b []byte) (int, error) { return unix.Lgetxattr(sp, n, b) },
 		func(n string, b []byte) error { return unix.Lsetxattr(dp, n, b, 0) },
@@ -418,12 +420,15 @@ func (c *treeCopier) copyMetaAt(src, dst int, name string, st *unix.Stat_t, syml
 	return nil
 }
 
-func (c *treeCopier) copyXattrs(list func([]byte) (int, error), get func(string, []byte) (int, error), set func(string, []byte) error) error {
-	n, err := list(c.buf)
+func (c *treeCopier) copyXattrs(b *copyBufs, list func([]byte) (int, error), get func(string, []byte) (int, error), set func(string, []byte) error) error {
+	if b.buf == nil {
+		b.buf = make([]byte, 4096)
+	}
+	n, err := list(b.buf)
 	if errors.Is(err, unix.ERANGE) {
 		if n, err = list(nil); err == nil {
-			c.buf = make([]byte, n*2)
-			n, err = list(c.buf)
+			b.buf = make([]byte, n*2)
+			n, err = list(b.buf)
 		}
 	}
 	if err != nil {
@@ -435,7 +440,7 @@ func (c *treeCopier) copyXattrs(list func([]byte) (int, error), get func(string,
 	if n == 0 {
 		return nil
 	}
-	names := strings.Split(strings.TrimRight(string(c.buf[:n]), "\x00"), "\x00")
+	names := strings.Split(strings.TrimRight(string(b.buf[:n]), "\x00"), "\x00")
 	for _, name := range names {
 		if name == "" || !keepXattr(name) || c.noOvl && strings.HasPrefix(name, layer.XattrPrefixOverlay) {
 			continue

@@ -48,6 +48,10 @@ type FS struct {
 	lastFreeze  string
 	lastEffects string // how the last effect report found its entries
 
+	// pool holds unnamed files for the copies of the next checkpoint
+	// (copyfile_linux.go); nil in ioctl mode.
+	pool *tmpPool
+
 	// teardown counts detached overlays still being torn down in the
 	// background (Switch); Unmount waits for them.
 	teardown sync.WaitGroup
@@ -144,10 +148,14 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	}
 	if f.freeze == FreezeIoctl {
 		f.stopTracking()
+	} else {
+		f.pool = newTmpPool(st.WorkDir())
+		f.pool.refill()
 	}
 	if err := f.saveRecord(true); err != nil {
 		_ = unix.Unmount(mp, unix.MNT_DETACH)
 		f.stopTracking()
+		f.pool.close()
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
 	log.Info("kernelpath: mounted", "mount", id, "mountpoint", mp, "layers", len(f.layers), "freeze", f.freeze, "fstype", f.fstype)
@@ -255,6 +263,15 @@ func (f *FS) Mountpoint() string { return f.mp }
 // FreezeReflink or FreezeCopy.
 func (f *FS) FreezeMode() string { return f.freeze }
 
+// Tracked reports whether the last checkpoint found the upper's changed
+// entries by the change tracker (fanotify) rather than by a walk of the
+// whole upper.
+func (f *FS) Tracked() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.track != nil && f.lastFreeze == "tracked"
+}
+
 // Upper is the directory of the live upper layer (for tests and tools).
 func (f *FS) Upper() string {
 	f.mu.Lock()
@@ -281,6 +298,7 @@ func (f *FS) Checkpoint() (string, error) {
 	if f.track != nil {
 		defer f.track.drainOwn()
 	}
+	defer f.pool.refill()
 	if f.ckpt != nil && len(f.chain) >= maxChain {
 		// Bound the chain by merging its deltas (cost: the entries changed
 		// since the chain's first, full freeze) rather than by a new full
@@ -358,7 +376,7 @@ func (f *FS) freezeFull(dst string) (func(), error) {
 		f.track.drain() // what the copy sees needs no events (an overflow: test every file)
 	}
 	tr := newTrackCtx(f.track)
-	fp, err := freezeTree(f.st.LayerPath(f.upper), dst, f.freeze == FreezeReflink, f.fstype, tr)
+	fp, err := freezeTree(f.st.LayerPath(f.upper), dst, f.freeze == FreezeReflink, f.fstype, tr, f.pool)
 	if err != nil {
 		return nil, err
 	}
@@ -398,7 +416,7 @@ func (f *FS) freezeIncremental(dst string) (func(), error) {
 		todo, err := tr.t.plan()
 		if err == nil {
 			var d trackedDelta
-			d, _, err = freezeTracked(src, dst, f.ckpt, todo, reflink, f.fstype, tr)
+			d, _, err = freezeTracked(src, dst, f.ckpt, todo, reflink, f.fstype, tr, f.pool)
 			if err == nil {
 				return func() {
 					d.apply(f.ckpt, tr.t.forget)
@@ -417,7 +435,7 @@ func (f *FS) freezeIncremental(dst string) (func(), error) {
 		}
 		tr = newTrackCtx(f.track)
 	}
-	fp, _, err := freezeDelta(src, dst, f.ckpt, reflink, f.fstype, tr)
+	fp, _, err := freezeDelta(src, dst, f.ckpt, reflink, f.fstype, tr, f.pool)
 	if err != nil {
 		return nil, err
 	}
@@ -749,6 +767,7 @@ func (f *FS) Unmount() error {
 	defer f.syncWG.Wait()
 	defer f.teardown.Wait()
 	defer f.stopTracking()
+	defer f.pool.close()
 	if cur := mountID(f.mp); f.mntID != 0 && cur != f.mntID {
 		// Our overlay is no longer there (detached as stale, or replaced by
 		// a newer mount of the same id): never unmount someone else's.

@@ -277,7 +277,7 @@ func (r *trackRun) checkpoint(round int) string {
 	if r.rng.IntN(3) != 0 && !*trackNoEffects {
 		r.effects(round, prevMulti)
 	}
-	wfp, _, err := freezeDelta(f.Upper(), scratch, f.ckpt, f.freeze == FreezeReflink, f.fstype, nil)
+	wfp, _, err := freezeDelta(f.Upper(), scratch, f.ckpt, f.freeze == FreezeReflink, f.fstype, nil, nil)
 	if err != nil {
 		t.Fatalf("round %d: walk: %v", round, err)
 	}
