@@ -39,6 +39,8 @@ type Check struct {
 type Choice struct {
 	Backend string `json:"backend"`
 	Reason  string `json:"reason"`
+	// Inputs are the measured facts of the file-system choice (DecideFS).
+	Inputs *FSInputs `json:"inputs,omitempty"`
 }
 
 // Chosen holds the backend picked for each layer.
@@ -93,6 +95,17 @@ func Probe(ctx context.Context, opts Options) *Report {
 	start := time.Now()
 	r := probeHost(ctx, opts)
 	r.Chosen = choose(r)
+	if r.Chosen.FS.Backend != "none" {
+		// What the daemon's --fs auto picks, by the same measurement.
+		fuse := r.Chosen.FS
+		r.Chosen.FS = ChooseFS(r.StateDir)
+		if r.Chosen.FS.Backend == "fuse" && !r.OK("fuse", "mount") {
+			r.Chosen.FS = fuse
+		}
+		if r.Chosen.FS.Backend == "fuse" && r.OK("fuse", "passthrough") {
+			r.Chosen.FS.Reason += "; FUSE passthrough gives native-speed data I/O"
+		}
+	}
 	r.elapsed = time.Since(start)
 	r.ElapsedMS = float64(r.elapsed.Microseconds()) / 1000
 	return r
@@ -103,31 +116,31 @@ func choose(r *Report) Chosen {
 	var ch Chosen
 	switch {
 	case r.OK("overlayfs", "layer-switch-ioctl"):
-		ch.FS = Choice{"kernel", "patched overlayfs with the layer-switch ioctl"}
+		ch.FS = Choice{Backend: "kernel", Reason: "patched overlayfs with the layer-switch ioctl"}
 	case r.OK("fuse", "mount"):
-		ch.FS = Choice{"fuse", "stock overlayfs has no layer-switch ioctl, so a kernel-path checkpoint copies (reflinks) each entry changed (found by fanotify; its cost grows with the entries changed, the FUSE overlay's is constant), and its switch replaces the sandbox's root mount, so every restore re-creates the processes; the FUSE overlay checkpoints and switches in place; --fs kernel forces native overlayfs for native-speed I/O"}
+		ch.FS = Choice{Backend: "fuse", Reason: "stock overlayfs has no layer-switch ioctl, so a kernel-path checkpoint copies (reflinks) each entry changed (found by fanotify; its cost grows with the entries changed, the FUSE overlay's is constant), and its switch replaces the sandbox's root mount, so every restore re-creates the processes; the FUSE overlay checkpoints and switches in place; --fs kernel forces native overlayfs for native-speed I/O"}
 		if r.OK("fuse", "passthrough") {
 			ch.FS.Reason += "; FUSE passthrough gives native-speed data I/O"
 		}
 	default:
-		ch.FS = Choice{"none", "neither FUSE nor a patched overlayfs is usable: install fuse3 and load the fuse module"}
+		ch.FS = Choice{Backend: "none", Reason: "neither FUSE nor a patched overlayfs is usable: install fuse3 and load the fuse module"}
 	}
 	criuOK := r.OK("criu", "check")
 	ptraceOK := r.OK("kernel", "ptrace")
 	switch {
 	case criuOK && ptraceOK:
-		ch.CR = Choice{"template+criu", "template fork by ptrace injection for millisecond restores, CRIU images as the durable fallback"}
+		ch.CR = Choice{Backend: "template+criu", Reason: "template fork by ptrace injection for millisecond restores, CRIU images as the durable fallback"}
 	case criuOK:
-		ch.CR = Choice{"criu", "ptrace injection unavailable; every restore goes through CRIU"}
+		ch.CR = Choice{Backend: "criu", Reason: "ptrace injection unavailable; every restore goes through CRIU"}
 	case ptraceOK:
-		ch.CR = Choice{"template", "CRIU >= 4 missing (run `make deps`): templates only, checkpoints do not survive a host restart"}
+		ch.CR = Choice{Backend: "template", Reason: "CRIU >= 4 missing (run `make deps`): templates only, checkpoints do not survive a host restart"}
 	default:
-		ch.CR = Choice{"none", "neither CRIU nor ptrace is usable"}
+		ch.CR = Choice{Backend: "none", Reason: "neither CRIU nor ptrace is usable"}
 	}
 	if r.OK("ebpf", "raw-tracepoints") && r.OK("ebpf", "cgroup-v2-id") {
-		ch.Probe = Choice{"ebpf", "raw tracepoints attach and cgroup v2 ids filter events per sandbox in the kernel"}
+		ch.Probe = Choice{Backend: "ebpf", Reason: "raw tracepoints attach and cgroup v2 ids filter events per sandbox in the kernel"}
 	} else {
-		ch.Probe = Choice{"userspace", "eBPF raw tracepoints or cgroup v2 ids unavailable: effects come from the fs layer and /proc"}
+		ch.Probe = Choice{Backend: "userspace", Reason: "eBPF raw tracepoints or cgroup v2 ids unavailable: effects come from the fs layer and /proc"}
 	}
 	return ch
 }

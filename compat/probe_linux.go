@@ -750,30 +750,3 @@ func lastLine(s string) string {
 	}
 	return s
 }
-
-// ChooseFS picks the file-system backend for sandboxes created with --fs
-// auto, by capability and by a short self-test, as the daemon does at
-// start: the kernel path (native overlayfs) when overlayfs answers the
-// layer-switch ioctl and the kernel path's self-test on stateDir's file
-// system passes (a scratch 100-entry checkpoint and a switch, timed);
-// FUSE otherwise. The reason says why, with the measured numbers when the
-// self-test ran.
-func ChooseFS(stateDir string) Choice {
-	dir := existingParent(stateDir)
-	switch err := kernelpath.ProbeSwitchIoctl(dir); {
-	case errors.Is(err, kernelpath.ErrIoctlAbsent):
-		return Choice{"fuse", "stock overlayfs has no layer-switch ioctl: a stock-kernel checkpoint copies (reflinks) each entry changed since the previous one (found by fanotify, not by a walk of the live upper: its cost grows with the entries changed, the FUSE overlay's is constant), and a switch replaces the sandbox's root mount, so every restore re-creates the processes; sandboxes use the FUSE overlay, which checkpoints and switches in place (--fs kernel forces native overlayfs for native-speed I/O; `rewind doctor` shows the kernel path's measured numbers)"}
-	case err != nil:
-		return Choice{"fuse", "layer-switch ioctl probe failed (" + errnoDetail(err) + "): using the FUSE overlay"}
-	case onRootFS(dir):
-		return Choice{"fuse", "the state dir is on the host's root file system, the sandboxes' default base, where overlayfs refuses its layers: using the FUSE overlay (rewind init-store gives the state dir its own file system)"}
-	}
-	rep, err := kernelpath.SelfTest(dir)
-	switch {
-	case err != nil:
-		return Choice{"fuse", "the layer-switch ioctl is present but the kernel path's self-test failed (" + errnoDetail(err) + "): using the FUSE overlay"}
-	case !rep.LiveFDsFollow:
-		return Choice{"fuse", "self-test: " + rep.Detail + "; open fds do not follow a switch: using the FUSE overlay"}
-	}
-	return Choice{"kernel", "self-test: " + rep.Detail}
-}

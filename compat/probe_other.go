@@ -20,5 +20,5 @@ func probeHost(_ context.Context, opts Options) *Report {
 
 // ChooseFS picks FUSE off Linux (where no backend works).
 func ChooseFS(string) Choice {
-	return Choice{"fuse", "rewind needs Linux; this is " + runtime.GOOS}
+	return Choice{Backend: "fuse", Reason: "rewind needs Linux; this is " + runtime.GOOS}
 }

@@ -60,9 +60,10 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("host root: %w", err))
 	}
 	closers = append(closers, func() { unix.Unmount(hostRoot, unix.MNT_DETACH) })
-	// --fs auto: native overlayfs only where it can switch a running
-	// sandbox's root in place (the patched kernel's ioctl, checked by a
-	// short self-test on the state dir's file system), FUSE otherwise.
+	// --fs auto: native overlayfs where the state dir's file system can
+	// hold its layers and a short self-test there shows it wins
+	// (compat.DecideFS: the patched kernel's ioctl, or on a stock kernel a
+	// reflink state dir whose measured turn beats FUSE's), FUSE otherwise.
 	choice := compat.ChooseFS(st.Dir())
 	log.Info("fs backend for --fs auto", "backend", choice.Backend, "reason", choice.Reason)
 	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log, compactDepth: cfg.CompactDepth, auto: choice.Backend}
