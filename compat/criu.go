@@ -52,7 +52,7 @@ func executable(p string) error {
 
 // CRIUVersionOf runs `criu --version` on bin and parses it.
 func CRIUVersionOf(ctx context.Context, bin string) (CRIUVersion, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, bin, "--version").CombinedOutput()
 	if err != nil {

@@ -710,7 +710,7 @@ func probeCRIU(ctx context.Context, configured string) []Check {
 		err error
 	}
 	run := func(args ...string) res {
-		c, cancel := context.WithTimeout(ctx, 10*time.Second)
+		c, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
 		out, err := criuCheckCommand(c, bin, args...).CombinedOutput()
 		return res{string(bytes.TrimSpace(out)), err}
