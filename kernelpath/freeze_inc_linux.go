@@ -97,7 +97,10 @@ func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx, pool 
 		return nil, -1, fmt.Errorf("open layer: %w", err)
 	}
 	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{},
-		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr, files: newFileCopier(pool)}
+		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr}
+	if fstype == "xfs" {
+		c.files = newFileCopier(pool)
+	}
 	if !reflink || fstype != "btrfs" {
 		c.small = smallFileXFS
 	}
