@@ -130,6 +130,20 @@ type FS struct {
 
 	spareMu sync.Mutex
 	spare   string // a pre-created empty store layer for the next upper
+	// spareKick asks the spare worker to pre-create the next upper; it
+	// holds at most one request. The spare worker runs apart from bg, so
+	// that the next checkpoint finds its upper ready even while bg is
+	// still fsyncing the previous ones.
+	spareKick chan struct{}
+	spareDone chan struct{}
+
+	// recSeq numbers snapshots of the mount record in the order of the
+	// state they describe; recMu serialises writing them, and recDone
+	// (guarded by recMu) is the newest one written, so that an older
+	// snapshot never replaces a newer one.
+	recSeq  atomic.Uint64
+	recMu   sync.Mutex
+	recDone uint64
 
 	// pending holds this mount's checkpoints whose record file the
 	// background worker has not written yet (Switch reads them here, not
@@ -236,6 +250,14 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			fn()
 		}
 	}()
+	f.spareKick = make(chan struct{}, 1)
+	f.spareDone = make(chan struct{})
+	go func() {
+		defer close(f.spareDone)
+		for range f.spareKick {
+			f.refillSpare()
+		}
+	}()
 	f.root = &node{f: f}
 	f.root.srcs = rootSrcs(st)
 	f.root.gen = 1
@@ -275,6 +297,8 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	if err != nil {
 		close(f.bg)
 		<-f.bgDone
+		close(f.spareKick)
+		<-f.spareDone
 		f.journal.Close()
 		_ = store.RemoveMount(f.id)
 		f.reg.closeAll()
@@ -288,7 +312,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			f.log.Warn("mount: kernel readahead stays at its default", "mount", mp, "err", err)
 		}
 	}
-	f.bg <- f.refillSpare
+	f.kickSpare()
 	return f, nil
 }
 
@@ -390,27 +414,60 @@ func (f *FS) entry(op string, cp layer.Checkpoint) layer.JournalEntry {
 
 // saveMount writes the mount record; the caller holds f.mu (any mode).
 func (f *FS) saveMount(durable bool) error {
+	m, seq := f.mountRecord()
+	return f.writeMountRecord(m, seq, durable)
+}
+
+// mountRecord snapshots the mount record; the caller holds f.mu (any
+// mode), which orders the snapshot after every stack change it sees.
+func (f *FS) mountRecord() (layer.MountRecord, uint64) {
 	st := f.st
 	f.spareMu.Lock()
 	spare := f.spare
+	seq := f.recSeq.Add(1)
 	f.spareMu.Unlock()
-	return f.store.SaveMount(layer.MountRecord{
+	return layer.MountRecord{
 		ID: f.id, PID: os.Getpid(), Mountpoint: f.mountpoint,
 		Lowers: st.lowerPaths(), Layers: st.frozenIDs(), Upper: st.upper.id, Base: st.base, Spare: spare,
-	}, durable)
+	}, seq
 }
 
-// saveMountBG records the mount in the background.
+// writeMountRecord writes snapshot seq of the mount record unless a newer
+// one is written already.
+func (f *FS) writeMountRecord(m layer.MountRecord, seq uint64, durable bool) error {
+	f.recMu.Lock()
+	defer f.recMu.Unlock()
+	if seq < f.recDone {
+		return nil
+	}
+	if err := f.store.SaveMount(m, durable); err != nil {
+		return err
+	}
+	f.recDone = seq
+	return nil
+}
+
+// saveMountBG records the mount in the background. It holds f.mu only to
+// take the snapshot, so that the write barrier of the next checkpoint does
+// not wait for the file system.
 func (f *FS) saveMountBG() {
 	f.mu.RLock()
-	err := f.saveMount(false)
+	m, seq := f.mountRecord()
 	f.mu.RUnlock()
-	if err != nil {
+	if err := f.writeMountRecord(m, seq, false); err != nil {
 		f.log.Warn("save mount record", "err", err)
 	}
 }
 
-// refillSpare pre-creates the next upper (runs on the bg worker) and
+// kickSpare asks the spare worker to pre-create the next upper.
+func (f *FS) kickSpare() {
+	select {
+	case f.spareKick <- struct{}{}:
+	default: // a request is pending already
+	}
+}
+
+// refillSpare pre-creates the next upper (runs on the spare worker) and
 // records it in the mount record so GC never frees it.
 func (f *FS) refillSpare() {
 	f.spareMu.Lock()
@@ -545,6 +602,9 @@ func (f *FS) Checkpoint() (string, error) {
 		f.gen.Add(1)
 	}
 	f.mu.Unlock()
+	if pushed {
+		f.kickSpare()
+	}
 	f.bg <- func() {
 		if !f.opts.NoDurable {
 			_ = f.journal.Sync()
@@ -557,11 +617,7 @@ func (f *FS) Checkpoint() (string, error) {
 			delete(f.pending, id)
 			f.pendMu.Unlock()
 		}
-		if pushed {
-			f.refillSpare()
-		} else {
-			f.saveMountBG()
-		}
+		f.saveMountBG()
 	}
 	return id, nil
 }
@@ -637,8 +693,10 @@ func (f *FS) Switch(id string) error {
 		f.reg.drop(old.upper)
 	}
 	oldUpper := old.upper.id
+	f.kickSpare()
 	f.bg <- func() {
-		f.refillSpare()
+		// The mount record names the new upper before the old one goes.
+		f.saveMountBG()
 		tmp := filepath.Join(f.store.WorkDir(), "gc-"+oldUpper)
 		if os.Rename(f.store.LayerPath(oldUpper), tmp) == nil {
 			_ = os.RemoveAll(tmp)
@@ -886,6 +944,8 @@ func (f *FS) Unmount() error {
 		f.closeAllImplicit()
 		close(f.bg)
 		<-f.bgDone
+		close(f.spareKick)
+		<-f.spareDone
 		_ = f.journal.Sync()
 		_ = f.journal.Close()
 		f.reg.closeAll()
