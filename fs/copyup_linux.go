@@ -21,6 +21,9 @@ import (
 // exclusively and has resolved n.
 func (f *FS) copyUp(st *stack, n *node, noData bool) error {
 	if n.inUpper(st) {
+		// The caller changes the entry next. Entries the upper got by a
+		// change marked it dirty then, but the root is the upper itself.
+		f.dirty.Store(true)
 		return nil
 	}
 	gen := f.gen.Load()

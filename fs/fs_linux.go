@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path"
@@ -228,6 +229,8 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	f.st = st
 	f.upper.Store(f.st.upper)
 	f.gen.Store(1)
+	// A resumed upper may hold a crashed session's changes.
+	f.dirty.Store(!dirEmpty(st.upper.path))
 	if f.journal, err = store.OpenJournal(f.id); err != nil {
 		f.reg.closeAll()
 		return nil, fmt.Errorf("mount %s: %w", mp, err)
@@ -480,10 +483,46 @@ func (f *FS) refillSpare() {
 			return
 		}
 		f.spareMu.Lock()
-		f.spare = id
+		extra := f.spare != "" // a switch gave back the one it took meanwhile
+		if !extra {
+			f.spare = id
+		}
 		f.spareMu.Unlock()
+		if extra {
+			_ = os.RemoveAll(f.store.LayerPath(id))
+			_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", id+".json"))
+		}
 	}
 	f.saveMountBG()
+}
+
+// putSpare gives back spare upper id, taken but not used.
+func (f *FS) putSpare(id string) {
+	f.spareMu.Lock()
+	defer f.spareMu.Unlock()
+	if f.spare == "" {
+		f.spare = id
+	}
+}
+
+// upperReusable reports whether a switch may keep the current upper as the
+// new view's: nothing was written to it since it was pushed (so it is an
+// empty directory), and no passthrough file was moved into it. The caller
+// holds f.mu (any mode).
+func (f *FS) upperReusable() bool {
+	return !f.opts.Passthrough && !f.dirty.Load()
+}
+
+// dirEmpty reports whether directory p has no entries (false if it cannot
+// be read).
+func dirEmpty(p string) bool {
+	d, err := os.Open(p)
+	if err != nil {
+		return false
+	}
+	defer d.Close()
+	names, err := d.Readdirnames(1)
+	return len(names) == 0 && err == io.EOF
 }
 
 func (f *FS) takeSpare() (string, error) {
@@ -642,21 +681,45 @@ func (f *FS) Switch(id string) error {
 	if cp.Mount != f.id {
 		return fmt.Errorf("switch to %s: checkpoint belongs to mount %s, not %s (fork a new mount from it instead)", id, cp.Mount, f.id)
 	}
-	upID, err := f.takeSpare()
-	if err != nil {
-		return fmt.Errorf("switch to %s: %w", id, err)
+	// An upper that received nothing since the last checkpoint or switch
+	// is empty: the new view keeps it (no spare taken, nothing to remove).
+	f.mu.RLock()
+	keep := f.upperReusable()
+	upID := f.st.upper.id
+	f.mu.RUnlock()
+	if !keep {
+		if upID, err = f.takeSpare(); err != nil {
+			return fmt.Errorf("switch to %s: %w", id, err)
+		}
 	}
 	next, err := f.buildStack(cp.Lowers, cp.Layers, upID, cp.ID)
 	if err != nil {
-		f.spareMu.Lock()
-		if f.spare == "" {
-			f.spare = upID
+		if !keep {
+			f.putSpare(upID)
 		}
-		f.spareMu.Unlock()
 		return fmt.Errorf("switch to %s: %w", id, err)
 	}
 	f.mu.Lock()
 	old := f.st
+	if keep && (next.upper != old.upper || !f.upperReusable()) {
+		// Written to or checkpointed meanwhile: a fresh upper after all.
+		keep = false
+		if upID, err = f.takeSpare(); err == nil {
+			if err = f.store.CheckLayer(upID); err == nil {
+				var ul *layerDir
+				if ul, err = f.reg.open(upID, f.store.LayerPath(upID)); err == nil {
+					next = newStack(ul, next.frozen, next.lowers, next.base)
+				}
+			}
+			if err != nil {
+				f.putSpare(upID)
+			}
+		}
+		if err != nil {
+			f.mu.Unlock()
+			return fmt.Errorf("switch to %s: %w", id, err)
+		}
+	}
 	// The delta: layers above the common ancestor on both sides, plus the
 	// current upper.
 	k := 0
@@ -675,11 +738,9 @@ func (f *FS) Switch(id string) error {
 	f.retargetPassthrough(old, next)
 	if err := f.journal.Append(layer.JournalEntry{Op: "switch", Checkpoint: cp, Upper: next.upper.id}); err != nil {
 		f.mu.Unlock()
-		f.spareMu.Lock()
-		if f.spare == "" {
-			f.spare = upID
+		if !keep {
+			f.putSpare(upID)
 		}
-		f.spareMu.Unlock()
 		return fmt.Errorf("switch to %s: %w", id, err)
 	}
 	f.st = next
@@ -688,19 +749,21 @@ func (f *FS) Switch(id string) error {
 	f.viewGen.Add(1)
 	f.dirty.Store(f.hasPassthroughWriters())
 	f.mu.Unlock()
-	// Discard the old upper (nothing references it any more).
-	if old.upper != next.upper {
+	if keep {
+		f.bg <- f.saveMountBG
+	} else {
+		// Discard the old upper (nothing references it any more).
 		f.reg.drop(old.upper)
-	}
-	oldUpper := old.upper.id
-	f.kickSpare()
-	f.bg <- func() {
-		// The mount record names the new upper before the old one goes.
-		f.saveMountBG()
-		tmp := filepath.Join(f.store.WorkDir(), "gc-"+oldUpper)
-		if os.Rename(f.store.LayerPath(oldUpper), tmp) == nil {
-			_ = os.RemoveAll(tmp)
-			_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", oldUpper+".json"))
+		oldUpper := old.upper.id
+		f.kickSpare()
+		f.bg <- func() {
+			// The mount record names the new upper before the old one goes.
+			f.saveMountBG()
+			tmp := filepath.Join(f.store.WorkDir(), "gc-"+oldUpper)
+			if os.Rename(f.store.LayerPath(oldUpper), tmp) == nil {
+				_ = os.RemoveAll(tmp)
+				_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", oldUpper+".json"))
+			}
 		}
 	}
 	if terr != nil || !sameLowers {
