@@ -37,8 +37,9 @@ type Freezer interface {
 // Members is implemented by targets that list their processes in one
 // cheap read (a cgroup's member list; init, helpers and exiting processes
 // may be among them). A restore uses it, when present, to find the live
-// processes to signal; a walk of init's descendants still confirms that
-// none is left before the copies run.
+// processes to signal, and to confirm that none is left before the copies
+// run unless a process of the sandbox may be outside the cgroup (see
+// Engine.strays): then a walk of init's descendants confirms.
 type Members interface {
 	MemberPIDs() ([]int, error)
 }
@@ -88,6 +89,14 @@ type Engine struct {
 	// aux are copies being dumped (pid -> sandbox id); they outlive a
 	// dropped checkpoint until criu is done with them.
 	aux map[int]string
+	// strays are the sandboxes (ids) where a process may live outside
+	// the sandbox's cgroup, so that its member list (Members) may miss
+	// one: set when a CRIU restore into the sandbox left a descendant of
+	// its init outside the list (CRIU restores join the sandbox's cgroups,
+	// so that is not expected), cleared by DropSandbox. The sandbox's
+	// processes cannot leave their cgroup on their own (no cgroup file
+	// system, no CAP_SYS_ADMIN).
+	strays map[string]bool
 	// dumps tracks background image dumps; life ends when Close starts,
 	// which cancels them (criu is killed) and waits for them, so no dump
 	// outlives the runner whose wrapper scripts it runs.
@@ -202,7 +211,13 @@ type Stdio struct {
 // RestoreOptions tune Restore and Fork.
 type RestoreOptions struct {
 	// SwitchFS runs after the live processes are gone and before the
-	// copies are created (Restore only).
+	// copies run (Restore only). "Gone" means that every thread of them
+	// has begun to exit: none is in a system call any more, but their
+	// address spaces may still be torn down, and the teardown writes back
+	// the dirty pages of shared file mappings (a FUSE file's, through its
+	// server). So SwitchFS must flush those first (syncfs: the killed
+	// processes dirty nothing more) if what they write must not reach
+	// the switched view.
 	SwitchFS func() error
 	// Reroot says that SwitchFS replaces the root mount of the sandbox's
 	// mount namespace (a stock-kernel native overlay) instead of changing
@@ -883,27 +898,42 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 }
 
 // killLive SIGKILLs every live process of t and waits until each one is
-// exiting (PF_EXITING: it will never run user code or start a system call
-// again). It does not wait for the exit to finish: tearing down a large
-// address space takes milliseconds and the copies need not wait for it.
+// exiting (PF_EXITING in every thread: none will run user code or start a
+// system call again, and none is in one: a system call on the sandbox's
+// file system, a write the FUSE server has read among them, has returned).
+// It does not wait for the exit to finish: tearing down a large address
+// space takes milliseconds and the copies need not wait for it. (What the
+// teardown still writes, a shared file mapping's dirty pages, the caller
+// flushes before it switches the file system: see
+// RestoreOptions.SwitchFS.)
 func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, error) {
-	return e.killLiveAfter(ctx, t, keep, nil)
+	return e.killLiveAfter(ctx, t, keep, nil, nil)
 }
 
 // killLiveAfter is killLive when the processes signalled were sent SIGKILL
 // already (signalLive): it waits for them first, so that its first listing
-// usually finds no process left.
-func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []int) ([]int, error) {
+// usually finds no process left. It marks "kill_wait" (the wait) and
+// "kill_confirm" (the listings) in ph.
+func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []int, ph *phases) ([]int, error) {
 	killed := append([]int(nil), signalled...)
 	for _, pid := range signalled {
-		waitUntil(ctx, 10*time.Second, func() bool { return exiting(pid) })
+		waitUntil(ctx, 10*time.Second, func() bool { return groupExiting(pid) })
 	}
+	ph.mark("kill_wait")
+	defer ph.mark("kill_confirm")
 	skip := e.templatePids(t.ID())
 	for _, p := range keep {
 		skip[p] = true
 	}
+	list := func() ([]Proc, error) { return walk(t.InitPID(), skip, false) }
+	if _, ok := t.(Members); ok && !e.strayed(t.ID()) {
+		// The cgroup's member list is complete: one read of it instead of
+		// a walk of the init's threads' child lists (0.27 ms p50 on the
+		// 2-core machine under load, against 0.07 for the wait before it).
+		list = func() ([]Proc, error) { return liveOf(t, skip) }
+	}
 	for round := 0; round < 20; round++ {
-		procs, err := walk(t.InitPID(), skip, false)
+		procs, err := list()
 		if err != nil {
 			return killed, err
 		}
@@ -927,12 +957,12 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 				if n, _ := unix.Poll(pfd, 0); n > 0 {
 					return true
 				}
-				return exiting(pid)
+				return groupExiting(pid)
 			})
 			unix.Close(fd)
 		}
 	}
-	procs, _ := walk(t.InitPID(), skip, false)
+	procs, _ := list()
 	if len(procs) > 0 {
 		return killed, fmt.Errorf("kill processes of %s: %d survive", t.ID(), len(procs))
 	}
@@ -942,9 +972,8 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 // liveOf lists the live processes of t (pids only) but those in skip.
 // With Members it takes one read of the cgroup's member list instead of a
 // walk of init's descendants (the init has a score of threads, each with
-// its own list of children). That list is not authoritative (a process
-// CRIU restored outside the cgroups is missing from it): killLiveAfter
-// confirms with the walk.
+// its own list of children). That list misses a process outside the
+// cgroup (see Engine.strays): killLiveAfter then confirms with the walk.
 func liveOf(t Target, skip map[int]bool) ([]Proc, error) {
 	m, ok := t.(Members)
 	if !ok {
@@ -1086,11 +1115,27 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		// and are set up (a failed fork leaves them running; see
 		// prepareCopiesOn for what waits for the kill), so their
 		// teardown does not compete with the set-up.
+		//
+		// When every template has its warm spare, though, the set-up is
+		// short and uses no fork: the live processes are sent SIGKILL
+		// first, so that waking them on the other CPU and their start of
+		// exiting (what killLiveAfter waits for) overlaps the hand-over to
+		// the tracer and the copies' set-up instead of following it. The
+		// spares are helpers (templatePids), so signalLive leaves them
+		// alone. If the set-up then fails, the live processes are gone
+		// all the same: the caller's undo restores the state it saved
+		// (state.Manager restores its undo point), as after any failed
+		// restore past the kill.
 		var signalled []int
-		ms, err := e.prepareCopies(c, opts, true, func(pids []int) { signalled = e.signalLive(t, pids) }, ph)
+		afterForks := func(pids []int) { signalled = e.signalLive(t, pids) }
+		if e.cfg.Warm && e.sparesOf(c) {
+			signalled = e.signalLive(t, nil)
+			afterForks = nil
+			ph.mark("signal")
+		}
+		ms, err := e.prepareCopies(c, opts, true, afterForks, ph)
 		if err == nil {
-			_, err := e.killLiveAfter(ctx, t, copyPids(ms), signalled)
-			ph.mark("kill_wait")
+			_, err := e.killLiveAfter(ctx, t, copyPids(ms), signalled, ph)
 			if err != nil {
 				killCopies(ms)
 				return nil, fmt.Errorf("restore %s: %w", id, err)
@@ -1506,6 +1551,58 @@ func (e *Engine) imagePath() string {
 	return "criu"
 }
 
+// strayed reports whether a process of sandbox sb may be outside its
+// cgroup (Engine.strays).
+func (e *Engine) strayed(sb string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.strays[sb]
+}
+
+// checkStrays records whether some descendant of t's init is missing from
+// t's member list (Members), after a CRIU restore into t: from then on the
+// kill's confirming listing walks the descendants. The check walks once.
+func (e *Engine) checkStrays(t Target) {
+	m, ok := t.(Members)
+	if !ok {
+		return
+	}
+	members, merr := m.MemberPIDs()
+	procs, werr := walk(t.InitPID(), nil, false)
+	in := map[int]bool{}
+	for _, p := range members {
+		in[p] = true
+	}
+	stray := merr != nil || werr != nil
+	for _, p := range procs {
+		if !in[p.PID] && !exiting(p.PID) {
+			stray = true
+		}
+	}
+	if !stray {
+		return
+	}
+	e.log.Warn("a process of the sandbox is outside its cgroup: its restores confirm kills with a walk", "sandbox", t.ID())
+	e.mu.Lock()
+	if e.strays == nil {
+		e.strays = map[string]bool{}
+	}
+	e.strays[t.ID()] = true
+	e.mu.Unlock()
+}
+
+// sparesOf reports whether every template of c has its warm spare ready.
+func (e *Engine) sparesOf(c *ckpt) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, tm := range c.templates {
+		if tm.spare == nil {
+			return false
+		}
+	}
+	return len(c.templates) > 0
+}
+
 // tmpls returns a snapshot of c's templates.
 func (e *Engine) tmpls(c *ckpt) []*template {
 	e.mu.Lock()
@@ -1634,6 +1731,7 @@ func (e *Engine) DropSandbox(sb string) {
 			ids = append(ids, id)
 		}
 	}
+	delete(e.strays, sb)
 	e.mu.Unlock()
 	sort.Strings(ids)
 	for _, id := range ids {

@@ -262,6 +262,9 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 			return 0, err
 		}
 		nspid, err := r.Restore(ctx, o)
+		if err == nil {
+			e.checkStrays(t)
+		}
 		if err == nil || !criu.PidTaken(err) {
 			return nspid, err
 		}

@@ -241,6 +241,53 @@ func exiting(pid int) bool {
 	return err == nil && flags&pfExiting != 0
 }
 
+// groupExiting reports whether every thread of process pid is gone, a
+// zombie, or has begun to exit (exiting looks at the thread group's
+// leader only, which may exit before its other threads: a thread of a
+// killed process may still be in a system call then).
+func groupExiting(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return true
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 18 {
+		return true
+	}
+	if n, err := strconv.Atoi(f[17]); err == nil && n <= 1 {
+		return exiting(pid)
+	}
+	// Several threads: each must be exiting (a zombie leader's group
+	// lives on while another thread runs).
+	dir := "/proc/" + strconv.Itoa(pid) + "/task"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return true // reaped meanwhile
+	}
+	for _, e := range ents {
+		tb, err := os.ReadFile(dir + "/" + e.Name() + "/stat")
+		if err != nil {
+			continue // that thread is gone
+		}
+		j := strings.LastIndexByte(string(tb), ')')
+		if j < 0 {
+			continue
+		}
+		tf := strings.Fields(string(tb[j+1:]))
+		if len(tf) < 7 || tf[0] == "Z" || tf[0] == "X" {
+			continue
+		}
+		if flags, err := strconv.ParseUint(tf[6], 10, 64); err == nil && flags&pfExiting == 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // errTerminal: CRIU cannot restore a terminal here. A pseudo-terminal slave
 // without its master in the image (the master is the daemon's) needs the
 // restoring criu's own stdin to be a terminal, or the master sent back over

@@ -971,12 +971,25 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 			return "", err
 		}
 		p.setOrigins(id, nil)
+		if err := p.flushOld(); err != nil {
+			return "", err
+		}
 		return "template", switchFS()
+	}
+	// The killed processes' dirty pages of shared file mappings are
+	// written back while their address spaces are torn down, after the
+	// kill returns (cr.RestoreOptions.SwitchFS): written back now, they
+	// land in the view being left.
+	flushed := func() error {
+		if err := p.flushOld(); err != nil {
+			return err
+		}
+		return switchFS()
 	}
 	var chMu sync.Mutex
 	var opened []*sandbox.Channels
 	opts := cr.RestoreOptions{
-		SwitchFS: switchFS,
+		SwitchFS: flushed,
 		Reroot:   p.view != nil,
 		// A template copy gets pipes made inside it: no round trip to
 		// the sandbox's init on the restore's path.
@@ -1029,6 +1042,13 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		},
 	}
 	res, err := p.b.eng.Restore(ctx, p.sb, id, opts)
+	if err == nil && p.b.log.Enabled(ctx, slog.LevelDebug) {
+		attrs := []any{"sandbox", p.sb.ID(), "path", res.Path}
+		for _, ph := range res.Phases {
+			attrs = append(attrs, ph.Name+"_us", ph.D.Microseconds())
+		}
+		p.b.log.Debug("cr restore", attrs...)
+	}
 	chMu.Lock()
 	for _, ch := range opened {
 		ch.Close()
@@ -1063,6 +1083,38 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		p.mu.Unlock()
 	}
 	return res.Path, nil
+}
+
+// fuseMagic is FUSE_SUPER_MAGIC, statfs's type of a FUSE mount.
+const fuseMagic = 0x65735546
+
+// flushOld writes back the dirty pages of the sandbox's root file system
+// when that is a FUSE mount (syncfs), once its processes were killed (see
+// Restore): the page cache's dirty pages come only from shared file
+// mappings there (FUSE writes through without the writeback cache), and
+// when none is dirty the flush costs two system calls. A stock-kernel
+// native view is replaced by its switch (the old processes' pages go to
+// the old view), and other mounts are left alone.
+func (p *procSandbox) flushOld() error {
+	if p.view != nil {
+		return nil
+	}
+	fd, err := unix.Open(p.sb.Root(), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("flush %s: %w", p.sb.Root(), err)
+	}
+	defer unix.Close(fd)
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return fmt.Errorf("flush %s: %w", p.sb.Root(), err)
+	}
+	if st.Type != fuseMagic {
+		return nil
+	}
+	if err := unix.Syncfs(fd); err != nil {
+		return fmt.Errorf("flush %s: %w", p.sb.Root(), err)
+	}
+	return nil
 }
 
 // takeRestored returns, once, the pids the last template restore left
