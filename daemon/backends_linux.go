@@ -466,6 +466,41 @@ type fsMount struct {
 
 	compacting atomic.Bool
 	wg         sync.WaitGroup // a running compaction
+
+	// flushFD is a descriptor of the FUSE mount's root for Flush (-1
+	// before the first, and after Unmount), kept open so that a flush
+	// costs no OPENDIR; flushMu guards it.
+	flushMu sync.Mutex
+	flushFD int
+	flushed bool // flushFD was opened (or Unmount ran)
+}
+
+// Flush implements state.FSFlusher for the FUSE overlay (syncfs): its
+// page cache's only dirty pages are those of shared file mappings (FUSE
+// writes through: no writeback cache), and when none is dirty the flush
+// is one system call. The kernel path's mounts are left alone: a stock
+// kernel's switch replaces the view (the old processes' pages go to the
+// old one).
+func (m *fsMount) Flush(context.Context) error {
+	if _, ok := m.f.(*fs.FS); !ok || m.replaces {
+		return nil
+	}
+	m.flushMu.Lock()
+	defer m.flushMu.Unlock()
+	if !m.flushed {
+		fd, err := unix.Open(m.f.Mountpoint(), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("flush %s: %w", m.f.MountID(), err)
+		}
+		m.flushFD, m.flushed = fd, true
+	}
+	if m.flushFD < 0 {
+		return nil // unmounted
+	}
+	if err := unix.Syncfs(m.flushFD); err != nil {
+		return fmt.Errorf("flush %s: %w", m.f.MountID(), err)
+	}
+	return nil
 }
 
 // depther is implemented by back ends whose stack depth grows: with every
@@ -545,6 +580,12 @@ func (m *fsMount) setSandbox(sb *sandbox.Sandbox) {
 
 func (m *fsMount) Unmount() error {
 	m.wg.Wait()
+	m.flushMu.Lock()
+	if m.flushed && m.flushFD >= 0 {
+		unix.Close(m.flushFD) // or the unmount finds the mount busy
+	}
+	m.flushFD, m.flushed = -1, true
+	m.flushMu.Unlock()
 	if m.replaces {
 		m.b.mu.Lock()
 		if m.b.views[m.f.Mountpoint()] == m {
@@ -971,25 +1012,12 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 			return "", err
 		}
 		p.setOrigins(id, nil)
-		if err := p.flushOld(); err != nil {
-			return "", err
-		}
 		return "template", switchFS()
-	}
-	// The killed processes' dirty pages of shared file mappings are
-	// written back while their address spaces are torn down, after the
-	// kill returns (cr.RestoreOptions.SwitchFS): written back now, they
-	// land in the view being left.
-	flushed := func() error {
-		if err := p.flushOld(); err != nil {
-			return err
-		}
-		return switchFS()
 	}
 	var chMu sync.Mutex
 	var opened []*sandbox.Channels
 	opts := cr.RestoreOptions{
-		SwitchFS: flushed,
+		SwitchFS: switchFS,
 		Reroot:   p.view != nil,
 		// A template copy gets pipes made inside it: no round trip to
 		// the sandbox's init on the restore's path.
@@ -1083,38 +1111,6 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		p.mu.Unlock()
 	}
 	return res.Path, nil
-}
-
-// fuseMagic is FUSE_SUPER_MAGIC, statfs's type of a FUSE mount.
-const fuseMagic = 0x65735546
-
-// flushOld writes back the dirty pages of the sandbox's root file system
-// when that is a FUSE mount (syncfs), once its processes were killed (see
-// Restore): the page cache's dirty pages come only from shared file
-// mappings there (FUSE writes through without the writeback cache), and
-// when none is dirty the flush costs two system calls. A stock-kernel
-// native view is replaced by its switch (the old processes' pages go to
-// the old view), and other mounts are left alone.
-func (p *procSandbox) flushOld() error {
-	if p.view != nil {
-		return nil
-	}
-	fd, err := unix.Open(p.sb.Root(), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("flush %s: %w", p.sb.Root(), err)
-	}
-	defer unix.Close(fd)
-	var st unix.Statfs_t
-	if err := unix.Fstatfs(fd, &st); err != nil {
-		return fmt.Errorf("flush %s: %w", p.sb.Root(), err)
-	}
-	if st.Type != fuseMagic {
-		return nil
-	}
-	if err := unix.Syncfs(fd); err != nil {
-		return fmt.Errorf("flush %s: %w", p.sb.Root(), err)
-	}
-	return nil
 }
 
 // takeRestored returns, once, the pids the last template restore left

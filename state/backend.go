@@ -92,6 +92,17 @@ type ViewReplacer interface {
 	ReplacesView() bool
 }
 
+// FSFlusher is implemented by FS mounts whose page cache can hold writes
+// not yet in the view: dirty pages of shared file mappings, which the
+// kernel writes back when it likes, at the latest while the process that
+// mapped them exits (after the kill of a restore returned). A restore
+// calls Flush once the sandbox's processes are killed and before it
+// switches, so what they wrote reaches the view being left and never the
+// switched one.
+type FSFlusher interface {
+	Flush(ctx context.Context) error
+}
+
 // FSSizer is implemented by FS back ends that can tell, after the fact,
 // the bytes an fs checkpoint added (its frozen layer). The manager asks in
 // the background, off the checkpoint's critical path, for checkpoints whose

@@ -808,6 +808,10 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		t = time.Now()
 		var switched, switchEnd time.Time
 		path, err = proc.Restore(bg, part, func() error {
+			// The flush ends the kill (KillUS): see FSFlusher.
+			if err := flush(bg, mount); err != nil {
+				return err
+			}
 			switched = time.Now()
 			defer func() { switchEnd = time.Now() }()
 			return mount.Switch(bg, fsID)
@@ -820,7 +824,12 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			ph.KillUS = time.Since(t).Microseconds()
 		}
 		if err != nil {
-			if _, uerr := proc.Restore(bg, undo, func() error { return mount.Switch(bg, undoFS) }); uerr != nil {
+			if _, uerr := proc.Restore(bg, undo, func() error {
+				if err := flush(bg, mount); err != nil {
+					return err
+				}
+				return mount.Switch(bg, undoFS)
+			}); uerr != nil {
 				m.log.Error("restore failed and so did going back", "sandbox", s.rec.Name, "err", uerr)
 				m.mu.Lock()
 				s.rec.Note = "a failed restore could not be undone: " + uerr.Error()
@@ -870,6 +879,16 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		m.mu.Unlock()
 	}
 	return m.restored(s, c, path, start, ph)
+}
+
+// flush flushes mount if it is an FSFlusher.
+func flush(ctx context.Context, mount FSMount) error {
+	if f, ok := mount.(FSFlusher); ok {
+		if err := f.Flush(ctx); err != nil {
+			return fmt.Errorf("flush the killed processes' writes: %w", err)
+		}
+	}
+	return nil
 }
 
 // epochReserve is how many epochs past the current one a sandbox's stored
