@@ -907,17 +907,23 @@ func (e *Engine) Record(id string) (Checkpoint, error) {
 // flushes before it switches the file system: see
 // RestoreOptions.SwitchFS.)
 func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, error) {
-	return e.killLiveAfter(ctx, t, keep, nil, nil)
+	return e.killLiveAfter(ctx, t, keep, killSet{}, nil)
 }
 
 // killLiveAfter is killLive when the processes signalled were sent SIGKILL
 // already (signalLive): it waits for them first, so that its first listing
-// usually finds no process left. It marks "kill_wait" (the wait) and
+// usually finds no process left; the quiet ones it need not wait for, and
+// its listings leave them out. It marks "kill_wait" (the wait) and
 // "kill_confirm" (the listings) in ph.
-func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []int, ph *phases) ([]int, error) {
-	killed := append([]int(nil), signalled...)
-	for _, pid := range signalled {
+func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep []int, signalled killSet, ph *phases) ([]int, error) {
+	killed := append([]int(nil), signalled.wait...)
+	for _, pid := range signalled.wait {
 		waitUntil(ctx, 10*time.Second, func() bool { return groupExiting(pid) })
+	}
+	quiet := map[int]quietProbe{}
+	for _, q := range signalled.quiet {
+		killed = append(killed, q.pid)
+		quiet[q.pid] = q
 	}
 	ph.mark("kill_wait")
 	defer ph.mark("kill_confirm")
@@ -925,12 +931,26 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep, signalled []
 	for _, p := range keep {
 		skip[p] = true
 	}
-	list := func() ([]Proc, error) { return walk(t.InitPID(), skip, false) }
+	listAll := func() ([]Proc, error) { return walk(t.InitPID(), skip, false) }
 	if _, ok := t.(Members); ok && !e.strayed(t.ID()) {
 		// The cgroup's member list is complete: one read of it instead of
 		// a walk of the init's threads' child lists (0.27 ms p50 on the
 		// 2-core machine under load, against 0.07 for the wait before it).
-		list = func() ([]Proc, error) { return liveOf(t, skip) }
+		listAll = func() ([]Proc, error) { return liveOf(t, skip) }
+	}
+	list := func() ([]Proc, error) {
+		procs, err := listAll()
+		if len(quiet) == 0 || err != nil {
+			return procs, err
+		}
+		out := procs[:0]
+		for _, p := range procs {
+			if q, ok := quiet[p.PID]; ok && q.same(p.PID) {
+				continue
+			}
+			out = append(out, p)
+		}
+		return out, nil
 	}
 	for round := 0; round < 20; round++ {
 		procs, err := list()
@@ -993,26 +1013,47 @@ func liveOf(t Target, skip map[int]bool) ([]Proc, error) {
 }
 
 // signalLive sends SIGKILL to every live process of t but keep, without
-// waiting, and returns the pids signalled (killLiveAfter then waits).
-func (e *Engine) signalLive(t Target, keep []int) []int {
+// waiting, and returns the pids signalled (killLiveAfter then waits for
+// them): those proven quiet (see quietBefore) apart, which need no wait.
+func (e *Engine) signalLive(t Target, keep []int) killSet {
 	skip := e.templatePids(t.ID())
 	for _, p := range keep {
 		skip[p] = true
 	}
 	procs, err := liveOf(t, skip)
 	if err != nil {
-		return nil
+		return killSet{}
 	}
-	var out []int
+	var ks killSet
+	var probes []quietProbe
 	for _, p := range procs {
+		q, maybe := quietBefore(p.PID)
 		if fd, err := unix.PidfdOpen(p.PID, 0); err == nil {
 			if unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0) == nil {
-				out = append(out, p.PID)
+				if maybe {
+					probes = append(probes, q)
+				} else {
+					ks.wait = append(ks.wait, p.PID)
+				}
 			}
 			unix.Close(fd)
 		}
 	}
-	return out
+	for _, q := range probes {
+		if quietAfter(q) {
+			ks.quiet = append(ks.quiet, q)
+		} else {
+			ks.wait = append(ks.wait, q.pid)
+		}
+	}
+	return ks
+}
+
+// killSet are the processes signalLive sent SIGKILL: those to wait for,
+// and the quiet ones.
+type killSet struct {
+	wait  []int
+	quiet []quietProbe
 }
 
 // waitGone waits until the killed processes are reaped, so their pids are
@@ -1116,30 +1157,32 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		// prepareCopiesOn for what waits for the kill), so their
 		// teardown does not compete with the set-up.
 		//
-		// When every template has its warm spare, though, the set-up is
-		// short and uses no fork: the live processes are sent SIGKILL
-		// first, so that waking them on the other CPU and their start of
-		// exiting (what killLiveAfter waits for) overlaps the hand-over to
-		// the tracer and the copies' set-up instead of following it. The
-		// spares are helpers (templatePids), so signalLive leaves them
-		// alone. If the set-up then fails, the live processes are gone
-		// all the same: the caller's undo restores the state it saved
-		// (state.Manager restores its undo point), as after any failed
-		// restore past the kill.
-		var signalled []int
-		afterForks := func(pids []int) { signalled = e.signalLive(t, pids) }
-		if e.cfg.Warm && e.sparesOf(c) {
-			signalled = e.signalLive(t, nil)
-			afterForks = nil
-			ph.mark("signal")
-		}
-		ms, err := e.prepareCopies(c, opts, true, afterForks, ph)
-		if err == nil {
-			_, err := e.killLiveAfter(ctx, t, copyPids(ms), signalled, ph)
-			if err != nil {
-				killCopies(ms)
-				return nil, fmt.Errorf("restore %s: %w", id, err)
+		// When every template has its warm spare, though, the set-up
+		// needs no fork: see prepareWhileKilling, which kills first and
+		// sets the spares up meanwhile. If it finds a spare gone, the
+		// copies are made here (the live processes are dead by then).
+		var ms []made
+		var err error
+		done := false
+		if spares := e.sparesOf(c); e.cfg.Warm && spares != nil {
+			var kerr error
+			ms, err, kerr = e.prepareWhileKilling(ctx, t, c, opts, spares, ph)
+			if kerr != nil {
+				return nil, fmt.Errorf("restore %s: %w", id, kerr)
 			}
+			done = err == nil
+		}
+		if !done {
+			var signalled killSet
+			ms, err = e.prepareCopies(c, opts, true, false, func(pids []int) { signalled = e.signalLive(t, pids) }, ph)
+			if err == nil {
+				if _, err := e.killLiveAfter(ctx, t, copyPids(ms), signalled, ph); err != nil {
+					killCopies(ms)
+					return nil, fmt.Errorf("restore %s: %w", id, err)
+				}
+			}
+		}
+		if err == nil {
 			var views []viewState
 			if opts.Reroot {
 				for _, m := range ms {
@@ -1307,7 +1350,7 @@ type made struct {
 // spawn forks every template of c (or takes its warmed spare), wires stdio
 // and lets the copies run. On error every copy made so far is killed.
 func (e *Engine) spawn(c *ckpt, opts RestoreOptions, useSpare bool) ([]Restored, error) {
-	ms, err := e.prepareCopies(c, opts, useSpare, nil, nil)
+	ms, err := e.prepareCopies(c, opts, useSpare, false, nil, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -1343,18 +1386,64 @@ func copyPids(ms []made) []int {
 // prepareCopies makes the stopped copies, in one hand-over to the tracer
 // thread (see inject.Tracer.Do). afterForks, if set, runs once every copy
 // exists, before their sessions and stdio are set up, with their pids.
-func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int), ph *phases) (ms []made, err error) {
+// With spareOnly it fails (errNoSpare) rather than fork a copy.
+func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare, spareOnly bool, afterForks func(pids []int), ph *phases) (ms []made, err error) {
 	err = e.tracer.Do(func() error {
 		ph.mark("handover")
 		var err error
-		ms, err = e.prepareCopiesOn(c, opts, useSpare, afterForks, ph)
+		ms, err = e.prepareCopiesOn(c, opts, useSpare, spareOnly, afterForks, ph)
 		return err
 	})
 	return ms, err
 }
 
+// errNoSpare: a template's warm spare went away (prepareCopies).
+var errNoSpare = errors.New("a warm spare is gone")
+
+// prepareWhileKilling is the set-up of a restore whose templates all have
+// their warm spares (pids: spares): it sends SIGKILL to the live processes
+// first, then hands the set-up of the spares to the tracer thread and
+// waits for the kill (killLiveAfter) meanwhile, so that waking the killed
+// processes on the other CPU, their start of exiting and the confirming
+// listing overlap the hand-over and the set-up (one injected system call
+// per spare) instead of following them. The spares are helpers
+// (templatePids) and kept (spares), so the kill leaves them alone while
+// the tracer takes them.
+//
+// kerr is the kill's failure (the copies are killed then). err is the
+// set-up's (a spare gone: errNoSpare), after which the live processes
+// are dead all the same: the caller makes the copies another way, or
+// fails and its own undo restores the state it saved (state.Manager
+// restores its undo point), as after any restore that fails past the
+// kill.
+func (e *Engine) prepareWhileKilling(ctx context.Context, t Target, c *ckpt, opts RestoreOptions, spares []int, ph *phases) (ms []made, err, kerr error) {
+	signalled := e.signalLive(t, nil)
+	ph.mark("signal")
+	pa := &phases{last: time.Now()}
+	ready := make(chan struct{})
+	go func() {
+		defer close(ready)
+		ms, err = e.prepareCopies(c, opts, true, true, nil, pa)
+	}()
+	_, kerr = e.killLiveAfter(ctx, t, spares, signalled, ph)
+	<-ready
+	ph.mark("copies_wait")
+	// The tracer's steps ran during the kill: they are reported after
+	// it, under their own names.
+	for _, p := range pa.out {
+		ph.out = append(ph.out, Phase{Name: "copies." + p.Name, D: p.D})
+	}
+	if kerr != nil {
+		if err == nil {
+			killCopies(ms)
+		}
+		return nil, nil, kerr
+	}
+	return ms, err, nil
+}
+
 // prepareCopiesOn is prepareCopies on the tracer thread.
-func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, afterForks func(pids []int), ph *phases) ([]made, error) {
+func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare, spareOnly bool, afterForks func(pids []int), ph *phases) ([]made, error) {
 	var ms []made
 	fail := func(err error) ([]made, error) {
 		killCopies(ms)
@@ -1386,6 +1475,9 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare bool, af
 			}
 		}
 		forked := cp == nil
+		if forked && spareOnly {
+			return fail(errNoSpare)
+		}
 		if forked {
 			var err error
 			cp, err = tm.proc.Fork(true)
@@ -1591,16 +1683,19 @@ func (e *Engine) checkStrays(t Target) {
 	e.mu.Unlock()
 }
 
-// sparesOf reports whether every template of c has its warm spare ready.
-func (e *Engine) sparesOf(c *ckpt) bool {
+// sparesOf returns the pids of the warm spares of c's templates, or nil
+// unless every template has one.
+func (e *Engine) sparesOf(c *ckpt) []int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	var out []int
 	for _, tm := range c.templates {
 		if tm.spare == nil {
-			return false
+			return nil
 		}
+		out = append(out, tm.spare.Pid())
 	}
-	return len(c.templates) > 0
+	return out
 }
 
 // tmpls returns a snapshot of c's templates.
