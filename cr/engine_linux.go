@@ -925,6 +925,24 @@ func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep []int, signal
 		killed = append(killed, q.pid)
 		quiet[q.pid] = q
 	}
+	if len(quiet) > 0 {
+		// Until a quiet process has begun to exit (when it next gets a
+		// CPU, maybe after the restore returned) it looks alive: it is
+		// a helper meanwhile, which no listing of the agent's processes
+		// (a checkpoint's, a probe window's) takes for the agent's.
+		defer func() {
+			var pids []int
+			e.mu.Lock()
+			for pid, q := range quiet {
+				if q.same(pid) {
+					e.aux[pid] = t.ID()
+					pids = append(pids, pid)
+				}
+			}
+			e.mu.Unlock()
+			e.forgetWhenGone(pids...)
+		}()
+	}
 	ph.mark("kill_wait")
 	defer ph.mark("kill_confirm")
 	skip := e.templatePids(t.ID())

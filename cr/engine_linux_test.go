@@ -47,7 +47,7 @@ func TestTemplateBash(t *testing.T) {
 			if !switched || res.Path != "template" || len(res.Procs) != 1 {
 				t.Fatalf("restore result %+v switched=%v", res, switched)
 			}
-			if !exiting(ck.Procs[0].PID) {
+			if !dying(ck.Procs[0].PID) {
 				st, _ := procState(ck.Procs[0].PID)
 				t.Fatalf("old shell %d still alive (state %c)", ck.Procs[0].PID, st)
 			}

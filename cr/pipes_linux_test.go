@@ -83,7 +83,7 @@ func TestRestorePipes(t *testing.T) {
 				if pid := <-pids; pid != res.Procs[0].PID {
 					t.Fatalf("pipes hook got pid %d, the copy is %d", pid, res.Procs[0].PID)
 				}
-				if !exiting(ck.Procs[0].PID) {
+				if !dying(ck.Procs[0].PID) {
 					t.Fatalf("old shell %d still alive", ck.Procs[0].PID)
 				}
 				s := <-sessions

@@ -82,3 +82,18 @@ func TestQuiet(t *testing.T) {
 		})
 	}
 }
+
+// dying reports whether pid, killed by a restore, starts exiting within
+// seconds: a restore returns once the processes it killed are exiting,
+// or asleep with SIGKILL pending (quiet: see quietBefore), which they
+// reach when they next get a CPU.
+func dying(pid int) bool {
+	deadline := time.Now().Add(10 * time.Second)
+	for !exiting(pid) {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
+}

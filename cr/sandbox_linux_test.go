@@ -313,7 +313,7 @@ func TestRealSandboxRestoreKillsNewcomersAndAdoptsPipes(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, pid := range newcomers {
-				if !exiting(pid) {
+				if !dying(pid) {
 					t.Fatalf("process %d started after the checkpoint survived the restore", pid)
 				}
 			}
