@@ -1044,25 +1044,31 @@ func (e *Engine) signalLive(t Target, keep []int) killSet {
 	}
 	var ks killSet
 	var probes []quietProbe
+	var pfds []int // the probed processes' pidfds, open until quietAfter
 	for _, p := range procs {
 		q, maybe := quietBefore(p.PID)
-		if fd, err := unix.PidfdOpen(p.PID, 0); err == nil {
-			if unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0) == nil {
-				if maybe {
-					probes = append(probes, q)
-				} else {
-					ks.wait = append(ks.wait, p.PID)
-				}
-			}
-			unix.Close(fd)
+		fd, err := unix.PidfdOpen(p.PID, 0)
+		if err != nil {
+			continue
 		}
+		if unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0) != nil {
+			unix.Close(fd)
+			continue
+		}
+		if !maybe {
+			ks.wait = append(ks.wait, p.PID)
+			unix.Close(fd)
+			continue
+		}
+		probes, pfds = append(probes, q), append(pfds, fd)
 	}
-	for _, q := range probes {
-		if quietAfter(q) {
+	for i, q := range probes {
+		if quietAfter(q, pfds[i]) {
 			ks.quiet = append(ks.quiet, q)
 		} else {
 			ks.wait = append(ks.wait, q.pid)
 		}
+		unix.Close(pfds[i])
 	}
 	return ks
 }

@@ -5,6 +5,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // A killed process must not change the sandbox's file system once a
@@ -63,11 +65,13 @@ func quietBefore(pid int) (quietProbe, bool) {
 }
 
 // quietAfter reports whether the process probed did not run since the
-// probe (and is still that process).
-func quietAfter(q quietProbe) bool {
-	st, err := readStat(q.pid)
-	if err != nil || st.start != q.start {
-		return false // gone, or reused: it ran; the kill's listing decides
+// probe; pidfd refers to it (opened after the probe, with the start time
+// unchanged since, or the count differs): while it has not exited, its
+// pid names it, and a process that exited ran.
+func quietAfter(q quietProbe, pidfd int) bool {
+	pfd := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	if n, err := unix.Poll(pfd, 0); err != nil || n > 0 {
+		return false // exited (it ran), or not known: the kill waits
 	}
 	n, err := schedCount(q.pid)
 	return err == nil && n == q.pcount

@@ -52,11 +52,16 @@ func TestQuiet(t *testing.T) {
 			// Let it settle where it sleeps (or spins).
 			time.Sleep(200 * time.Millisecond)
 			q, maybe := quietBefore(pid)
+			pidfd, err := unix.PidfdOpen(pid, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(pidfd)
 			if maybe != tc.quiet {
 				t.Fatalf("quietBefore = %v, want %v", maybe, tc.quiet)
 			}
 			if maybe {
-				if !quietAfter(q) {
+				if !quietAfter(q, pidfd) {
 					t.Fatal("quietAfter false for a process left asleep")
 				}
 				if tc.name == "asleep in read" {
@@ -65,10 +70,10 @@ func TestQuiet(t *testing.T) {
 						t.Fatal(err)
 					}
 					deadline := time.Now().Add(5 * time.Second)
-					for quietAfter(q) && time.Now().Before(deadline) {
+					for quietAfter(q, pidfd) && time.Now().Before(deadline) {
 						time.Sleep(time.Millisecond)
 					}
-					if quietAfter(q) {
+					if quietAfter(q, pidfd) {
 						t.Fatal("quietAfter true for a process that ran")
 					}
 				}
