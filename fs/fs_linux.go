@@ -353,7 +353,7 @@ func (f *FS) initialStack() (*stack, error) {
 		if err != nil {
 			return nil, err
 		}
-		return f.buildStack(cp.Lowers, cp.Layers, up, cp.ID)
+		return f.freshStack(cp.Lowers, cp.Layers, up, cp.ID)
 	}
 	var lowers []string
 	for _, l := range f.opts.Lowers {
@@ -370,7 +370,20 @@ func (f *FS) initialStack() (*stack, error) {
 	if err != nil {
 		return nil, err
 	}
-	return f.buildStack(lowers, nil, up, "")
+	return f.freshStack(lowers, nil, up, "")
+}
+
+// freshStack is buildStack for a new, empty upper: it takes the root
+// attributes of the layers below (inheritRootMeta).
+func (f *FS) freshStack(lowers, frozen []string, upper, base string) (*stack, error) {
+	st, err := f.buildStack(lowers, frozen, upper, base)
+	if err != nil {
+		return nil, err
+	}
+	if err := inheritRootMeta(st); err != nil {
+		return nil, err
+	}
+	return st, nil
 }
 
 func (f *FS) buildStack(lowers, frozen []string, upper, base string) (*stack, error) {
@@ -591,7 +604,11 @@ func (f *FS) Checkpoint() (string, error) {
 		}
 		frozen = append(append([]*layerDir(nil), old.frozen...), old.upper)
 		next = newStack(ul, frozen, old.lowers, id)
-		if err := f.swapPassthrough(old, next); err != nil {
+		err = inheritRootMeta(next)
+		if err == nil {
+			err = f.swapPassthrough(old, next)
+		}
+		if err != nil {
 			f.spareMu.Lock()
 			if f.spare == "" {
 				f.spare = upID
@@ -719,6 +736,13 @@ func (f *FS) Switch(id string) error {
 			f.mu.Unlock()
 			return fmt.Errorf("switch to %s: %w", id, err)
 		}
+	}
+	if err := inheritRootMeta(next); err != nil {
+		f.mu.Unlock()
+		if !keep {
+			f.putSpare(upID)
+		}
+		return fmt.Errorf("switch to %s: %w", id, err)
 	}
 	// The delta: layers above the common ancestor on both sides, plus the
 	// current upper.
