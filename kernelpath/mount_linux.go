@@ -124,7 +124,7 @@ func Mount(st *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		return nil, fmt.Errorf("kernel mount %s: unknown freeze mode %q", id, opts.Freeze)
 	}
 	cleanupWork(st, id, "")
-	upper, err := f.newUpper()
+	upper, err := f.newUpper("")
 	if err != nil {
 		return nil, fmt.Errorf("kernel mount %s: %w", id, err)
 	}
@@ -208,8 +208,11 @@ func (f *FS) emptyLower() (string, error) {
 	return d, nil
 }
 
-// newUpper creates an empty layer for the upper and its work dir.
-func (f *FS) newUpper() (string, error) {
+// newUpper creates an empty layer for the upper and its work dir. The
+// upper's root takes the root attributes of the directory given (the
+// view's root attributes are the upper root's), or, when from is empty, of
+// the top of the stack it goes on (f.layers, then the lowers).
+func (f *FS) newUpper(from string) (string, error) {
 	parent := ""
 	if len(f.layers) > 0 {
 		parent = f.layers[len(f.layers)-1]
@@ -217,6 +220,16 @@ func (f *FS) newUpper() (string, error) {
 	upper, err := f.st.NewLayer(parent)
 	if err != nil {
 		return "", err
+	}
+	if from == "" {
+		if ls := f.stackFor(f.layers, upper).lowers; len(ls) > 0 {
+			from = ls[0]
+		}
+	}
+	if from != "" {
+		if err := layer.CopyRootAttrs(from, f.st.LayerPath(upper)); err != nil {
+			return "", err
+		}
 	}
 	if err := os.Mkdir(f.workFor(upper), 0o700); err != nil {
 		return "", fmt.Errorf("work dir: %w", err)
@@ -331,6 +344,10 @@ func (f *FS) Checkpoint() (string, error) {
 		chain = append(append([]string(nil), f.chain...), lid)
 	} else {
 		commit, err = f.freezeFull(f.st.LayerPath(lid))
+	}
+	if err == nil {
+		// The frozen layer's root carries the view's root attributes.
+		err = layer.CopyRootAttrs(f.st.LayerPath(f.upper), f.st.LayerPath(lid))
 	}
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
@@ -539,7 +556,7 @@ func syncFS(path string) error {
 // checkpointIoctl: the patched kernel freezes the upper in place.
 // UNTESTED ON THIS HOST (see ioctl_linux.go).
 func (f *FS) checkpointIoctl() (string, error) {
-	upper, err := f.newUpper()
+	upper, err := f.newUpper(f.st.LayerPath(f.upper))
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
@@ -588,7 +605,7 @@ func (f *FS) Switch(id string) error {
 	}
 	oldUpper, oldLayers := f.upper, f.layers
 	f.layers = c.Layers
-	upper, err := f.newUpper()
+	upper, err := f.newUpper("")
 	if err != nil {
 		f.layers = oldLayers
 		return fmt.Errorf("switch %s to %s: %w", f.id, id, err)
