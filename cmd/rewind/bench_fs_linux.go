@@ -569,6 +569,13 @@ func fsIOCases(o benchFSOpts, tarball string) []fsIOCase {
 			_, err := fsStatAll(rd)
 			return err
 		}},
+		{name: "build a C project (40 files, make -j2)", target: "<=1.3x", run: func(dir, _ string) error {
+			d, err := os.MkdirTemp(dir, "build-")
+			if err != nil {
+				return err
+			}
+			return fsBuildC(d, 40)
+		}},
 		{name: "untar Go net+crypto", target: "<=1.3x", run: func(dir, _ string) error {
 			d, err := os.MkdirTemp(dir, "untar-")
 			if err != nil {
@@ -727,4 +734,51 @@ func fsReadAll(p string) error {
 			return err
 		}
 	}
+}
+
+// fsBuildC writes a C project of n translation units (each including a
+// project header and the C library's) with a Makefile into d and builds
+// it with make -j2: compiler reads of sources and headers, object files
+// written, a link reading them all back, as a build inside a sandbox does.
+func fsBuildC(d string, n int) error {
+	var hdr, mk strings.Builder
+	hdr.WriteString("#ifndef PROJ_H\n#define PROJ_H\n#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n")
+	mk.WriteString("OBJS =")
+	for i := 0; i < n; i++ {
+		fmt.Fprintf(&hdr, "long unit%d(long x);\n", i)
+		fmt.Fprintf(&mk, " u%d.o", i)
+		var c strings.Builder
+		c.WriteString("#include \"proj.h\"\n")
+		for j := 0; j < 12; j++ {
+			fmt.Fprintf(&c, "static long f%d(long x) { char b[64]; long s = 0; for (int k = 0; k < %d; k++) { snprintf(b, sizeof b, \"%%ld\", x + k); s += (long)strlen(b) * (x ^ k); } return s; }\n", j, 10+j)
+		}
+		fmt.Fprintf(&c, "long unit%d(long x) { return f0(x)", i)
+		for j := 1; j < 12; j++ {
+			fmt.Fprintf(&c, " + f%d(x)", j)
+		}
+		c.WriteString("; }\n")
+		if err := os.WriteFile(filepath.Join(d, fmt.Sprintf("u%d.c", i)), []byte(c.String()), 0o644); err != nil {
+			return err
+		}
+	}
+	hdr.WriteString("#endif\n")
+	main := "#include \"proj.h\"\nint main(void) { long s = 0;\n"
+	for i := 0; i < n; i++ {
+		main += fmt.Sprintf("s += unit%d(%d);\n", i, i)
+	}
+	main += "printf(\"%ld\\n\", s); return 0; }\n"
+	mk.WriteString(" main.o\nprog: $(OBJS)\n\t$(CC) -o $@ $(OBJS)\n%.o: %.c proj.h\n\t$(CC) -O1 -c -o $@ $<\n")
+	for name, body := range map[string]string{"proj.h": hdr.String(), "main.c": main, "Makefile": mk.String()} {
+		if err := os.WriteFile(filepath.Join(d, name), []byte(body), 0o644); err != nil {
+			return err
+		}
+	}
+	cmd := exec.Command("make", "-s", "-j2", "-C", d, "CC=cc", "prog")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("make: %v: %s", err, b)
+	}
+	if b, err := exec.Command(filepath.Join(d, "prog")).CombinedOutput(); err != nil || len(b) == 0 {
+		return fmt.Errorf("the built program: %v: %s", err, b)
+	}
+	return nil
 }
