@@ -318,7 +318,8 @@ func makeTmp(dir string) (tmpFile, error) {
 		return tmpFile{}, fmt.Errorf("O_TMPFILE in %s: %w", dir, err)
 	}
 	var st unix.Stat_t
-	if err := unix.Fchmod(fd, poolMode); err == nil {
+	err = unix.Fchmod(fd, poolMode)
+	if err == nil {
 		err = unix.Fstat(fd, &st)
 	}
 	if err != nil {
