@@ -481,7 +481,7 @@ type fsMount struct {
 // is one system call. The kernel path's mounts are left alone: a stock
 // kernel's switch replaces the view (the old processes' pages go to the
 // old one).
-func (m *fsMount) Flush(context.Context) error {
+func (m *fsMount) Flush(ctx context.Context) error {
 	if _, ok := m.f.(*fs.FS); !ok || m.replaces {
 		return nil
 	}
@@ -498,6 +498,15 @@ func (m *fsMount) Flush(context.Context) error {
 		return nil // unmounted
 	}
 	if err := unix.Syncfs(m.flushFD); err != nil {
+		return fmt.Errorf("flush %s: %w", m.f.MountID(), err)
+	}
+	// syncfs does not wait for a FUSE mount's write-back (fs.WaitIdle).
+	// A request that stays in flight (a lock wait of a process that is
+	// not one of the killed) must not fail the restore: the wait is
+	// bounded and its end is not an error.
+	wctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	if err := m.f.(*fs.FS).WaitIdle(wctx); err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		return fmt.Errorf("flush %s: %w", m.f.MountID(), err)
 	}
 	return nil

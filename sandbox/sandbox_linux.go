@@ -652,7 +652,9 @@ func (s *Sandbox) Processes() ([]Process, error) {
 
 // MemberPIDs returns the host pids of the sandbox's cgroup (init, helpers
 // and exiting processes included): one read, for callers that must act
-// on every process quickly and confirm by other means (cr's restore kill).
+// on every process quickly. cr's restore kill also confirms with it that
+// nothing survived, unless a CRIU restore left a process outside the
+// cgroup (then it walks the init's descendants).
 func (s *Sandbox) MemberPIDs() ([]int, error) {
 	pids, err := cgroupPIDs(s.freezerDir)
 	if err != nil {
