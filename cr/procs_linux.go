@@ -223,17 +223,23 @@ func itoa(i int) string { return strconv.Itoa(i) }
 // pfExiting is the kernel's PF_EXITING task flag.
 const pfExiting = 0x4
 
-// exiting reports whether pid is gone, a zombie, or has begun to exit.
-func exiting(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+// readStatFields reads a /proc stat file and returns its fields after the
+// command name (state first); ok is false when it is gone or unreadable.
+func readStatFields(path string) (f []string, ok bool) {
+	b, err := os.ReadFile(path)
 	if err != nil {
-		return true
+		return nil, false
 	}
 	i := strings.LastIndexByte(string(b), ')')
 	if i < 0 {
-		return true
+		return nil, false
 	}
-	f := strings.Fields(string(b[i+1:]))
+	return strings.Fields(string(b[i+1:])), true
+}
+
+// taskExiting reports whether the task whose stat fields are f is a
+// zombie, dead, or has begun to exit (PF_EXITING).
+func taskExiting(f []string) bool {
 	if len(f) < 7 || f[0] == "Z" || f[0] == "X" {
 		return true
 	}
@@ -241,25 +247,23 @@ func exiting(pid int) bool {
 	return err == nil && flags&pfExiting != 0
 }
 
+// exiting reports whether pid is gone, a zombie, or has begun to exit.
+func exiting(pid int) bool {
+	f, ok := readStatFields("/proc/" + strconv.Itoa(pid) + "/stat")
+	return !ok || taskExiting(f)
+}
+
 // groupExiting reports whether every thread of process pid is gone, a
 // zombie, or has begun to exit (exiting looks at the thread group's
 // leader only, which may exit before its other threads: a thread of a
 // killed process may still be in a system call then).
 func groupExiting(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return true
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 18 {
+	f, ok := readStatFields("/proc/" + strconv.Itoa(pid) + "/stat")
+	if !ok || len(f) < 18 {
 		return true
 	}
 	if n, err := strconv.Atoi(f[17]); err == nil && n <= 1 {
-		return exiting(pid)
+		return taskExiting(f)
 	}
 	// Several threads: each must be exiting (a zombie leader's group
 	// lives on while another thread runs).
@@ -269,19 +273,7 @@ func groupExiting(pid int) bool {
 		return true // reaped meanwhile
 	}
 	for _, e := range ents {
-		tb, err := os.ReadFile(dir + "/" + e.Name() + "/stat")
-		if err != nil {
-			continue // that thread is gone
-		}
-		j := strings.LastIndexByte(string(tb), ')')
-		if j < 0 {
-			continue
-		}
-		tf := strings.Fields(string(tb[j+1:]))
-		if len(tf) < 7 || tf[0] == "Z" || tf[0] == "X" {
-			continue
-		}
-		if flags, err := strconv.ParseUint(tf[6], 10, 64); err == nil && flags&pfExiting == 0 {
+		if tf, ok := readStatFields(dir + "/" + e.Name() + "/stat"); ok && !taskExiting(tf) {
 			return false
 		}
 	}
