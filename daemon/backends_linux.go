@@ -829,6 +829,88 @@ func (p *procSandbox) Unchanged(ctx context.Context, part *state.ProcPart) (bool
 	return true, fmt.Sprintf("%d shell digests equal", len(live))
 }
 
+// cachedDigest returns the template digest of process orig of cr
+// checkpoint ck if it was computed before: a restore's critical path does
+// not run a shell copy to find it out.
+func (b *procBackend) cachedDigest(ck string, orig int) (string, bool) {
+	b.digestMu.Lock()
+	defer b.digestMu.Unlock()
+	d, ok := b.digests[tmplKey{ck, orig}]
+	return d, ok
+}
+
+// AdoptPart implements state.PartAdopter for a sandbox whose one process
+// is a persistent bash, known by the caller to be in the state of part
+// from: it holds when to also holds one process, a template of a bash
+// attached to the same session, and both templates' shell digests and $?
+// (computed earlier, see templateDigest) are equal — the state the harness
+// can observe of the shell (variables, functions, options, traps, jobs,
+// cwd, umask, descriptors, limits) is then the same in from, to and the
+// live shell. The live shell is then recorded as to's process, so later
+// checkpoints can share to's part (Unchanged). Any doubt is a "no".
+func (p *procSandbox) AdoptPart(ctx context.Context, from, to *state.ProcPart) (bool, string) {
+	one := func(part *state.ProcPart) (ck string, pr cr.Proc, sid string, why string) {
+		ck = part.Data["cr"]
+		if part.Data["mode"] != string(cr.ModeTemplate) || ck == "" {
+			return "", pr, "", "a part has no templates"
+		}
+		rec, err := p.b.eng.Record(ck)
+		if err != nil {
+			return "", pr, "", err.Error()
+		}
+		if len(rec.Procs) != 1 {
+			return "", pr, "", fmt.Sprintf("a part holds %d processes", len(rec.Procs))
+		}
+		var sessions map[string]string
+		if err := json.Unmarshal([]byte(part.Data["sessions"]), &sessions); err != nil {
+			return "", pr, "", "a part has no session map"
+		}
+		sid = sessions[strconv.Itoa(rec.Procs[0].PID)]
+		if sid == "" {
+			return "", pr, "", "a part's process is no session's"
+		}
+		return ck, rec.Procs[0], sid, ""
+	}
+	fck, fp, fsid, why := one(from)
+	if why != "" {
+		return false, why
+	}
+	tck, tp, tsid, why := one(to)
+	if why != "" {
+		return false, why
+	}
+	if fsid != tsid {
+		return false, "the parts' shells belong to different sessions"
+	}
+	fd, ok1 := p.b.cachedDigest(fck, fp.PID)
+	td, ok2 := p.b.cachedDigest(tck, tp.PID)
+	if !ok1 || !ok2 {
+		return false, "a template's digest is not known yet"
+	}
+	if fd != td {
+		return false, "the shells' states differ"
+	}
+	live, err := p.b.eng.Processes(p.sb)
+	if err != nil {
+		return false, err.Error()
+	}
+	if len(live) != 1 {
+		return false, fmt.Sprintf("%d live processes", len(live))
+	}
+	lp := live[0].PID
+	p.mu.Lock()
+	o, ok := p.origin[lp]
+	p.mu.Unlock()
+	if !ok || o.ck != fck || o.orig != fp.PID || o.start != procStart(lp) {
+		return false, fmt.Sprintf("process %d is not from the part", lp)
+	}
+	if !p.ownSession(fsid, lp) {
+		return false, "the live shell is not its session's process"
+	}
+	p.setOrigins(tck, [][2]int{{lp, tp.PID}})
+	return true, "shell digests equal"
+}
+
 func (p *procSandbox) Exec(ctx context.Context, req state.ExecRequest) (int, error) {
 	return p.sb.Exec(ctx, sandbox.ExecRequest{Argv: req.Argv, Env: req.Env, Dir: req.Dir, Stdin: req.Stdin, Stdout: req.Stdout, Stderr: req.Stderr})
 }

@@ -1,8 +1,12 @@
 package daemon_test
 
 import (
+	"bytes"
 	"context"
 	"log/slog"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/rewind-sandbox/rewind/api"
@@ -202,5 +206,102 @@ func TestRealFSRestoresChain(t *testing.T) {
 	_, three := turn(t, c, "sh")
 	if three.Decision != state.ModeFS {
 		t.Fatalf("a file write after the chain: %s (%s), want fs", three.Decision, three.Reason)
+	}
+}
+
+// TestRealRestoreAdoptsEqualShell: restoring a checkpoint whose process
+// part is not the head's but holds a shell in the same state (same
+// variables, cwd, …: equal digests) only switches the fs — the live shell
+// runs on (same pid) — and the shell then counts as that part's, so the
+// next turn shares it. A part with a different shell state is restored
+// from its template.
+func TestRealRestoreAdoptsEqualShell(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1=", "RWB_ADOPT_MARK=" + t.Name()}}); err != nil {
+		t.Fatal(err)
+	}
+	// The live shell, seen from the host: the one running (not stopped
+	// as a template) process with the session's environment.
+	livePID := func() int {
+		t.Helper()
+		var pids []int
+		ents, _ := os.ReadDir("/proc")
+		for _, e := range ents {
+			pid, err := strconv.Atoi(e.Name())
+			if err != nil {
+				continue
+			}
+			env, _ := os.ReadFile("/proc/" + e.Name() + "/environ")
+			st, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
+			if !bytes.Contains(env, []byte("RWB_ADOPT_MARK="+t.Name()+"\x00")) {
+				continue
+			}
+			if f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:])); len(f) > 0 && f[0] != "t" && f[0] != "T" && f[0] != "Z" {
+				pids = append(pids, pid)
+			}
+		}
+		if len(pids) != 1 {
+			t.Fatalf("live shells: %v, want one", pids)
+		}
+		return pids[0]
+	}
+	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run("mkdir -p /w && cd /w && X=0")
+	_, base := turn(t, c, "sh")
+	run("X=1")
+	_, one := turn(t, c, "sh")
+	run("X=0")
+	_, zero := turn(t, c, "sh")
+	run("echo data > /w/f")
+	_, file := turn(t, c, "sh")
+	for _, ck := range []*state.Checkpoint{base, one, zero} {
+		if ck.Decision != state.ModeFull || ck.ProcFrom != ck.ID {
+			t.Fatalf("%s: %s from %s (%s), want a full checkpoint of its own", ck.ID, ck.Decision, ck.ProcFrom, ck.Reason)
+		}
+	}
+	if file.Decision != state.ModeFS || file.ProcFrom != zero.ID {
+		t.Fatalf("file write: %s from %s (%s), want fs sharing %s", file.Decision, file.ProcFrom, file.Reason, zero.ID)
+	}
+	// Make the head provably clean (see TestRealFSRestoresChain).
+	for i := 0; i < 2; i++ {
+		if _, err := c.Restore(ctx, "sh", file.ID, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pid := livePID()
+	res, err := c.Restore(ctx, "sh", base.ID, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "fs" || res.Phases.Undo != "head" {
+		t.Fatalf("restore of the equal shell's checkpoint: path %s, undo %s; want fs, head", res.Path, res.Phases.Undo)
+	}
+	if got := livePID(); got != pid {
+		t.Fatalf("the fs-only restore replaced the shell: pid %d, was %d", got, pid)
+	}
+	if got := run(`echo "$X $PWD $(cat /w/f 2>/dev/null)"`); got != "0 /w" {
+		t.Fatalf("after the fs-only restore: %q, want %q", got, "0 /w")
+	}
+	run("true")
+	_, after := turn(t, c, "sh")
+	if after.Decision != state.ModeFS || after.ProcFrom != base.ID {
+		t.Fatalf("turn after the fs-only restore: %s from %s (%s), want fs sharing %s", after.Decision, after.ProcFrom, after.Reason, base.ID)
+	}
+	res, err = c.Restore(ctx, "sh", one.ID, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path == "fs" {
+		t.Fatalf("restore of a different shell state: path fs")
+	}
+	if got := run(`echo "$X $PWD $(cat /w/f 2>/dev/null)"`); got != "1 /w" {
+		t.Fatalf("after restoring X=1: %q", got)
+	}
+	if got := livePID(); got == pid {
+		t.Fatalf("the shell was not recreated (pid %d)", got)
 	}
 }

@@ -73,6 +73,17 @@ type UnchangedChecker interface {
 	Unchanged(ctx context.Context, part *ProcPart) (bool, string)
 }
 
+// PartAdopter is implemented by process sandboxes that can prove that
+// their processes, known to be in the state of process part from (a clean
+// head), are just as much in the state of another part to: a restore to a
+// checkpoint whose part is to then only switches the file system and keeps
+// the processes running. AdoptPart answers fast (from what is known, never
+// by stopping a process); when it says yes, the back end treats the live
+// processes as to's from then on. Any doubt is a "no", with the reason.
+type PartAdopter interface {
+	AdoptPart(ctx context.Context, from, to *ProcPart) (bool, string)
+}
+
 // FSKindResolver is implemented by FS back ends that resolve the fs kind
 // "auto" to the backend they use on this host ("fuse" or "kernel"): the
 // manager records the resolved kind in the sandbox record, so a sandbox

@@ -758,10 +758,11 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			// re-created to see the switched view: restore the head's
 			// process part (theirs) with the switch.
 			ph.Undo = "head"
-		} else if why == "" && head.procFrom == procFrom {
+		} else if why == "" && (head.procFrom == procFrom || m.adopts(bg, s, proc, head.part, part)) {
 			// The processes are in the state of the target's process
-			// part already (the head and the target share it, and
-			// nothing ran since the head): only the fs changes.
+			// part already (the head and the target share it, or the
+			// back end proves the parts equal, and nothing ran since
+			// the head): only the fs changes.
 			ph.UndoUS = time.Since(t).Microseconds()
 			t = time.Now()
 			if err := mount.Switch(bg, fsID); err != nil {
@@ -879,6 +880,20 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		m.mu.Unlock()
 	}
 	return m.restored(s, c, path, start, ph)
+}
+
+// adopts asks proc (a PartAdopter) whether the live processes, in the
+// state of part from, are also in the state of part to, and logs why not.
+func (m *Manager) adopts(ctx context.Context, s *sbox, proc ProcSandbox, from, to *ProcPart) bool {
+	pa, ok := proc.(PartAdopter)
+	if !ok || from == nil || to == nil {
+		return false
+	}
+	same, why := pa.AdoptPart(ctx, from, to)
+	if !same && m.log.Enabled(ctx, slog.LevelDebug) {
+		m.log.Debug("restore recreates the processes", "sandbox", s.rec.Name, "why", why)
+	}
+	return same
 }
 
 // flush flushes mount if it is an FSFlusher.
