@@ -115,22 +115,34 @@ func TestCRIURestoreRetriesWhilePidTaken(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Squat the image's first pid for 3 s: set the namespace's last
-	// pid just below it and fork.
-	squat := exec.Command("nsenter", "-t", fmt.Sprint(sb.InitPID()), "-p", "--", "sh", "-c",
-		fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid && sleep 3; true", need[0]-1))
-	if err := squat.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = squat.Process.Kill(); _ = squat.Wait() })
-	if !waitUntil(ctxT(t), 10*time.Second, func() bool {
-		ps, _ := descendants(squat.Process.Pid, nil)
-		for _, p := range ps {
-			if ids, err := readNSIDs(p.PID); err == nil && ids.pid == need[0] {
-				return true
-			}
+	// pid just below it and fork. The pid may not be free for the
+	// kernel yet (its release lags the exit), so a squatter that got
+	// another pid is replaced, a few times.
+	took := false
+	for try := 0; try < 5 && !took; try++ {
+		squat := exec.Command("nsenter", "-t", fmt.Sprint(sb.InitPID()), "-p", "--", "sh", "-c",
+			fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid && sleep 3; true", need[0]-1))
+		squat.SysProcAttr = &unix.SysProcAttr{Setpgid: true}
+		if err := squat.Start(); err != nil {
+			t.Fatal(err)
 		}
-		return false
-	}) {
+		took = waitUntil(ctxT(t), 2*time.Second, func() bool {
+			ps, _ := descendants(squat.Process.Pid, nil)
+			for _, p := range ps {
+				if ids, err := readNSIDs(p.PID); err == nil && ids.pid == need[0] {
+					return true
+				}
+			}
+			return false
+		})
+		if took {
+			t.Cleanup(func() { _ = squat.Process.Kill(); _ = squat.Wait() })
+		} else {
+			_ = unix.Kill(-squat.Process.Pid, unix.SIGKILL) // its sh and sleep too
+			_ = squat.Wait()
+		}
+	}
+	if !took {
 		t.Fatalf("no process took pid %d", need[0])
 	}
 	if hs, err := pidHolders(sb.InitPID(), need, nil); err != nil || len(hs) != 0 {
