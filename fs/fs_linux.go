@@ -755,10 +755,9 @@ func (f *FS) Switch(id string) error {
 		sameLowers = old.lowers[i] == next.lowers[i]
 	}
 	var delta []*layerDir
-	delta = append(delta, old.upper)
 	delta = append(delta, old.frozen[k:]...)
 	delta = append(delta, next.frozen[k:]...)
-	touched, terr := touchedPaths(delta)
+	touched, terr := touchedPaths(old.upper, delta)
 	f.retargetPassthrough(old, next)
 	if err := f.journal.Append(layer.JournalEntry{Op: "switch", Checkpoint: cp, Upper: next.upper.id}); err != nil {
 		f.mu.Unlock()
@@ -798,30 +797,46 @@ func (f *FS) Switch(id string) error {
 	return nil
 }
 
-// touchedPaths lists the relative paths present in the given layers; the
+// touchedPaths lists the relative paths present in upper and in the frozen
+// layers (a frozen layer never changes, so its walk is done once); the
 // value is true for a path whose subtree may come from elsewhere on one
 // side (a whiteout, an opaque or a redirected directory).
-func touchedPaths(ls []*layerDir) (map[string]bool, error) {
+func touchedPaths(upper *layerDir, frozen []*layerDir) (map[string]bool, error) {
 	t := map[string]bool{}
-	for _, l := range ls {
-		err := layer.Walk(l.path, func(rel string, d os.DirEntry) error {
-			special := false
-			switch {
-			case d.IsDir():
-				hp := l.path + "/" + rel
-				special = layer.IsOpaque(hp) || layer.Redirect(hp) != ""
-			case d.Type()&os.ModeCharDevice != 0:
-				var st unix.Stat_t
-				special = unix.Lstat(l.path+"/"+rel, &st) == nil && layer.IsWhiteout(&st)
-			}
-			t[rel] = t[rel] || special
-			return nil
+	if err := walkTouched(upper, t); err != nil {
+		return nil, err
+	}
+	for _, l := range frozen {
+		l.touchedOnce.Do(func() {
+			l.touched = map[string]bool{}
+			l.touchedErr = walkTouched(l, l.touched)
 		})
-		if err != nil {
-			return nil, err
+		if l.touchedErr != nil {
+			return nil, l.touchedErr
+		}
+		for p, special := range l.touched {
+			t[p] = t[p] || special
 		}
 	}
 	return t, nil
+}
+
+// walkTouched adds the paths layer l holds to t, each marked special when
+// it is an opaque or redirected directory or a whiteout.
+func walkTouched(l *layerDir, t map[string]bool) error {
+	return layer.Walk(l.path, func(rel string, d os.DirEntry) error {
+		special := false
+		switch {
+		case d.IsDir():
+			hp := l.path + "/" + rel
+			special = layer.IsOpaque(hp) || layer.Redirect(hp) != ""
+		case d.Type()&os.ModeCharDevice != 0:
+			var st unix.Stat_t
+			special = unix.Lstat(l.path+"/"+rel, &st) == nil && layer.IsWhiteout(&st)
+		}
+		t[rel] = t[rel] || special
+		return nil
+	})
 }
 
 // invalidate drops the kernel's cached entries and attributes for the

@@ -25,6 +25,12 @@ type layerDir struct {
 	idxMu sync.Mutex
 	idx   map[string]map[string]bool // dir path -> names (frozen layers only)
 	ents  map[string]*layerEnt       // path -> entry (frozen layers only)
+
+	// The paths a frozen layer holds (see walkTouched), walked once: a
+	// switch invalidates the paths of the layers it leaves and enters.
+	touchedOnce sync.Once
+	touched     map[string]bool
+	touchedErr  error
 }
 
 // layerEnt is a cached entry of a frozen layer.
