@@ -64,6 +64,13 @@ type Config struct {
 	// LazyPages restores images with CRIU lazy pages (userfaultfd): the
 	// restore returns before the memory is copied in.
 	LazyPages bool
+	// NoCollapse turns off huge pages for checkpointed memory: by default,
+	// after a checkpoint the engine asks the kernel, in the background, to
+	// map the dense anonymous memory of the sandbox's processes and of
+	// their templates with transparent huge pages (MADV_COLLAPSE), and a
+	// warm spare is warmed that way, so later forks, restores and kills
+	// no longer copy or free a page table entry per 4 KiB (see Collapse).
+	NoCollapse bool
 	// Logger receives engine logs (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -103,6 +110,10 @@ type Engine struct {
 	dumps   sync.WaitGroup
 	life    context.Context
 	endLife context.CancelFunc
+	// collapsing are the pids (and their sandboxes) whose memory a
+	// background collapse is working on (goCollapse), so checkpoints in a
+	// row start one each.
+	collapsing map[int]string
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.
@@ -380,6 +391,8 @@ func New(cfg Config) (*Engine, error) {
 		ckpts:  map[string]*ckpt{},
 		sbMu:   map[string]*sync.Mutex{},
 		aux:    map[int]string{},
+
+		collapsing: map[int]string{},
 	}, nil
 }
 
@@ -601,6 +614,9 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 	e.add(c)
 	for _, tm := range tmpls {
 		e.prepareTemplate(tm, !opts.Ephemeral)
+	}
+	if !opts.Ephemeral && !e.cfg.NoCollapse {
+		e.goCollapse(t.ID(), tmpls)
 	}
 	if c.imageDone != nil {
 		e.goDump(c, t)
@@ -853,9 +869,7 @@ func (e *Engine) makeSpare(tm *template) {
 	if sp == nil {
 		return
 	}
-	if err := Prefault(sp.Pid()); err != nil {
-		e.log.Debug("prefault spare", "pid", sp.Pid(), "err", err)
-	}
+	e.warmSpare(sp.Pid())
 	e.mu.Lock()
 	tm.warming = nil
 	dropped := tm.dropped

@@ -18,7 +18,10 @@ const pageSize = 4096
 // writing the same bytes back with process_vm_readv/writev. pid must be
 // stopped: a running process could write a page between the read and the
 // write-back and lose that write.
-func Prefault(pid int) error {
+func Prefault(pid int) error { return prefault(pid, nil) }
+
+// prefault is Prefault leaving out the 2 MiB ranges in skip (by start).
+func prefault(pid int, skip map[uint64]bool) error {
 	maps, err := os.Open("/proc/" + strconv.Itoa(pid) + "/maps")
 	if err != nil {
 		return err
@@ -57,13 +60,16 @@ func Prefault(pid int) error {
 				continue
 			}
 			// Copy runs of present pages.
+			skipped := func(i uint64) bool {
+				return skip[(chunk+i*pageSize)&^(hugeSize-1)]
+			}
 			for i := uint64(0); i < pages; {
-				if binary.LittleEndian.Uint64(ents[i*8:])&(1<<63) == 0 {
+				if binary.LittleEndian.Uint64(ents[i*8:])&(1<<63) == 0 || skipped(i) {
 					i++
 					continue
 				}
 				j := i
-				for j < pages && binary.LittleEndian.Uint64(ents[j*8:])&(1<<63) != 0 {
+				for j < pages && binary.LittleEndian.Uint64(ents[j*8:])&(1<<63) != 0 && !skipped(j) {
 					j++
 				}
 				if err := rewrite(pid, chunk+i*pageSize, buf[:(j-i)*pageSize]); err != nil {

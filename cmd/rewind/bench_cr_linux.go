@@ -60,7 +60,7 @@ func phaseP50s(all [][]cr.Phase) []crBenchPhase {
 func newBenchCRCmd() *cobra.Command {
 	var n int
 	var sizes string
-	var asJSON bool
+	var asJSON, noCollapse bool
 	cmd := &cobra.Command{
 		Use:   "cr",
 		Short: "Process checkpoint/restore: template vs CRIU restore, frozen time, first-write with and without warm",
@@ -70,10 +70,15 @@ so that its RSS is about each --sizes value (MB), and measures N times each:
   restore template+warm  the same with a pre-forked, pre-faulted spare (Config.Warm)
   restore criu           template evicted: CRIU restore of the image, then fork
   restore criu lazy      the same with CRIU lazy pages (userfaultfd)
-  checkpoint frozen      how long the agent is stopped per checkpoint (template path)
+  checkpoint frozen      how long the agent is stopped per checkpoint (template path); the
+                         engine's background work (collapsing memory into huge pages,
+                         warming spares) is let finish between operations, as an agent's
+                         think time would; "first" is the first checkpoint alone
   first write            writing one byte per page after a restore (copy-on-write faults),
                          without and with warm; baseline: the same loop a second time
-Baseline for restores: a plain fork() of the same process, timed inside it.
+Baseline for restores: a plain fork() of the same process, timed inside it before the
+first checkpoint; "fork() at the end" times it again in the last restored process
+(after the engine collapsed its memory into huge pages, unless --no-collapse).
 Needs root, cgroups and (for the criu rows) CRIU.`,
 		Example: "  sudo rewind bench cr\n  sudo rewind bench cr --n 50 --sizes 15,200,1024 --json",
 		Args:    cobra.NoArgs,
@@ -91,7 +96,7 @@ Needs root, cgroups and (for the criu rows) CRIU.`,
 			}
 			var rows []crBenchRow
 			for _, sz := range szs {
-				r, err := runCRBench(cmd.Context(), n, sz)
+				r, err := runCRBench(cmd.Context(), n, sz, noCollapse)
 				if err != nil {
 					return fmt.Errorf("bench cr at %d MB: %w", sz, err)
 				}
@@ -128,6 +133,7 @@ Needs root, cgroups and (for the criu rows) CRIU.`,
 	cmd.Flags().IntVar(&n, "n", 20, "iterations per operation")
 	cmd.Flags().StringVar(&sizes, "sizes", "15,200", "target RSS values in MB, comma separated")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.Flags().BoolVar(&noCollapse, "no-collapse", false, "keep the processes' memory in small pages (cr.Config.NoCollapse)")
 	return cmd
 }
 
@@ -200,7 +206,7 @@ func (b *crBench) stdio(cr.Proc) (*cr.Stdio, error) {
 
 func msOf(l latencies, p float64) float64 { return float64(l.pct(p)) / 1e6 }
 
-func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
+func runCRBench(ctx context.Context, n, rssMB int, noCollapse bool) ([]crBenchRow, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -238,14 +244,9 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 		return nil, err
 	}
 	// Baseline: plain fork() inside the process.
-	out, err := b.send(fmt.Sprintf("ts = []\nfor i in range(%d):\n    t0 = time.perf_counter_ns(); p = os.fork()\n    if p == 0: os._exit(0)\n    ts.append(time.perf_counter_ns() - t0); os.waitpid(p, 0)\nprint(' '.join(map(str, ts)))", n))
+	forkL, err := b.forks(n)
 	if err != nil {
 		return nil, err
-	}
-	var forkL latencies
-	for _, f := range strings.Fields(out) {
-		v, _ := strconv.ParseInt(f, 10, 64)
-		forkL = append(forkL, time.Duration(v))
 	}
 	var rows []crBenchRow
 	row := func(op string, l latencies, baseline string, bl latencies) {
@@ -261,7 +262,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 	row("fork() baseline", forkL, "", nil)
 	for _, warm := range []bool{false, true} {
 		quiet := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-		e, err := cr.New(cr.Config{Warm: warm, ImagesDir: images, Logger: quiet})
+		e, err := cr.New(cr.Config{Warm: warm, ImagesDir: images, Logger: quiet, NoCollapse: noCollapse})
 		if err != nil {
 			return nil, err
 		}
@@ -279,11 +280,10 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 				if i > 0 {
 					e.Drop(ck.ID)
 				}
+				settle(e, sb.ID(), warm)
 			}
 			for i := 0; i < n; i++ {
-				if warm {
-					waitWarm(e, sb.ID())
-				}
+				settle(e, sb.ID(), warm)
 				t0 := time.Now()
 				res, err := e.Restore(ctx, sb, "f0", cr.RestoreOptions{Stdio: b.stdio, Pipes: b.pipes})
 				if err != nil {
@@ -304,6 +304,7 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 			}
 			if !warm {
 				row("checkpoint frozen", frozen, "", nil)
+				row("checkpoint frozen, first", frozen[:1], "", nil)
 				row("restore template", restore, "fork()", forkL)
 				rows[len(rows)-1].Phases = phaseP50s(steps)
 				row("first write (no warm)", first, "second pass", second)
@@ -368,13 +369,33 @@ func runCRBench(ctx context.Context, n, rssMB int) ([]crBenchRow, error) {
 			return nil, err
 		}
 	}
+	endL, err := b.forks(n)
+	if err != nil {
+		return nil, err
+	}
+	row("fork() at the end", endL, "", nil)
 	return rows, nil
 }
 
-// waitWarm waits until the warmed spares of sb's checkpoints are ready.
-func waitWarm(e *cr.Engine, sb string) {
+// forks times n plain fork() calls inside the session's process.
+func (b *crBench) forks(n int) (latencies, error) {
+	out, err := b.send(fmt.Sprintf("ts = []\nfor i in range(%d):\n    t0 = time.perf_counter_ns(); p = os.fork()\n    if p == 0: os._exit(0)\n    ts.append(time.perf_counter_ns() - t0); os.waitpid(p, 0)\nprint(' '.join(map(str, ts)))", n))
+	if err != nil {
+		return nil, err
+	}
+	var l latencies
+	for _, f := range strings.Fields(out) {
+		v, _ := strconv.ParseInt(f, 10, 64)
+		l = append(l, time.Duration(v))
+	}
+	return l, nil
+}
+
+// settle waits until the engine's background work for sb is done: memory
+// collapses and, with warm, the spares.
+func settle(e *cr.Engine, sb string, warm bool) {
 	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) && !e.SparesReady(sb) {
+	for time.Now().Before(deadline) && (e.Collapsing(sb) || (warm && !e.SparesReady(sb))) {
 		time.Sleep(time.Millisecond)
 	}
 }

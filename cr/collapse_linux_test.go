@@ -1,0 +1,153 @@
+package cr
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// rollup returns a field of /proc/pid/smaps_rollup in bytes.
+func rollup(t testing.TB, pid int, field string) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	if err != nil {
+		t.Fatalf("smaps_rollup of %d: %v", pid, err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(l, ":"); ok && k == field {
+			return kbField(v)
+		}
+	}
+	t.Fatalf("no %s in smaps_rollup of %d", field, pid)
+	return 0
+}
+
+// waitHuge waits until pid has at least want bytes of anonymous memory in
+// huge pages and returns what it has then.
+func waitHuge(t testing.TB, pid int, want int64) int64 {
+	t.Helper()
+	var got int64
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if got = rollup(t, pid, "AnonHugePages"); got >= want {
+			break
+		}
+	}
+	return got
+}
+
+// TestCollapseAfterCheckpoint: after a checkpoint the live process's and
+// the template's dense anonymous memory end up in huge pages (so the next
+// template forks copy PMDs), a sparse mapping does not (its resident size
+// stays), the contents are unchanged, a restore from the collapsed template
+// gives them back, and with NoCollapse nothing is collapsed.
+func TestCollapseAfterCheckpoint(t *testing.T) {
+	const probe = "print(len(buf), sum(buf[::4096]), buf[12345], bytes(m[i] for i in range(0, len(m), 2 << 20)).count(7))"
+	setup := func(t *testing.T) (*testSandbox, session, int, string) {
+		sb := startSandbox(t, "python3", "-u", "-c", pyLoop)
+		live := session{in: sb.in, out: sb.out}
+		pyChat(t, live, "import mmap; buf = bytearray(b'\\x03') * (64 << 20); buf[12345] = 9")
+		// A sparse private anonymous mapping: one page in every 2 MiB.
+		pyChat(t, live, "m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS); [m.__setitem__(i, 7) for i in range(0, len(m), 2 << 20)]")
+		want := pyChat(t, live, probe)
+		if want != fmt.Sprintf("%d %d 9 32", 64<<20, 3*(64<<20)/4096) {
+			t.Fatalf("unexpected baseline %q", want)
+		}
+		e := newEngine(t, Config{})
+		procs, err := e.Processes(sb)
+		if err != nil || len(procs) != 1 {
+			t.Fatalf("processes: %v %v", procs, err)
+		}
+		return sb, live, procs[0].PID, want
+	}
+	t.Run("collapse", func(t *testing.T) {
+		sb, live, pid, want := setup(t)
+		rss0 := rollup(t, pid, "Rss")
+		e := newEngine(t, Config{})
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "a"}); err != nil {
+			t.Fatal(err)
+		}
+		tp := e.TemplatePIDs(sb.ID())
+		if len(tp) != 1 {
+			t.Fatalf("template pids %v", tp)
+		}
+		if got := waitHuge(t, pid, 60<<20); got < 60<<20 {
+			t.Fatalf("live process: %d MiB in huge pages, want >= 60", got>>20)
+		}
+		if got := waitHuge(t, tp[0], 60<<20); got < 60<<20 {
+			t.Fatalf("template: %d MiB in huge pages, want >= 60", got>>20)
+		}
+		// The sparse mapping stayed sparse: 32 touched pages, not 32
+		// huge pages (64 MiB).
+		if rss := rollup(t, pid, "Rss"); rss > rss0+8<<20 {
+			t.Fatalf("live rss grew from %d to %d MiB", rss0>>20, rss>>20)
+		}
+		if got := pyChat(t, live, probe); got != want {
+			t.Fatalf("live after collapse: %q, want %q", got, want)
+		}
+		// The next template shares the huge pages.
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "b"}); err != nil {
+			t.Fatal(err)
+		}
+		pyChat(t, live, "buf[12345] = 1; m[0] = 0")
+		stdio, sessions := freshStdio(t, sb)
+		for _, id := range []string{"a", "b"} {
+			if _, err := e.Restore(ctxT(t), sb, id, RestoreOptions{Stdio: stdio}); err != nil {
+				t.Fatal(err)
+			}
+			if got := pyChat(t, <-sessions, probe); got != want {
+				t.Fatalf("restored %s: %q, want %q", id, got, want)
+			}
+		}
+	})
+	t.Run("off", func(t *testing.T) {
+		sb, live, pid, want := setup(t)
+		e := newEngine(t, Config{NoCollapse: true})
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "a"}); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond)
+		if got := rollup(t, pid, "AnonHugePages"); got != 0 {
+			t.Fatalf("NoCollapse: %d MiB in huge pages", got>>20)
+		}
+		if got := pyChat(t, live, probe); got != want {
+			t.Fatalf("live: %q, want %q", got, want)
+		}
+	})
+}
+
+// TestCollapseSpare: a warm spare's dense memory is its own huge pages
+// (the warm-up by collapse), its contents are the template's.
+func TestCollapseSpare(t *testing.T) {
+	sb := startSandbox(t, "python3", "-u", "-c", pyLoop)
+	live := session{in: sb.in, out: sb.out}
+	pyChat(t, live, "buf = bytearray(b'\\x05') * (48 << 20); buf[777] = 1")
+	const probe = "print(len(buf), sum(buf[::4096]), buf[777])"
+	want := pyChat(t, live, probe)
+	e := newEngine(t, Config{Warm: true})
+	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "w"}); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(20 * time.Second); !e.SparesReady(sb.ID()); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no spare")
+		}
+	}
+	pyChat(t, live, "buf[777] = 2")
+	stdio, sessions := freshStdio(t, sb)
+	res, err := e.Restore(ctxT(t), sb, "w", RestoreOptions{Stdio: stdio})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Procs) != 1 {
+		t.Fatalf("restored %v", res.Procs)
+	}
+	if got := rollup(t, res.Procs[0].PID, "AnonHugePages"); got < 44<<20 {
+		t.Fatalf("restored spare: %d MiB in huge pages, want >= 44", got>>20)
+	}
+	if got := pyChat(t, <-sessions, probe); got != want {
+		t.Fatalf("restored: %q, want %q", got, want)
+	}
+}
