@@ -252,6 +252,10 @@ func (c *collapser) run(pid int, keepOn func() bool, guard sync.Locker, unshare 
 			_ = rewrite(pid, r.start, page)
 		}
 		err := c.collapse(r)
+		for try := 0; try < 2 && errors.Is(err, unix.EAGAIN); try++ {
+			// A page was busy (locked, or not on an LRU list yet).
+			err = c.collapse(r)
+		}
 		if guard != nil {
 			guard.Unlock()
 		}
