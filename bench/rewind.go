@@ -148,6 +148,10 @@ func (r *rewindManager) turnCost(ctx context.Context, res *api.TurnResult, visib
 		// deferred turn; and a full decision whose processes provably did
 		// not change becomes fs-only).
 		c.Decision = string(ck.Decision)
+		if ck.Decided == "skip" {
+			// The policy skipped it: an fs checkpoint freezing nothing new.
+			c.Decision = "skip"
+		}
 		c.Frozen = time.Duration(ck.FrozenUS) * time.Microsecond
 		c.Phases["checkpoint."+c.Decision+".took"] = us(ck.TookUS)
 		c.Phases["checkpoint."+c.Decision+".frozen"] = c.Frozen

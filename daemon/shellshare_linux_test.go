@@ -84,6 +84,11 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 	if dres.Decision != state.ModeAuto || ckPwd.Decision != state.ModeFS || ckPwd.ProcFrom != base.ID {
 		t.Fatalf("deferred pwd: answered %s, took %s from %s (%s); want auto, fs from %s", dres.Decision, ckPwd.Decision, ckPwd.ProcFrom, ckPwd.Reason, base.ID)
 	}
+	// The policy skipped it (on the report without the shell's memory
+	// writes): the record says so, for a decision mix.
+	if ckPwd.Decided != state.ModeSkip {
+		t.Fatalf("deferred pwd: decided %q, want skip (%s)", ckPwd.Decided, ckPwd.Reason)
+	}
 
 	run("X=1")
 	_, ckX := turn(t, c, "sh")
@@ -94,6 +99,9 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 	_, ckFile := turn(t, c, "sh")
 	if ckFile.Decision != state.ModeFS || ckFile.ProcFrom != ckX.ID {
 		t.Fatalf("file write: %s from %s (%s), want fs sharing %s", ckFile.Decision, ckFile.ProcFrom, ckFile.Reason, ckX.ID)
+	}
+	if ckFile.Decided != "" {
+		t.Fatalf("file write: decided %q, want none (an fs checkpoint as decided)", ckFile.Decided)
 	}
 	run("cd /tmp")
 	_, ckCd := turn(t, c, "sh")

@@ -244,7 +244,9 @@ func (m *Manager) decideDeferred(s *sbox, c *ckpt, win ProbeWindow, pol Policy, 
 	tr.Report = rep
 	mode, reason := m.decide(ctx, win, rep, pol, &tr)
 	m.obs.Decided(polName, mode)
+	var decided Mode
 	if mode == ModeSkip {
+		decided = ModeSkip
 		mode, reason = ModeFS, reason+"; the deferred turn has handed out a new checkpoint id, so fs (nothing new to freeze if nothing changed)"
 	}
 	m.mu.Lock()
@@ -252,7 +254,7 @@ func (m *Manager) decideDeferred(s *sbox, c *ckpt, win ProbeWindow, pol Policy, 
 	if mode == ModeFS && procsLasting(rep) {
 		s.procsDiverged = true
 	}
-	c.rec.Decision, c.rec.Reason = mode, reason
+	c.rec.Decision, c.rec.Decided, c.rec.Reason = mode, decided, reason
 	if mode == ModeFull && tr.Decision == ModeFull && !tr.Fallback && rep != nil && pol != nil {
 		c.recheck = &recheck{rep: rep, pol: pol}
 	}
@@ -306,11 +308,14 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 	m.mu.Unlock()
 	converted := false
 	if parentPart != nil && proc != nil && !removed {
-		if d, ok := m.shareProcs(s, c, proc, parentPart); ok {
+		if d, again, ok := m.shareProcs(s, c, proc, parentPart); ok {
 			converted = true
 			m.mu.Lock()
 			mode = ModeFS
 			c.rec.Decision = ModeFS
+			if again == ModeSkip {
+				c.rec.Decided = ModeSkip
+			}
 			c.rec.Reason = d
 			c.rec.ProcFrom = m.ckpts[c.rec.Parent].rec.ProcFrom
 			s.reports.setApplied(c.rec.ID, ModeFS)
@@ -409,17 +414,18 @@ const unchangedTimeout = time.Second
 // (UnchangedChecker), and the policy, asked again on the report with the
 // processes' memory writes and cwd changes discounted (they provably left
 // no trace), no longer wants a full checkpoint. It returns the reason to
-// record. The checkpoint then becomes fs-only, whatever the policy said
-// (it may say skip: the turn has answered with a new id already).
-func (m *Manager) shareProcs(s *sbox, c *ckpt, proc ProcSandbox, part *ProcPart) (string, bool) {
+// record and what the policy said the second time. The checkpoint then
+// becomes fs-only, whatever the policy said (it may say skip: the turn has
+// answered with a new id already).
+func (m *Manager) shareProcs(s *sbox, c *ckpt, proc ProcSandbox, part *ProcPart) (string, Mode, bool) {
 	uc, ok := proc.(UnchangedChecker)
 	if !ok {
-		return "", false
+		return "", "", false
 	}
 	rep := c.recheck.rep
 	if rep.LostEvents > 0 || rep.Proc.NewLongLived > 0 || rep.Proc.Exited > 0 {
 		m.log.Debug("full checkpoint keeps its own process part", "sandbox", s.rec.Name, "id", c.rec.ID, "why", "processes born or gone", "proc", rep.Proc)
-		return "", false
+		return "", "", false
 	}
 	// A digest takes milliseconds; one that does not (agent code in the
 	// shell's copy that never ends) must not hold the sandbox's queue.
@@ -428,16 +434,16 @@ func (m *Manager) shareProcs(s *sbox, c *ckpt, proc ProcSandbox, part *ProcPart)
 	same, why := uc.Unchanged(ctx, part)
 	if !same {
 		m.log.Debug("full checkpoint keeps its own process part", "sandbox", s.rec.Name, "id", c.rec.ID, "why", why)
-		return "", false
+		return "", "", false
 	}
 	adj := *rep
 	adj.Mem.PagesWritten, adj.Mem.PerProc = 0, nil
 	adj.Proc.CwdChanges = 0
 	d, err := c.recheck.pol.Decide(ctx, &adj)
 	if err != nil || d.Mode == ModeFull || d.Fallback {
-		return "", false
+		return "", "", false
 	}
-	return c.rec.Reason + "; the processes are provably unchanged since the parent's process part (" + why + "), and on the report without their memory and cwd effects the policy says " + string(d.Mode) + " (" + d.Reason + "), so fs", true
+	return c.rec.Reason + "; the processes are provably unchanged since the parent's process part (" + why + "), and on the report without their memory and cwd effects the policy says " + string(d.Mode) + " (" + d.Reason + "), so fs", d.Mode, true
 }
 
 // fullCheckpoint takes the process part with the fs checkpoint in its

@@ -715,8 +715,11 @@ func TestDeferredTurn(t *testing.T) {
 		t.Fatalf("files only: %+v", files)
 	}
 	nothing := deferred()
-	if nothing.Decision != state.ModeFS || nothing.Parent != files.ID {
+	if nothing.Decision != state.ModeFS || nothing.Decided != state.ModeSkip || nothing.Parent != files.ID {
 		t.Fatalf("nothing changed: %+v", nothing)
+	}
+	if files.Decided != "" {
+		t.Fatalf("files only: decided %q", files.Decided)
 	}
 	e.run("a", "set", "v", "three")
 	procs := deferred()

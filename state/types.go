@@ -121,9 +121,16 @@ type Checkpoint struct {
 	// Seq is the checkpoint's number within its sandbox, from 1.
 	Seq      uint64 `json:"seq"`
 	Decision Mode   `json:"decision"`
-	Reason   string `json:"reason,omitempty"`
-	Status   string `json:"status"`
-	Error    string `json:"error,omitempty"`
+	// Decided is set to skip when the policy's decision for the turn that
+	// made this checkpoint was to skip it, yet the checkpoint is an fs one
+	// (freezing nothing new if nothing changed) because the turn had
+	// handed out its id already: a deferred turn's skip, and a full
+	// decision that, on the report without the provably unchanged
+	// processes' memory and cwd effects, became skip.
+	Decided Mode   `json:"decided,omitempty"`
+	Reason  string `json:"reason,omitempty"`
+	Status  string `json:"status"`
+	Error   string `json:"error,omitempty"`
 	// FS is the file-system back end's checkpoint id.
 	FS string `json:"fs,omitempty"`
 	// ProcFrom is the id of the checkpoint whose process part this one
