@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -43,6 +44,12 @@ const (
 	// pages makes a collapse worth its copying (about 0.4 ms of page-table
 	// copying per fork on the CI machine).
 	collapseWorth = 16 << 20
+	// recollapseAfter is how long after a collapse of a live process its
+	// memory is not collapsed again: each collapse copies the ranges its
+	// writes split since, and the older templates keep their own copy of
+	// those, so a process writing all over its memory would otherwise make
+	// every checkpoint cost a copy of it.
+	recollapseAfter = 10 * time.Second
 )
 
 // hugeRange is a 2 MiB-aligned range of a process's anonymous memory.
@@ -287,28 +294,49 @@ func (c *collapser) run(pid int, keepOn func() bool, guard sync.Locker, unshare 
 // a template fork needs, so a checkpoint or restore waits for at most one
 // range (about 0.5 ms) instead of contending with the whole collapse.
 func (e *Engine) goCollapse(sb string, tmpls []*template) {
+	// A job is an original and then its template; the template is
+	// collapsed only after its original was (otherwise its pages are
+	// still shared with the original and collapsing would copy them).
 	type job struct {
-		pid int
-		c   *collapser
+		pids [2]int
+		cs   [2]*collapser
 	}
 	var jobs []job
+	now := time.Now()
 	e.mu.Lock()
 	if e.closing {
 		e.mu.Unlock()
 		return
 	}
+	for pid, t := range e.lastCollapse {
+		if now.Sub(t) > recollapseAfter {
+			delete(e.lastCollapse, pid)
+		}
+	}
 	for _, tm := range tmpls {
-		for _, pid := range []int{tm.orig.PID, tm.proc.Pid()} {
-			if _, busy := e.collapsing[pid]; busy {
-				continue
-			}
+		pids := [2]int{tm.orig.PID, tm.proc.Pid()}
+		if _, busy := e.collapsing[pids[0]]; busy {
+			continue
+		}
+		if _, recent := e.lastCollapse[pids[0]]; recent {
+			continue
+		}
+		var j job
+		for i, pid := range pids {
 			c, err := openCollapser(pid)
 			if err != nil {
-				continue
+				break
 			}
-			e.collapsing[pid] = sb
-			jobs = append(jobs, job{pid, c})
+			j.pids[i], j.cs[i] = pid, c
 		}
+		if j.cs[1] == nil {
+			if j.cs[0] != nil {
+				j.cs[0].close()
+			}
+			continue
+		}
+		e.collapsing[pids[0]], e.collapsing[pids[1]] = sb, sb
+		jobs = append(jobs, j)
 	}
 	if len(jobs) == 0 {
 		e.mu.Unlock()
@@ -319,14 +347,32 @@ func (e *Engine) goCollapse(sb string, tmpls []*template) {
 	go func() {
 		defer e.bg.Done()
 		l := e.sandboxLock(sb)
+		keepOn := func() bool { return e.life.Err() == nil }
 		for _, j := range jobs {
-			if e.life.Err() == nil && smallAnon(j.pid) >= collapseWorth {
-				st, _, err := j.c.run(j.pid, func() bool { return e.life.Err() == nil }, l, false)
-				e.log.Debug("collapse", "pid", j.pid, "ranges", st.Ranges, "collapsed", st.Collapsed, "err", err)
+			for i, pid := range j.pids {
+				if keepOn() && smallAnon(pid) >= collapseWorth {
+					st, _, err := j.cs[i].run(pid, keepOn, l, false)
+					e.log.Debug("collapse", "pid", pid, "template", i == 1, "ranges", st.Ranges, "collapsed", st.Collapsed, "err", err)
+					if i == 0 {
+						e.mu.Lock()
+						e.lastCollapse[pid] = time.Now()
+						e.mu.Unlock()
+					}
+				} else if i == 0 && smallAnon(j.pids[1]) >= collapseWorth {
+					// The original was not collapsed: leave the
+					// template sharing its pages.
+					j.cs[1].close()
+					j.cs[1] = nil
+					break
+				}
 			}
-			j.c.close()
 			e.mu.Lock()
-			delete(e.collapsing, j.pid)
+			for i, pid := range j.pids {
+				if j.cs[i] != nil {
+					j.cs[i].close()
+				}
+				delete(e.collapsing, pid)
+			}
 			e.mu.Unlock()
 		}
 	}()

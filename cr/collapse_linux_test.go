@@ -100,6 +100,35 @@ func TestCollapseAfterCheckpoint(t *testing.T) {
 			}
 		}
 	})
+	t.Run("not-again-at-once", func(t *testing.T) {
+		// A process that wrote all over its memory after a collapse is
+		// not collapsed again by the next checkpoint (recollapseAfter):
+		// each collapse would copy it again.
+		sb, live, pid, _ := setup(t)
+		e := newEngine(t, Config{})
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "a"}); err != nil {
+			t.Fatal(err)
+		}
+		if got := waitHuge(t, e, sb.ID(), pid); got < 44<<20 {
+			t.Fatalf("live process: %d MiB in huge pages, want >= 44", got>>20)
+		}
+		// Template b shares the huge pages; the writes split them.
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "b"}); err != nil {
+			t.Fatal(err)
+		}
+		waitHuge(t, e, sb.ID(), pid)
+		pyChat(t, live, "[buf.__setitem__(i, 4) for i in range(0, len(buf), 4096)]")
+		split := rollup(t, pid, "AnonHugePages")
+		if split > 16<<20 {
+			t.Fatalf("writes to shared huge pages left %d MiB huge", split>>20)
+		}
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c"}); err != nil {
+			t.Fatal(err)
+		}
+		if got := waitHuge(t, e, sb.ID(), pid); got > split {
+			t.Fatalf("collapsed again at once: %d MiB huge, was %d", got>>20, split>>20)
+		}
+	})
 	t.Run("off", func(t *testing.T) {
 		sb, live, pid, want := setup(t)
 		e := newEngine(t, Config{NoCollapse: true})

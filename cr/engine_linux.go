@@ -114,6 +114,9 @@ type Engine struct {
 	// background collapse is working on (goCollapse), so checkpoints in a
 	// row start one each.
 	collapsing map[int]string
+	// lastCollapse is when each live process's memory was last collapsed
+	// (goCollapse, recollapseAfter).
+	lastCollapse map[int]time.Time
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.
@@ -392,7 +395,8 @@ func New(cfg Config) (*Engine, error) {
 		sbMu:   map[string]*sync.Mutex{},
 		aux:    map[int]string{},
 
-		collapsing: map[int]string{},
+		collapsing:   map[int]string{},
+		lastCollapse: map[int]time.Time{},
 	}, nil
 }
 
