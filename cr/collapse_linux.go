@@ -108,10 +108,8 @@ func anonAreas(pid int) ([]anonArea, error) {
 		if len(fs) >= 6 && fs[5] != "[heap]" && !strings.HasPrefix(fs[5], "[anon:") {
 			continue
 		}
-		a, b, _ := strings.Cut(fs[0], "-")
-		start, err1 := strconv.ParseUint(a, 16, 64)
-		end, err2 := strconv.ParseUint(b, 16, 64)
-		if err1 != nil || err2 != nil {
+		start, end, ok := parseRange(fs[0])
+		if !ok {
 			continue
 		}
 		cur = &anonArea{start: start, end: end}

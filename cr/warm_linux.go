@@ -43,10 +43,8 @@ func prefault(pid int, skip map[uint64]bool) error {
 		if len(f) >= 6 && strings.HasPrefix(f[5], "[v") { // [vvar], [vdso]
 			continue
 		}
-		a, b, _ := strings.Cut(f[0], "-")
-		start, err1 := strconv.ParseUint(a, 16, 64)
-		end, err2 := strconv.ParseUint(b, 16, 64)
-		if err1 != nil || err2 != nil {
+		start, end, ok := parseRange(f[0])
+		if !ok {
 			continue
 		}
 		for chunk := start; chunk < end; chunk += uint64(len(buf)) {
@@ -80,6 +78,14 @@ func prefault(pid int, skip map[uint64]bool) error {
 		}
 	}
 	return s.Err()
+}
+
+// parseRange parses a maps line's "start-end" field (hex addresses).
+func parseRange(f string) (start, end uint64, ok bool) {
+	a, b, _ := strings.Cut(f, "-")
+	start, err1 := strconv.ParseUint(a, 16, 64)
+	end, err2 := strconv.ParseUint(b, 16, 64)
+	return start, end, err1 == nil && err2 == nil
 }
 
 func rewrite(pid int, addr uint64, buf []byte) error {
