@@ -46,6 +46,11 @@ type Config struct {
 	// image exists are evicted: their checkpoints restore from the image.
 	MaxTemplates     int
 	MaxTemplateBytes int64
+	// NoHugePages keeps sandbox processes' checkpointed memory in 4 KiB
+	// pages (cr.Config.NoCollapse): less copying and template memory for
+	// processes that write all over their memory, at the price of forks,
+	// restores and frozen time that grow with memory size.
+	NoHugePages bool
 	// CompactDepth: when a sandbox's file system has this many frozen
 	// layers after a checkpoint, they are merged into one in the
 	// background (no checkpoint's content changes). 0 means
