@@ -701,6 +701,26 @@ func readProcess(pid int) (Process, error) {
 	return p, nil
 }
 
+// statusPIDs returns the innermost pid and the parent's host pid of host
+// pid from one read of its status (0s if unknown).
+func statusPIDs(pid int) (nspid, ppid int) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return 0, 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "PPid:"); ok {
+			ppid, _ = strconv.Atoi(strings.TrimSpace(v))
+		} else if v, ok := strings.CutPrefix(l, "NSpid:"); ok {
+			if fs := strings.Fields(v); len(fs) > 0 {
+				nspid, _ = strconv.Atoi(fs[len(fs)-1])
+			}
+			break // NSpid comes after PPid
+		}
+	}
+	return nspid, ppid
+}
+
 // nsPID returns the innermost pid of host pid (0 if unknown).
 func nsPID(pid int) int {
 	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))

@@ -245,15 +245,17 @@ func (s *Sandbox) AdoptSession(id string, hostPID int, ch *Channels) (*Session, 
 		return nil, fmt.Errorf("adopt session %s in %s: channels already used", id, s.cfg.ID)
 	}
 	ch.mu.Unlock()
-	nspid := nsPID(hostPID)
-	if nspid == 0 {
-		return nil, fmt.Errorf("adopt session %s in %s: process %d not found", id, s.cfg.ID, hostPID)
-	}
 	pidfd, err := unix.PidfdOpen(hostPID, 0)
 	if err != nil {
 		return nil, fmt.Errorf("adopt session %s in %s: process %d: %w", id, s.cfg.ID, hostPID, err)
 	}
-	if p, err := readProcess(hostPID); err != nil || p.PPID != s.initPID {
+	// One read of status for both pids (a restore waits for this).
+	nspid, ppid := statusPIDs(hostPID)
+	if nspid == 0 {
+		unix.Close(pidfd)
+		return nil, fmt.Errorf("adopt session %s in %s: process %d not found", id, s.cfg.ID, hostPID)
+	}
+	if ppid != s.initPID {
 		// Not our child: no exit code; watch the pidfd instead.
 		waiter := make(chan exitStatus, 1)
 		go func() {
