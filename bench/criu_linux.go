@@ -127,7 +127,9 @@ func inode(f *os.File) uint64 {
 func (c *criuBaseline) snap(id string) string { return filepath.Join(c.root, "snaps", id) }
 
 func (c *criuBaseline) criu(args ...string) error {
-	out, err := c.mnt.command(append([]string{c.bin}, args...)...).CombinedOutput()
+	cmd := c.mnt.command(append([]string{c.bin}, args...)...)
+	cmd.Env = append(os.Environ(), criu.Env()...)
+	out, err := cmd.CombinedOutput()
 	if err != nil {
 		msg := string(out)
 		// With -o, CRIU writes its errors to the log in the images dir.
@@ -236,6 +238,7 @@ func (c *criuBaseline) Restore(ctx context.Context, id string) (Cost, error) {
 		"--restore-detached", "--pidfile", pidfile, "--tcp-established", "--ext-unix-sk", "--file-locks",
 		"--inherit-fd", fmt.Sprintf("fd[3]:pipe:[%d]", inIno), "--inherit-fd", fmt.Sprintf("fd[4]:pipe:[%d]", outIno))
 	cmd.ExtraFiles = []*os.File{inR, outW}
+	cmd.Env = append(os.Environ(), criu.Env()...)
 	out, err := cmd.CombinedOutput()
 	inR.Close()
 	outW.Close()

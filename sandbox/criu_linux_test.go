@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	crcriu "github.com/rewind-sandbox/rewind/cr/criu"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
 
@@ -84,6 +85,7 @@ func TestCRIURoundTrip(t *testing.T) {
 	// The sandbox's network namespace is private: nothing to lock.
 	dump := sb.CommandContext(ctx, criu, "dump", "-t", fmt.Sprint(nspid), "-D", "/proc/self/fd/3", "-o", "dump.log",
 		"--tcp-established", "--network-lock", "skip")
+	dump.Env = append(os.Environ(), crcriu.Env()...)
 	dump.ExtraFiles = []*os.File{dirFile}
 	if out, err := dump.CombinedOutput(); err != nil {
 		t.Fatalf("criu dump: %v %s\n%s", err, out, criuErrors(images, "dump.log"))
@@ -98,6 +100,7 @@ func TestCRIURoundTrip(t *testing.T) {
 	restore := sb.CommandContext(ctx, criu, "restore", "-D", "/proc/self/fd/5", "-o", "restore.log",
 		"--restore-detached", "--manage-cgroups=ignore", "--tcp-established",
 		"--inherit-fd", "fd[3]:"+inLink, "--inherit-fd", "fd[4]:"+outLink)
+	restore.Env = append(os.Environ(), crcriu.Env()...)
 	restore.ExtraFiles = []*os.File{in, out, dirFile}
 	if out, err := restore.CombinedOutput(); err != nil {
 		t.Fatalf("criu restore: %v %s\n%s", err, out, criuErrors(images, "restore.log"))
