@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"syscall"
@@ -157,9 +158,31 @@ func BenchmarkSessionSend(b *testing.B) {
 // same number of host processes with SIGSTOP (waiting until all are
 // stopped) and SIGCONT. (Busy loops make both sides wait for the CPU: on 2
 // cores every runnable task must be scheduled once to freeze.)
+//
+// "kept": as sandboxes run, with their empty sibling cgroup held frozen
+// (keepFreezerActive); "toggling": that cgroup thawed for the run, so each
+// freeze and thaw turns the kernel's freezer static key on and off (what
+// every checkpoint paid before, unless another cgroup was frozen).
 func BenchmarkFreezeThaw(b *testing.B) {
+	for _, kept := range []bool{true, false} {
+		name := "kept"
+		if !kept {
+			name = "toggling"
+		}
+		b.Run(name, func(b *testing.B) { benchFreezeThaw(b, kept) })
+	}
+}
+
+func benchFreezeThaw(b *testing.B, kept bool) {
 	sb := startTest(b, nil)
 	ctx := context.Background()
+	if !kept && sb.keepDir != "" {
+		state := filepath.Join(sb.keepDir, "freezer.state")
+		if err := os.WriteFile(state, []byte("THAWED"), 0); err != nil {
+			b.Fatal(err)
+		}
+		defer os.WriteFile(state, []byte("FROZEN"), 0)
+	}
 	if _, err := sb.StartSession(ctx, SessionConfig{ID: "b", Argv: []string{"bash"}}); err != nil {
 		b.Fatal(err)
 	}

@@ -400,7 +400,7 @@ func TestCloseLeavesNothing(t *testing.T) {
 			t.Fatalf("process %+v survived Close", p)
 		}
 	}
-	for _, d := range []string{sb.FreezerDir(), sb.CgroupV2Dir()} {
+	for _, d := range []string{sb.FreezerDir(), sb.CgroupV2Dir(), keepDirOf(sb)} {
 		if _, err := os.Stat(d); !os.IsNotExist(err) {
 			t.Fatalf("cgroup %s still exists (%v)", d, err)
 		}
@@ -830,5 +830,64 @@ func TestKeepCaps(t *testing.T) {
 	sb := startTest(t, func(c *Config) { c.KeepCaps = true })
 	if _, errs, code := run(t, sb, "sh", "-c", "mkdir -p /tmp/m && mount -t tmpfs x /tmp/m"); code != 0 {
 		t.Fatalf("mount with KeepCaps: exit %d %s", code, errs)
+	}
+}
+
+// keepDirOf is where sb's kept-frozen freezer cgroup lives.
+func keepDirOf(sb *Sandbox) string {
+	return filepath.Join(filepath.Dir(sb.FreezerDir()), ".keep-"+sb.ID())
+}
+
+// TestKeepFreezerActive: while a sandbox lives, an empty sibling freezer
+// cgroup stays FROZEN (it holds the kernel's freezer static key on, so
+// freezing the sandbox patches no kernel text); the sandbox itself runs,
+// freezes and thaws as before, and Close removes the sibling.
+func TestKeepFreezerActive(t *testing.T) {
+	sb := startTest(t, nil)
+	ctx := testCtx(t)
+	keep := keepDirOf(sb)
+	if sb.keepDir != keep {
+		t.Fatalf("kept-frozen cgroup %q, want %q", sb.keepDir, keep)
+	}
+	state := func(dir string) string {
+		b, err := os.ReadFile(filepath.Join(dir, "freezer.state"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.TrimSpace(string(b))
+	}
+	if got := state(keep); got != "FROZEN" {
+		t.Fatalf("%s: state %s, want FROZEN", keep, got)
+	}
+	if b, err := os.ReadFile(filepath.Join(keep, "cgroup.procs")); err != nil || len(b) != 0 {
+		t.Fatalf("%s holds tasks: %q %v", keep, b, err)
+	}
+	ss, err := sb.StartSession(ctx, SessionConfig{ID: "k", Argv: []string{"bash"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if err := sb.Freeze(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := state(sb.FreezerDir()); got != "FROZEN" {
+			t.Fatalf("sandbox state %s after Freeze", got)
+		}
+		if err := sb.Thaw(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got, keepGot := state(sb.FreezerDir()), state(keep); got != "THAWED" || keepGot != "FROZEN" {
+			t.Fatalf("after Thaw: sandbox %s, kept cgroup %s", got, keepGot)
+		}
+		out, err := ss.Send(ctx, "echo alive", SendOptions{})
+		if err != nil || !strings.Contains(out, "alive") {
+			t.Fatalf("session after thaw: %q %v", out, err)
+		}
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(keep); !os.IsNotExist(err) {
+		t.Fatalf("%s still exists after Close (%v)", keep, err)
 	}
 }
