@@ -151,10 +151,11 @@ func (r *Runner) runFD() int { return 5 + len(r.libs.files()) }
 // the parasite, CRIU lets each task run to its rt_sigreturn and stops it
 // there with an x86 debug-register breakpoint. On some hosts the task is
 // not stopped there: on one VM type of this kernel (6.18) every dump of a
-// python process failed so (the task ran on from its restored registers
-// and exited: "Task N is in unexpected state: 0"; the cr tests' python
-// images and `rewind bench cr`), though a debug-register breakpoint set by
-// a small ptrace test fires on that host. With the code set, compel
+// stopped python or bash copy failed so (the task ran on from its restored
+// registers and exited: "Task N is in unexpected state: 0", or blocked and
+// criu waited for it forever), and so did every image restore of the cr
+// tests, though a debug-register breakpoint set by a small ptrace test
+// fires on that host. With the code set, compel
 // reaches the sigreturn by PTRACE_SYSCALL stops instead (two more ptrace
 // stops per task), in dumps and restores alike.
 const noBreakpoints = "130"
