@@ -278,3 +278,36 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 		time.Sleep(time.Duration(attempt) * time.Millisecond)
 	}
 }
+
+// ImagePidsFree reports whether a restore of checkpoint id from its image
+// into t would find every pid it recreates free now: no process below t's
+// init holds one (as its pid, a thread id, or its group or session id),
+// counting the live processes, templates, spares and parked processes. So
+// when it is true, the live processes can be parked (CheckpointOptions.Park)
+// as a restore's undo point instead of being dumped, and the restore's
+// CRIU step still gets its exact pids. False when id has no image or its
+// pids cannot be read (the caller takes the safe way).
+func (e *Engine) ImagePidsFree(t Target, id string) bool {
+	e.mu.Lock()
+	c, ok := e.ckpts[id]
+	var dirs []string
+	if ok && c.image.Image && c.rec.Sandbox == t.ID() {
+		for _, im := range c.images {
+			dirs = append(dirs, im.dir)
+		}
+	}
+	e.mu.Unlock()
+	if len(dirs) == 0 {
+		return false
+	}
+	var need []int
+	for _, d := range dirs {
+		p, err := imagePids(d)
+		if err != nil {
+			return false
+		}
+		need = append(need, p...)
+	}
+	hs, err := pidHolders(t.InitPID(), need, nil)
+	return err == nil && len(hs) == 0
+}

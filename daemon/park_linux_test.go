@@ -174,3 +174,74 @@ func TestUndoPointBeforeCRIURestoreIsACopy(t *testing.T) {
 		t.Fatal("the undo point of a restore to a CRIU checkpoint is parked")
 	}
 }
+
+// TestUndoPointBeforeCRIURestoreParksWhenPidsAreFree: once the sandbox
+// runs other processes than the ones a CRIU checkpoint holds (a later
+// branch, restored from a template), no live pid is one the image needs,
+// so the undo point of a restore to it is the live tree parked, not a CRIU
+// dump; the CRIU restore still gets its exact pids, and the parked tree
+// comes back whole when the undo point is restored.
+func TestUndoPointBeforeCRIURestoreParksWhenPidsAreFree(t *testing.T) {
+	_, err := criu.Find("")
+	testenv.RequireNoErr(t, err, "criu")
+	ps, send := parkSandbox(t)
+	ctx := context.Background()
+	noop := func() error { return nil }
+	send("export V=0")
+	lone, err := ps.Checkpoint(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	send("export V=1; sleep 1000 & BG=$!")
+	tree, err := ps.Checkpoint(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tree.Data["mode"] != string(cr.ModeCRIU) {
+		t.Fatalf("checkpoint of a tree: mode %s", tree.Data["mode"])
+	}
+	inTree := send(`echo "$V $$ $BG $(jobs -p | wc -l)"`)
+	if ps.canPark(tree) {
+		t.Fatal("canPark says yes while the tree's own processes hold its pids")
+	}
+
+	if path, err := ps.Restore(ctx, lone, noop); err != nil || path != "template" {
+		t.Fatalf("restore of the lone shell: %s %v", path, err)
+	}
+	send("export V=2; sleep 1000 & BG=$!")
+	later := send(`echo "$V $$ $BG $(jobs -p | wc -l)"`)
+	// The tree's processes were killed; their pids free once reaped.
+	deadline := time.Now().Add(10 * time.Second)
+	for !ps.canPark(tree) {
+		if time.Now().After(deadline) {
+			t.Fatalf("canPark stays false for a CRIU checkpoint whose pids nobody holds (live: %q, tree: %q)", later, inTree)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	undo, err := ps.CheckpointUndo(ctx, tree, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if undo.Data["mode"] != string(cr.ModeParked) || undo.Processes != 2 {
+		t.Fatalf("undo point: mode %s, %d processes", undo.Data["mode"], undo.Processes)
+	}
+	path, err := ps.Restore(ctx, tree, noop)
+	if err != nil || path != "criu" {
+		t.Fatalf("restore of the tree beside the parked one: %s %v", path, err)
+	}
+	if got := send(`echo "$V $$ $BG $(jobs -p | wc -l)"`); got != inTree {
+		t.Fatalf("after the CRIU restore: %q, want %q (the same pids, variable and job)", got, inTree)
+	}
+	// As after a restore that failed past its CRIU step: back to the
+	// undo point, the parked tree runs on.
+	if _, err := ps.Restore(ctx, undo, noop); err != nil {
+		t.Fatalf("restore of the parked undo point: %v", err)
+	}
+	if got := send(`echo "$V $$ $BG $(jobs -p | wc -l)"`); got != later {
+		t.Fatalf("after the undo restore: %q, want %q (the parked shell and job)", got, later)
+	}
+	ps.b.Release(ctx, undo)
+	if got := send(`kill -0 $BG && echo "$V"`); got != "2" {
+		t.Fatalf("after releasing the restored undo point: %q", got)
+	}
+}
