@@ -71,6 +71,9 @@ type rawFS struct {
 	// sending them (and RELEASE), and drops RELEASEs of handle 0
 	// (Options.NoOpen).
 	noOpen bool
+	// rel brackets each RELEASE, so a node knows a release of one of its
+	// handles is still being finished by go-fuse (see releases).
+	rel *releases
 }
 
 func (c *rawFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
@@ -217,7 +220,9 @@ func (c *rawFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
 	if c.noOpen && in.Fh == 0 {
 		return // a file created before the first OPEN: no handle
 	}
+	c.rel.begin(cancel)
 	c.RawFileSystem.Release(cancel, in)
+	c.rel.end(cancel)
 }
 
 func (c *rawFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
@@ -274,8 +279,8 @@ func (f *FS) RequestCounts() map[string]uint64 {
 }
 
 // mountCounting is gofs.Mount with the bridge wrapped in a rawFS.
-func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCounts, noOpen bool) (*fuse.Server, error) {
-	raw := &rawFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c, noOpen: noOpen}
+func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCounts, rel *releases, noOpen bool) (*fuse.Server, error) {
+	raw := &rawFS{RawFileSystem: gofs.NewNodeFS(root, o), c: c, noOpen: noOpen, rel: rel}
 	// go-fuse opens /dev/fuse without O_CLOEXEC, so every program this
 	// process starts would inherit the connection: a sandbox's init would
 	// hold the connections of the other sandboxes' mounts, and once this

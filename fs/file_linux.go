@@ -97,13 +97,13 @@ func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32,
 		n.mu.Unlock()
 		unix.Close(fd)
 		return nil, 0, syscall.ESTALE
-	case lowerRO && n.cachedOpen == 0 && n.ptIno == 0:
+	case lowerRO && n.cachedOpen == 0 && n.releasing == 0 && n.ptIno == 0:
 		// Only on a node that never had a passthrough handle: go-fuse
 		// reuses a node's registered backing until it has processed the
 		// last RELEASE, which comes after ours.
 		canPT = true
 		n.ptLower = l
-	case canPT && n.cachedOpen == 0 && !(write && s.Mode&(unix.S_ISUID|unix.S_ISGID) != 0):
+	case canPT && n.cachedOpen == 0 && n.releasing == 0 && !(write && s.Mode&(unix.S_ISUID|unix.S_ISGID) != 0):
 		// (A write through passthrough never reaches us, so a setuid or
 		// setgid file opened for writing is served by the daemon, which
 		// drops those bits as the kernel would.)
@@ -177,8 +177,12 @@ func (p *ptHandle) PassthroughFd() (int, bool) { return p.fd, true }
 // Release closes the backing fd and drops the node's passthrough count.
 func (p *ptHandle) Release(ctx context.Context) syscall.Errno {
 	n := p.n
+	tracked := n.f.rel.attach(ctx, n)
 	n.mu.Lock()
 	n.ptOpen--
+	if tracked {
+		n.releasing++
+	}
 	if p.write {
 		n.ptWrite--
 	}
@@ -406,8 +410,12 @@ func (h *handle) Flush(ctx context.Context) syscall.Errno { return 0 }
 
 // Release closes the host fd.
 func (h *handle) Release(ctx context.Context) syscall.Errno {
+	tracked := h.n.f.rel.attach(ctx, h.n)
 	h.n.mu.Lock()
 	h.n.cachedOpen--
+	if tracked {
+		h.n.releasing++
+	}
 	h.n.mu.Unlock()
 	return h.close()
 }

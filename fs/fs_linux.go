@@ -166,6 +166,7 @@ type FS struct {
 
 	ptMu    sync.Mutex
 	ptNodes map[*node]struct{} // nodes with passthrough handles open
+	rel     releases           // RELEASE requests in flight
 
 	implMu    sync.Mutex
 	implNodes map[*node]struct{} // nodes holding implicit handles (Options.NoOpen)
@@ -218,6 +219,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		nodes:   map[uint64]*node{},
 		inoGen:  map[uint64]uint64{},
 		ptNodes: map[*node]struct{}{},
+		rel:     releases{m: map[<-chan struct{}]*node{}},
 
 		implNodes: map[*node]struct{}{},
 	}
@@ -296,7 +298,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 			ExtraCapabilities: fuse.CAP_HANDLE_KILLPRIV_V2,
 		},
 	}
-	srv, err := mountCounting(mp, f.root, fo, &f.ops, f.noOpen())
+	srv, err := mountCounting(mp, f.root, fo, &f.ops, &f.rel, f.noOpen())
 	if err != nil {
 		close(f.bg)
 		<-f.bgDone

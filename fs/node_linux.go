@@ -44,6 +44,10 @@ type node struct {
 	ptWrite    int    // ... of which writable
 	cachedOpen int    // open non-passthrough handles
 	ptIno      uint64 // backing inode of the passthrough handles
+	// releasing counts this node's handles whose Release returned while
+	// go-fuse has not yet dropped their backing reference (see
+	// releases): until it has, no handle may start a passthrough epoch.
+	releasing int
 	// ptLower is set once the node served a read-only passthrough handle
 	// on a file in a frozen or lower layer (Options.PassthroughLower),
 	// and stays set: go-fuse may still hold that backing registered after

@@ -133,7 +133,7 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 	}
 	if n.f.opts.Passthrough {
 		cn.mu.Lock()
-		ok := cn.ptOpen == 0 && cn.cachedOpen == 0 && mode&(unix.S_ISUID|unix.S_ISGID) == 0
+		ok := cn.ptOpen == 0 && cn.cachedOpen == 0 && cn.releasing == 0 && mode&(unix.S_ISUID|unix.S_ISGID) == 0
 		if ok {
 			cn.ptOpen++
 			cn.ptWrite++
