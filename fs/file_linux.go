@@ -177,12 +177,9 @@ func (p *ptHandle) PassthroughFd() (int, bool) { return p.fd, true }
 // Release closes the backing fd and drops the node's passthrough count.
 func (p *ptHandle) Release(ctx context.Context) syscall.Errno {
 	n := p.n
-	tracked := n.f.rel.attach(ctx, n)
+	n.f.rel.attach(ctx, n)
 	n.mu.Lock()
 	n.ptOpen--
-	if tracked {
-		n.releasing++
-	}
 	if p.write {
 		n.ptWrite--
 	}
@@ -410,12 +407,9 @@ func (h *handle) Flush(ctx context.Context) syscall.Errno { return 0 }
 
 // Release closes the host fd.
 func (h *handle) Release(ctx context.Context) syscall.Errno {
-	tracked := h.n.f.rel.attach(ctx, h.n)
+	h.n.f.rel.attach(ctx, h.n)
 	h.n.mu.Lock()
 	h.n.cachedOpen--
-	if tracked {
-		h.n.releasing++
-	}
 	h.n.mu.Unlock()
 	return h.close()
 }

@@ -42,8 +42,9 @@ func (r *releases) begin(cancel <-chan struct{}) {
 	r.mu.Unlock()
 }
 
-// attach ties n to the RELEASE request serving ctx and reports whether
-// there is one (then the caller marks n, and end clears the mark).
+// attach marks n as releasing when ctx is a RELEASE request bracketed
+// by begin (end clears the mark), and reports whether it did. A Release
+// calls it before dropping its open count, so no Open sees neither.
 func (r *releases) attach(ctx context.Context, n *node) bool {
 	fc, ok := ctx.(*fuse.Context)
 	if !ok || fc.Cancel == nil {
@@ -56,6 +57,9 @@ func (r *releases) attach(ctx context.Context, n *node) bool {
 		return false
 	}
 	r.m[fc.Cancel] = n
+	n.mu.Lock()
+	n.releasing++
+	n.mu.Unlock()
 	return true
 }
 
