@@ -241,7 +241,10 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 		ino = f.inoFor(e.srcs[0].l, e.st.Ino)
 	}
 	f.inoMu.Lock()
-	if cn := f.nodes[ino]; cn != nil && !fresh {
+	// A node the kernel has forgotten may still be in the table: go-fuse
+	// detaches it before it calls OnForget. It holds nothing open, so it
+	// does not keep its number from this name.
+	if cn := f.nodes[ino]; cn != nil && !fresh && !cn.Forgotten() {
 		// Another name of a live node: a hard link of the same inode is
 		// shared; anything else is a stale key (a reused backing inode
 		// number) and gets a fresh number.
