@@ -44,8 +44,8 @@ type node struct {
 	ptWrite    int    // ... of which writable
 	cachedOpen int    // open non-passthrough handles
 	ptIno      uint64 // backing inode of the passthrough handles
-	// releasing counts this node's handles whose Release returned while
-	// go-fuse has not yet dropped their backing reference (see
+	// releasing counts this node's handles in a RELEASE that go-fuse has
+	// not finished (it drops their backing reference last; see
 	// releases): until it has, no handle may start a passthrough epoch.
 	releasing int
 	// ptLower is set once the node served a read-only passthrough handle

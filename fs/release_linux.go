@@ -44,7 +44,8 @@ func (r *releases) begin(cancel <-chan struct{}) {
 
 // attach marks n as releasing when ctx is a RELEASE request bracketed
 // by begin (end clears the mark), and reports whether it did. A Release
-// calls it before dropping its open count, so no Open sees neither.
+// calls it before it drops its open count, so an Open always sees the
+// count or the mark.
 func (r *releases) attach(ctx context.Context, n *node) bool {
 	fc, ok := ctx.(*fuse.Context)
 	if !ok || fc.Cancel == nil {
