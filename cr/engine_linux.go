@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rewind-sandbox/rewind/cr/criu"
@@ -1153,6 +1154,9 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	ph.mark("lock")
 	start := time.Now()
 	res := &RestoreResult{Path: "template"}
+	// switched: the warm template path switched the fs already (and then
+	// failed to use a spare).
+	switched := false
 	if c.rec.Sandbox != t.ID() {
 		killed, err := e.killLive(ctx, t, nil)
 		if err != nil {
@@ -1208,7 +1212,13 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		done := false
 		if spares := e.sparesOf(c); e.cfg.Warm && spares != nil {
 			var kerr error
-			ms, err, kerr = e.prepareWhileKilling(ctx, t, c, opts, spares, ph)
+			// Without Reroot the fs switch needs nothing of the copies:
+			// it runs while the tracer sets them up.
+			var during func() error
+			if !opts.Reroot {
+				during = opts.SwitchFS
+			}
+			ms, switched, err, kerr = e.prepareWhileKilling(ctx, t, c, opts, spares, during, ph)
 			if kerr != nil {
 				return nil, fmt.Errorf("restore %s: %w", id, kerr)
 			}
@@ -1231,7 +1241,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 					views = append(views, captureView(m.p.Pid()))
 				}
 			}
-			if opts.SwitchFS != nil {
+			if opts.SwitchFS != nil && !switched {
 				if err := opts.SwitchFS(); err != nil {
 					killCopies(ms)
 					return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
@@ -1281,7 +1291,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	if err != nil {
 		return nil, fmt.Errorf("restore %s: %w", id, err)
 	}
-	if opts.SwitchFS != nil {
+	if opts.SwitchFS != nil && !switched {
 		if err := opts.SwitchFS(); err != nil {
 			return nil, fmt.Errorf("restore %s: switch fs: %w", id, err)
 		}
@@ -1443,31 +1453,42 @@ func (e *Engine) prepareCopies(c *ckpt, opts RestoreOptions, useSpare, spareOnly
 var errNoSpare = errors.New("a warm spare is gone")
 
 // prepareWhileKilling is the set-up of a restore whose templates all have
-// their warm spares (pids: spares): it sends SIGKILL to the live processes
-// first, then hands the set-up of the spares to the tracer thread and
-// waits for the kill (killLiveAfter) meanwhile, so that waking the killed
-// processes on the other CPU, their start of exiting and the confirming
-// listing overlap the hand-over and the set-up (one injected system call
-// per spare) instead of following them. The spares are helpers
-// (templatePids) and kept (spares), so the kill leaves them alone while
-// the tracer takes them.
+// their warm spares (pids: spares). The set-up (one injected system call
+// per spare) is handed to the tracer thread first, and the tracer takes
+// the spares while the live processes are sent SIGKILL; it makes the
+// copies dumpable (the step that exposes them) only once the signal is
+// sent (gate). The caller meanwhile waits for the kill (killLiveAfter)
+// and then runs during (the restore's fs switch, if any), so the hand-over
+// to the tracer, the set-up, the kill's confirming listing and the switch
+// overlap instead of following each other. The spares are kept (spares),
+// so the signal and the kill leave them alone while the tracer takes them.
 //
-// kerr is the kill's failure (the copies are killed then). err is the
-// set-up's (a spare gone: errNoSpare), after which the live processes
-// are dead all the same: the caller makes the copies another way, or
-// fails and its own undo restores the state it saved (state.Manager
-// restores its undo point), as after any restore that fails past the
-// kill.
-func (e *Engine) prepareWhileKilling(ctx context.Context, t Target, c *ckpt, opts RestoreOptions, spares []int, ph *phases) (ms []made, err, kerr error) {
-	signalled := e.signalLive(t, nil)
-	ph.mark("signal")
+// kerr is the kill's or during's failure (the copies are killed then);
+// ran reports whether during ran and succeeded. err is the set-up's (a
+// spare gone: errNoSpare), after which the live processes are dead all
+// the same: the caller makes the copies another way, or fails and its own
+// undo restores the state it saved (state.Manager restores its undo
+// point), as after any restore that fails past the kill.
+func (e *Engine) prepareWhileKilling(ctx context.Context, t Target, c *ckpt, opts RestoreOptions, spares []int, during func() error, ph *phases) (ms []made, ran bool, err, kerr error) {
+	g := newGate()
 	pa := &phases{last: time.Now()}
 	ready := make(chan struct{})
 	go func() {
 		defer close(ready)
-		ms, err = e.prepareCopies(c, opts, true, true, nil, pa)
+		ms, err = e.prepareCopies(c, opts, true, true, func([]int) { g.wait() }, pa)
 	}()
+	signalled := e.signalLive(t, spares)
+	g.open()
+	ph.mark("signal")
 	_, kerr = e.killLiveAfter(ctx, t, spares, signalled, ph)
+	if kerr == nil && during != nil {
+		if derr := during(); derr != nil {
+			kerr = fmt.Errorf("switch fs: %w", derr)
+		} else {
+			ran = true
+			ph.mark("switch_fs")
+		}
+	}
 	<-ready
 	ph.mark("copies_wait")
 	// The tracer's steps ran during the kill: they are reported after
@@ -1479,9 +1500,40 @@ func (e *Engine) prepareWhileKilling(ctx context.Context, t Target, c *ckpt, opt
 		if err == nil {
 			killCopies(ms)
 		}
-		return nil, nil, kerr
+		return nil, false, nil, kerr
 	}
-	return ms, err, nil
+	return ms, ran, err, nil
+}
+
+// gateSpin is how long a gate's waiter spins before it sleeps. The
+// tracer thread waits at a gate for a signal the caller sends a few
+// hundred microseconds later; asleep, it would be woken by the kernel,
+// which on this kind of VM costs about 0.1 ms (an idle vCPU's wake-up).
+const gateSpin = time.Millisecond
+
+// gate lets one goroutine wait until another opens it.
+type gate struct {
+	opened atomic.Bool
+	ch     chan struct{}
+}
+
+func newGate() *gate { return &gate{ch: make(chan struct{})} }
+
+func (g *gate) open() {
+	g.opened.Store(true)
+	close(g.ch)
+}
+
+// wait returns once the gate is open: it spins for up to gateSpin, then
+// sleeps.
+func (g *gate) wait() {
+	deadline := time.Now().Add(gateSpin)
+	for !g.opened.Load() {
+		if time.Now().After(deadline) {
+			<-g.ch
+			return
+		}
+	}
 }
 
 // prepareCopiesOn is prepareCopies on the tracer thread.

@@ -28,11 +28,20 @@ func TestChildren(t *testing.T) {
 			var mu sync.Mutex
 			var want []int
 			var wg sync.WaitGroup
+			// The threads live until the listing is done: a thread that
+			// exits hands its children to another thread of the process,
+			// and a listing racing that hand-over can miss them.
+			listed := make(chan struct{})
+			var ended sync.WaitGroup
+			t.Cleanup(ended.Wait)
 			for i := 0; i < tc.threads; i++ {
 				wg.Add(1)
+				ended.Add(1)
 				go func() {
-					defer wg.Done()
+					defer ended.Done()
 					runtime.LockOSThread() // the thread exits with the goroutine
+					defer func() { <-listed }()
+					defer wg.Done()
 					cmd := exec.Command("sleep", "1000")
 					if err := cmd.Start(); err != nil {
 						t.Error(err)
@@ -46,6 +55,7 @@ func TestChildren(t *testing.T) {
 			}
 			wg.Wait()
 			got, err := children(os.Getpid())
+			close(listed)
 			if err != nil {
 				t.Fatal(err)
 			}
