@@ -23,6 +23,7 @@ import (
 func (f *FS) TakeFSEffects() effect.FS {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	if f.closed {
 		return effect.FS{}
 	}

@@ -86,7 +86,7 @@ func (z *incFreezer) ensure(d *lazyDir) (int, error) {
 
 // newCopier opens src and dst and makes the copier of a freeze from the
 // upper src into the empty layer directory dst. The caller closes both fds.
-func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (*treeCopier, int, error) {
+func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx, pool *tmpPool, later *finishQueue) (*treeCopier, int, error) {
 	sfd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, -1, fmt.Errorf("open upper: %w", err)
@@ -97,7 +97,10 @@ func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx, pool 
 		return nil, -1, fmt.Errorf("open layer: %w", err)
 	}
 	c := &treeCopier{reflink: reflink, dstRoot: dfd, links: map[uint64]string{}, fp: map[string]entryFP{},
-		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr}
+		uid: uint32(os.Geteuid()), gid: uint32(os.Getegid()), umask: currentUmask(), tr: tr, later: later}
+	if fstype == "xfs" {
+		c.pool = pool
+	}
 	if fstype == "xfs" {
 		c.files = newFileCopier(pool)
 	}
@@ -116,13 +119,13 @@ func newCopier(src, dst string, reflink bool, fstype string, tr *trackCtx, pool 
 // src since the fingerprint prev (by a walk of the whole upper), and
 // returns src's new fingerprint and the number of entries written. tr, if
 // set, watches the directories walked.
-func freezeDelta(src, dst string, prev *fpIndex, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (map[string]entryFP, int, error) {
-	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool)
+func freezeDelta(src, dst string, prev *fpIndex, reflink bool, fstype string, tr *trackCtx, pool *tmpPool, later *finishQueue) (map[string]entryFP, int, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool, later)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer unix.Close(sfd)
-	defer unix.Close(c.dstRoot)
+	defer c.closeDir(c.dstRoot)
 	defer c.files.close()
 	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children}
 	root := &lazyDir{fd: c.dstRoot, created: true}
@@ -163,13 +166,13 @@ func (d trackedDelta) apply(prev *fpIndex, forget func(string, uint64)) {
 // only directories new since prev. errNeedWalk when the entries seen show
 // that the names may not cover every change (dst must then be emptied and
 // freezeDelta run).
-func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]uint8, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (trackedDelta, int, error) {
-	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool)
+func freezeTracked(src, dst string, prev *fpIndex, todo map[string]map[string]uint8, reflink bool, fstype string, tr *trackCtx, pool *tmpPool, later *finishQueue) (trackedDelta, int, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool, later)
 	if err != nil {
 		return trackedDelta{}, 0, err
 	}
 	defer unix.Close(sfd)
-	defer unix.Close(c.dstRoot)
+	defer c.closeDir(c.dstRoot)
 	defer c.files.close()
 	z := &incFreezer{treeCopier: c, prev: prev.fp, prevDirs: prev.dirs, children: prev.children, strictLinks: true, todo: todo}
 	root := &lazyDir{fd: c.dstRoot, created: true}
@@ -449,7 +452,7 @@ func (z *incFreezer) finishDir(ufd int, p string, d *lazyDir) error {
 		}
 	}
 	if d.parent != nil {
-		unix.Close(d.fd)
+		z.closeDir(d.fd)
 	}
 	return nil
 }

@@ -93,6 +93,11 @@ type treeCopier struct {
 	// files finishes the copies of regular files, on helper goroutines
 	// when set (copyfile_linux.go); nil: each copy is finished inline.
 	files *fileCopier
+	// pool has unnamed files for the copies (nil: none).
+	pool *tmpPool
+	// later, when set, makes the freeze deferred (finish_linux.go): the
+	// writes into the layer are queued there.
+	later *finishQueue
 }
 
 // trackCtx is a freeze's link to the upper's tracker: it watches every
@@ -159,13 +164,13 @@ const smallFileXFS = 16 << 10
 // directory dst (both on the same file system for reflink) and returns the
 // fingerprints of the entries copied (paths relative, "/"-separated).
 // tr, if set, watches the directories copied.
-func freezeTree(src, dst string, reflink bool, fstype string, tr *trackCtx, pool *tmpPool) (map[string]entryFP, error) {
-	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool)
+func freezeTree(src, dst string, reflink bool, fstype string, tr *trackCtx, pool *tmpPool, later *finishQueue) (map[string]entryFP, error) {
+	c, sfd, err := newCopier(src, dst, reflink, fstype, tr, pool, later)
 	if err != nil {
 		return nil, err
 	}
 	dfd := c.dstRoot
-	defer unix.Close(dfd)
+	defer c.closeDir(dfd)
 	defer c.files.close()
 	var st unix.Stat_t
 	if err := unix.Fstat(sfd, &st); err != nil {
@@ -249,7 +254,7 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 		defer func() {
 			// Copies into it may still be in flight (after an error).
 			_ = c.files.wait()
-			unix.Close(dfd)
+			c.closeDir(dfd)
 		}()
 		// copyDir closes its fd; keep one for the metadata.
 		mfd, err := dupCloexec(sfd)
@@ -265,6 +270,11 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 	case unix.S_IFREG:
 		if st.Nlink > 1 {
 			if first, ok := c.links[st.Ino]; ok {
+				if c.later != nil {
+					root := c.dstRoot
+					c.later.add(func(*copyBufs) error { return unix.Linkat(root, first, dst, name, 0) })
+					return nil
+				}
 				// The first name's copy must be in place.
 				if err := c.files.wait(); err != nil {
 					return err
@@ -280,7 +290,11 @@ func (c *treeCopier) copyEntryStat(src, dst int, name, rel string, stp *unix.Sta
 		if c.freshDir && c.tr != nil {
 			c.tr.l.checkFD(sfd, rel)
 		}
-		return c.files.copy(c, fileJob{sfd: sfd, dir: dst, name: name, rel: rel, st: st})
+		j := fileJob{sfd: sfd, dir: dst, name: name, rel: rel, st: st}
+		if c.later != nil {
+			return c.captureFile(j)
+		}
+		return c.files.copy(c, j)
 	case unix.S_IFLNK:
 		target, err := readlinkat(src, name)
 		if err != nil {
@@ -363,6 +377,9 @@ func (c *treeCopier) copyRW(sfd, dfd int, off int64) error {
 
 // copyMeta copies owner, mode, xattrs and times from fd sfd to fd dfd.
 func (c *treeCopier) copyMeta(sfd, dfd int, st *unix.Stat_t) error {
+	if c.later != nil {
+		return c.deferMeta(sfd, dfd, st)
+	}
 	// A directory's times and metadata come after its children's copies.
 	if err := c.files.wait(); err != nil {
 		return err

@@ -48,6 +48,18 @@ type FS struct {
 	lastFreeze  string
 	lastEffects string // how the last effect report found its entries
 
+	// pending is the checkpoint whose layer is being written after its
+	// freeze (nil: none); failed are the errors of those dropped since
+	// the last Flush.
+	pending *pendingCkpt
+	failed  []error
+	// noDefer writes every checkpoint's layer inside the freeze (tests
+	// and benchmarks compare the two).
+	noDefer bool
+	// finishHook, when set, runs before a deferred checkpoint's layer is
+	// written; its error drops the checkpoint (tests).
+	finishHook func() error
+
 	// pool holds unnamed files for the copies of the next checkpoint
 	// (copyfile_linux.go); nil in ioctl mode and off XFS.
 	pool *tmpPool
@@ -284,6 +296,7 @@ func (f *FS) FreezeMode() string { return f.freeze }
 func (f *FS) Tracked() bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	return f.track != nil && f.lastFreeze == "tracked"
 }
 
@@ -304,6 +317,7 @@ func (f *FS) Upper() string {
 func (f *FS) Checkpoint() (string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	if f.closed {
 		return "", fmt.Errorf("checkpoint %s: unmounted", f.id)
 	}
@@ -337,34 +351,137 @@ func (f *FS) Checkpoint() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
 	}
+	dst := f.st.LayerPath(lid)
+	var later *finishQueue
+	if !f.syncCkpt && !f.noDefer {
+		later = &finishQueue{}
+	}
 	chain := []string{lid}
-	var commit func()
+	var fc freezeCommit
 	if incremental {
-		commit, err = f.freezeIncremental(f.st.LayerPath(lid))
+		fc, err = f.freezeIncremental(dst, later)
 		chain = append(append([]string(nil), f.chain...), lid)
 	} else {
-		commit, err = f.freezeFull(f.st.LayerPath(lid))
+		fc, err = f.freezeFull(dst, later)
 	}
+	var root layer.RootAttrs
 	if err == nil {
 		// The frozen layer's root carries the view's root attributes.
-		err = layer.CopyRootAttrs(f.st.LayerPath(f.upper), f.st.LayerPath(lid))
+		root, err = layer.ReadRootAttrs(f.st.LayerPath(f.upper))
 	}
 	if err != nil {
+		later.close()
 		return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
 	}
 	c := layer.Checkpoint{
 		ID: layer.NewID(), Mount: f.id, Parent: f.base, Created: time.Now().UTC(),
 		Lowers: f.lowers, Layers: append(append([]string(nil), f.layers...), chain...),
 	}
-	if err := f.saveCheckpoint(c); err != nil {
-		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	if later == nil {
+		if err := root.Apply(dst); err != nil {
+			return "", fmt.Errorf("checkpoint %s: freeze upper: %w", f.id, err)
+		}
+		if err := f.saveCheckpoint(c); err != nil {
+			return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+		}
+		fc.track()
+		fc.fp()
+		f.base, f.chain = c.ID, chain
+		if err := f.saveRecord(false); err != nil {
+			f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
+		}
+		return c.ID, nil
 	}
-	commit()
-	f.base, f.chain = c.ID, chain
+	// The sandbox may run on once the tracker has its new baseline: the
+	// layer is written by the queue (finish_linux.go).
+	fc.track()
+	p := &pendingCkpt{id: c.ID, chain: chain, fp: fc.fp, done: make(chan struct{})}
+	f.pending = p
+	end := f.st.BeginCheckpoint(c.ID)
+	hook := f.finishHook
+	go func() {
+		var err error
+		if hook != nil {
+			err = hook()
+		}
+		if err == nil {
+			err = later.run()
+		} else {
+			later.close()
+		}
+		if err == nil {
+			err = root.Apply(dst)
+		}
+		if err == nil {
+			err = f.saveCheckpoint(c)
+		}
+		p.err = err
+		close(p.done)
+		end(err)
+		f.mu.Lock()
+		f.settle()
+		f.mu.Unlock()
+	}()
+	return c.ID, nil
+}
+
+// pendingCkpt is a deferred checkpoint whose layer is being written.
+type pendingCkpt struct {
+	id    string
+	chain []string
+	fp    func() // records the fingerprint once the layer is complete
+	done  chan struct{}
+	err   error // set before done is closed
+}
+
+// settle waits for the deferred checkpoint being written, if any, and
+// makes it the mount's last checkpoint, or drops it if its layer could not
+// be written. f.mu is held. Every method that uses the frozen layers, the
+// fingerprint or the tracker calls it first.
+func (f *FS) settle() {
+	p := f.pending
+	if p == nil {
+		return
+	}
+	<-p.done
+	f.pending = nil
+	if p.err != nil {
+		f.failed = append(f.failed, fmt.Errorf("checkpoint %s: writing its layer: %w", p.id, p.err))
+		f.log.Error("kernelpath: a checkpoint's layer could not be written after the freeze; the checkpoint is dropped", "mount", f.id, "checkpoint", p.id, "err", p.err)
+		if f.track != nil {
+			// Its names were consumed: the next checkpoint must walk.
+			f.track.breakf("checkpoint %s was dropped", p.id)
+		}
+		return
+	}
+	p.fp()
+	f.base, f.chain = p.id, p.chain
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}
-	return c.ID, nil
+}
+
+// Flush waits until every checkpoint returned so far has its layer and
+// record written (a checkpoint returns once the upper is read, and writes
+// its layer after the freeze window; see finish_linux.go) and returns the
+// errors of those that could not be written and were dropped since the
+// last Flush.
+func (f *FS) Flush() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.settle()
+	err := errors.Join(f.failed...)
+	f.failed = nil
+	return err
+}
+
+// freezeCommit ends a freeze once its checkpoint is recorded: track gives
+// the tracker its new baseline (inside the freeze window, before the
+// sandbox runs on), fp records the upper's fingerprint (once the layer is
+// complete).
+type freezeCommit struct {
+	track func()
+	fp    func()
 }
 
 // startTracking watches the new upper's changes (track_linux.go); without
@@ -388,22 +505,24 @@ func (f *FS) stopTracking() {
 	}
 }
 
-// freezeFull copies the whole upper into the empty layer dir dst. The
-// returned commit records the fingerprint once the checkpoint is saved.
-func (f *FS) freezeFull(dst string) (func(), error) {
+// freezeFull copies the whole upper into the empty layer dir dst (its
+// writes queued on later when set).
+func (f *FS) freezeFull(dst string, later *finishQueue) (freezeCommit, error) {
 	if f.track != nil {
 		f.track.drain() // what the copy sees needs no events (an overflow: test every file)
 	}
 	tr := newTrackCtx(f.track)
-	fp, err := freezeTree(f.st.LayerPath(f.upper), dst, f.freeze == FreezeReflink, f.fstype, tr, f.pool)
+	fp, err := freezeTree(f.st.LayerPath(f.upper), dst, f.freeze == FreezeReflink, f.fstype, tr, f.pool, later)
 	if err != nil {
-		return nil, err
+		return freezeCommit{}, err
 	}
-	return func() {
-		f.ckpt, f.lastFreeze = newIndex(fp), "full"
-		if tr != nil {
-			f.commitWalk(tr)
-		}
+	return freezeCommit{
+		track: func() {
+			if tr != nil {
+				f.commitWalk(tr)
+			}
+		},
+		fp: func() { f.ckpt, f.lastFreeze = newIndex(fp), "full" },
 	}, nil
 }
 
@@ -421,10 +540,10 @@ func (f *FS) commitWalk(tr *trackCtx) {
 }
 
 // freezeIncremental writes into the empty layer dir dst the delta of the
-// upper since the last checkpoint: from the tracker's events when they
-// suffice, else by a walk of the upper. The returned commit records the
-// new fingerprint once the checkpoint is saved.
-func (f *FS) freezeIncremental(dst string) (func(), error) {
+// upper since the last checkpoint (its writes queued on later when set):
+// from the tracker's events when they suffice, else by a walk of the
+// upper.
+func (f *FS) freezeIncremental(dst string, later *finishQueue) (freezeCommit, error) {
 	src, reflink := f.st.LayerPath(f.upper), f.freeze == FreezeReflink
 	if f.track != nil {
 		f.track.drain()
@@ -435,34 +554,43 @@ func (f *FS) freezeIncremental(dst string) (func(), error) {
 		todo, err := tr.t.plan()
 		if err == nil {
 			var d trackedDelta
-			d, _, err = freezeTracked(src, dst, f.ckpt, todo, reflink, f.fstype, tr, f.pool)
+			d, _, err = freezeTracked(src, dst, f.ckpt, todo, reflink, f.fstype, tr, f.pool, later)
 			if err == nil {
-				return func() {
-					d.apply(f.ckpt, tr.t.forget)
-					tr.t.committed(tr.l, tr.broken())
-					f.lastFreeze = "tracked"
+				return freezeCommit{
+					track: func() { tr.t.committed(tr.l, tr.broken()) },
+					fp: func() {
+						d.apply(f.ckpt, tr.t.forget)
+						f.lastFreeze = "tracked"
+					},
 				}, nil
 			}
 		}
 		if !errors.Is(err, errNeedWalk) {
-			return nil, err
+			return freezeCommit{}, err
 		}
 		why = err.Error()
 		f.log.Debug("kernelpath: checkpoint walks the upper", "mount", f.id, "reason", why)
+		// The queue's writes are the tracked attempt's: drop them with it.
+		later.close()
+		if later != nil {
+			*later = finishQueue{}
+		}
 		if err := emptyDir(dst); err != nil {
-			return nil, err
+			return freezeCommit{}, err
 		}
 		tr = newTrackCtx(f.track)
 	}
-	fp, _, err := freezeDelta(src, dst, f.ckpt, reflink, f.fstype, tr, f.pool)
+	fp, _, err := freezeDelta(src, dst, f.ckpt, reflink, f.fstype, tr, f.pool, later)
 	if err != nil {
-		return nil, err
+		return freezeCommit{}, err
 	}
-	return func() {
-		f.ckpt, f.lastFreeze = newIndex(fp), "walk: "+why
-		if tr != nil {
-			f.commitWalk(tr)
-		}
+	return freezeCommit{
+		track: func() {
+			if tr != nil {
+				f.commitWalk(tr)
+			}
+		},
+		fp: func() { f.ckpt, f.lastFreeze = newIndex(fp), "walk: "+why },
 	}, nil
 }
 
@@ -590,6 +718,7 @@ func (f *FS) checkpointIoctl() (string, error) {
 func (f *FS) Switch(id string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	if f.closed {
 		return fmt.Errorf("switch %s to %s: unmounted", f.id, id)
 	}
@@ -715,6 +844,7 @@ func (f *FS) pruneWork(prev, cur string) {
 func (f *FS) Depth() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	return len(f.layers) + len(f.chain)
 }
 
@@ -723,6 +853,7 @@ func (f *FS) Depth() int {
 func (f *FS) Compact() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	if f.closed {
 		return fmt.Errorf("compact %s: unmounted", f.id)
 	}
@@ -787,6 +918,7 @@ func sameFP(a, b map[string]entryFP) bool {
 func (f *FS) Unmount() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.settle()
 	if f.closed {
 		return nil
 	}

@@ -273,17 +273,23 @@ func (r *trackRun) checkpoint(round int) string {
 		t.Fatal(err)
 	}
 	defer os.RemoveAll(scratch)
+	if err := f.Flush(); err != nil {
+		t.Fatal(err)
+	}
 	prevMulti := anyMultiLink(f.ckpt.fp) || f.taken != nil && anyMultiLink(f.taken.fp)
 	if r.rng.IntN(3) != 0 && !*trackNoEffects {
 		r.effects(round, prevMulti)
 	}
-	wfp, _, err := freezeDelta(f.Upper(), scratch, f.ckpt, f.freeze == FreezeReflink, f.fstype, nil, nil)
+	wfp, _, err := freezeDelta(f.Upper(), scratch, f.ckpt, f.freeze == FreezeReflink, f.fstype, nil, nil, nil)
 	if err != nil {
 		t.Fatalf("round %d: walk: %v", round, err)
 	}
 	id, err := f.Checkpoint()
 	if err != nil {
 		t.Fatalf("round %d: checkpoint: %v", round, err)
+	}
+	if err := f.Flush(); err != nil {
+		t.Fatalf("round %d: checkpoint's layer: %v", round, err)
 	}
 	r.ids = append(r.ids, id)
 	rec, err := r.st.Checkpoint(id)

@@ -17,15 +17,57 @@ import (
 // directories the store made (or a lower the user named), never a path of
 // the sandbox's.
 func CopyRootAttrs(from, to string) error {
-	var ss, ds unix.Stat_t
-	if err := unix.Lstat(from, &ss); err != nil {
-		return fmt.Errorf("root attributes of %s: %w", from, err)
+	a, err := ReadRootAttrs(from)
+	if err != nil {
+		return err
 	}
+	return a.Apply(to)
+}
+
+// RootAttrs are the attributes of a layer root directory that
+// CopyRootAttrs copies, read at one moment (ReadRootAttrs) and given to
+// another directory later (Apply): a checkpoint reads them inside the
+// sandbox's freeze window and may write its layer after it.
+type RootAttrs struct {
+	from   string
+	st     unix.Stat_t
+	xattrs map[string][]byte
+}
+
+// ReadRootAttrs reads the root attributes of directory from.
+func ReadRootAttrs(from string) (RootAttrs, error) {
+	a := RootAttrs{from: from}
+	if err := unix.Lstat(from, &a.st); err != nil {
+		return a, fmt.Errorf("root attributes of %s: %w", from, err)
+	}
+	if a.st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return a, fmt.Errorf("root attributes of %s: not a directory", from)
+	}
+	names, err := userXattrs(from)
+	if err != nil {
+		return a, fmt.Errorf("root xattrs of %s: %w", from, err)
+	}
+	buf := make([]byte, 64<<10)
+	a.xattrs = make(map[string][]byte, len(names))
+	for name := range names {
+		n, err := unix.Lgetxattr(from, name, buf)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		a.xattrs[name] = append([]byte(nil), buf[:n]...)
+	}
+	return a, nil
+}
+
+// Apply gives directory to the attributes read.
+func (a RootAttrs) Apply(to string) error {
+	ss := a.st
+	var ds unix.Stat_t
 	if err := unix.Lstat(to, &ds); err != nil {
 		return fmt.Errorf("root attributes of %s: %w", to, err)
 	}
-	if ss.Mode&unix.S_IFMT != unix.S_IFDIR || ds.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return fmt.Errorf("root attributes from %s to %s: not directories", from, to)
+	if ds.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return fmt.Errorf("root attributes from %s to %s: not directories", a.from, to)
 	}
 	if ss.Uid != ds.Uid || ss.Gid != ds.Gid {
 		if err := unix.Lchown(to, int(ss.Uid), int(ss.Gid)); err != nil {
@@ -38,29 +80,20 @@ func CopyRootAttrs(from, to string) error {
 			return fmt.Errorf("root mode of %s: %w", to, err)
 		}
 	}
-	want, err := userXattrs(from)
-	if err != nil {
-		return fmt.Errorf("root xattrs of %s: %w", from, err)
-	}
 	have, err := userXattrs(to)
 	if err != nil {
 		return fmt.Errorf("root xattrs of %s: %w", to, err)
 	}
-	buf := make([]byte, 64<<10)
-	for a := range have {
-		if _, ok := want[a]; !ok {
-			if err := unix.Lremovexattr(to, a); err != nil && err != unix.ENODATA {
-				return fmt.Errorf("root xattr %s of %s: %w", a, to, err)
+	for name := range have {
+		if _, ok := a.xattrs[name]; !ok {
+			if err := unix.Lremovexattr(to, name); err != nil && err != unix.ENODATA {
+				return fmt.Errorf("root xattr %s of %s: %w", name, to, err)
 			}
 		}
 	}
-	for a := range want {
-		n, err := unix.Lgetxattr(from, a, buf)
-		if err != nil {
-			continue // gone meanwhile
-		}
-		if err := unix.Lsetxattr(to, a, buf[:n], 0); err != nil && err != unix.EPERM && err != unix.ENOTSUP {
-			return fmt.Errorf("root xattr %s of %s: %w", a, to, err)
+	for name, v := range a.xattrs {
+		if err := unix.Lsetxattr(to, name, v, 0); err != nil && err != unix.EPERM && err != unix.ENOTSUP {
+			return fmt.Errorf("root xattr %s of %s: %w", name, to, err)
 		}
 	}
 	if ss.Atim != ds.Atim || ss.Mtim != ds.Mtim {

@@ -22,6 +22,12 @@ type Store struct {
 	// recMu orders DeleteCheckpoint and RewriteCheckpoint, so a rewrite
 	// never brings back a checkpoint deleted meanwhile (in this process).
 	recMu sync.Mutex
+
+	// pendMu guards pending and failed: checkpoints of this process whose
+	// record is still being written (BeginCheckpoint).
+	pendMu  sync.Mutex
+	pending map[string]chan struct{}
+	failed  map[string]error
 }
 
 // Checkpoint is a checkpoint record: an id naming an immutable stack.
@@ -197,6 +203,9 @@ func (s *Store) Record(id string) (Checkpoint, error) {
 	if !ValidID(id) {
 		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
 	}
+	if err := s.awaitPending(id); err != nil {
+		return c, err
+	}
 	if err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c); err != nil {
 		return c, fmt.Errorf("checkpoint %s: %w", id, err)
 	}
@@ -251,6 +260,52 @@ func (s *Store) MaterializeCheckpoint(c Checkpoint, durable bool) error {
 	return nil
 }
 
+// BeginCheckpoint announces checkpoint id, whose id its mount has handed
+// out while its layer and record are still being written (the kernel path
+// finishes a frozen layer after the sandbox is thawed). Until end is
+// called, Checkpoint, CheckpointPending, Record and DeleteCheckpoint of id
+// in this process wait for it; end(err) with err != nil makes them fail
+// with err from then on (the record was never written). end must be
+// called exactly once.
+func (s *Store) BeginCheckpoint(id string) (end func(error)) {
+	done := make(chan struct{})
+	s.pendMu.Lock()
+	if s.pending == nil {
+		s.pending = map[string]chan struct{}{}
+	}
+	s.pending[id] = done
+	s.pendMu.Unlock()
+	return func(err error) {
+		s.pendMu.Lock()
+		delete(s.pending, id)
+		if err != nil {
+			if s.failed == nil {
+				s.failed = map[string]error{}
+			}
+			s.failed[id] = err
+		}
+		s.pendMu.Unlock()
+		close(done)
+	}
+}
+
+// awaitPending waits while checkpoint id is being written by this process
+// and returns the error it ended with.
+func (s *Store) awaitPending(id string) error {
+	s.pendMu.Lock()
+	done := s.pending[id]
+	s.pendMu.Unlock()
+	if done != nil {
+		<-done
+	}
+	s.pendMu.Lock()
+	defer s.pendMu.Unlock()
+	if err := s.failed[id]; err != nil {
+		return fmt.Errorf("checkpoint %s: %w: %w", id, ErrNotFound, err)
+	}
+	return nil
+}
+
 // Checkpoint reads the record of checkpoint id and checks that its layers
 // exist.
 func (s *Store) Checkpoint(id string) (Checkpoint, error) {
@@ -270,6 +325,9 @@ func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 	var c Checkpoint
 	if !ValidID(id) {
 		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
+	}
+	if err := s.awaitPending(id); err != nil {
+		return c, err
 	}
 	err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c)
 	if errors.Is(err, ErrNotFound) && pending != nil {

@@ -246,3 +246,46 @@ func TestCheckpointPending(t *testing.T) {
 		t.Fatalf("deleted checkpoint read as pending: %+v, %v", got, err)
 	}
 }
+
+// TestBeginCheckpoint: readers of a checkpoint whose record is still being
+// written wait for it; a checkpoint that failed reads as not found, with
+// its error.
+func TestBeginCheckpoint(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := st.NewLayer("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{l}}
+	end := st.BeginCheckpoint(c.ID)
+	got := make(chan error, 2)
+	go func() { _, err := st.Checkpoint(c.ID); got <- err }()
+	go func() { _, err := st.Record(c.ID); got <- err }()
+	select {
+	case err := <-got:
+		t.Fatalf("a reader returned before the record was written: %v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	if err := st.SaveCheckpoint(c); err != nil {
+		t.Fatal(err)
+	}
+	end(nil)
+	for range 2 {
+		if err := <-got; err != nil {
+			t.Fatalf("reader: %v", err)
+		}
+	}
+
+	bad := NewID()
+	boom := errors.New("layer write failed")
+	st.BeginCheckpoint(bad)(boom)
+	if _, err := st.Checkpoint(bad); !errors.Is(err, ErrNotFound) || !errors.Is(err, boom) {
+		t.Fatalf("failed checkpoint: %v", err)
+	}
+	if err := st.DeleteCheckpoint(bad); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("delete of a failed checkpoint: %v", err)
+	}
+}
