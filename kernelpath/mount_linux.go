@@ -53,6 +53,9 @@ type FS struct {
 	// the last Flush.
 	pending *pendingCkpt
 	failed  []error
+	// spare is an empty layer made after the last checkpoint for the
+	// next one ("" = none).
+	spare string
 	// noDefer writes every checkpoint's layer inside the freeze (tests
 	// and benchmarks compare the two).
 	noDefer bool
@@ -267,7 +270,7 @@ func (f *FS) stackFor(layers []string, upper string) stack {
 func (f *FS) saveRecord(durable bool) error {
 	return f.st.SaveMount(layer.MountRecord{
 		ID: f.id, PID: os.Getpid(), Mountpoint: f.mp, Lowers: f.lowers,
-		Layers: f.live, Upper: f.upper, Base: f.base,
+		Layers: f.live, Upper: f.upper, Base: f.base, Spare: f.spare,
 	}, durable)
 }
 
@@ -347,9 +350,14 @@ func (f *FS) Checkpoint() (string, error) {
 	case len(f.layers) > 0:
 		parent = f.layers[len(f.layers)-1]
 	}
-	lid, err := f.st.NewLayer(parent)
-	if err != nil {
-		return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+	// The spare made after the last checkpoint (the mount record keeps
+	// it from GC; nothing else writes it).
+	lid, err := f.spare, error(nil)
+	f.spare = ""
+	if lid == "" {
+		if lid, err = f.st.NewLayer(parent); err != nil {
+			return "", fmt.Errorf("checkpoint %s: %w", f.id, err)
+		}
 	}
 	dst := f.st.LayerPath(lid)
 	var later *finishQueue
@@ -415,6 +423,14 @@ func (f *FS) Checkpoint() (string, error) {
 		if err == nil {
 			err = f.saveCheckpoint(c)
 		}
+		if err == nil {
+			// The next checkpoint's layer, made here rather than in its
+			// freeze window (settle records it in the mount record, so GC
+			// keeps it).
+			if id, serr := f.st.NewLayer(""); serr == nil {
+				p.spare = id
+			}
+		}
 		p.err = err
 		close(p.done)
 		end(err)
@@ -430,6 +446,7 @@ type pendingCkpt struct {
 	id    string
 	chain []string
 	fp    func() // records the fingerprint once the layer is complete
+	spare string // an empty layer for the next checkpoint ("" = none)
 	done  chan struct{}
 	err   error // set before done is closed
 }
@@ -455,7 +472,7 @@ func (f *FS) settle() {
 		return
 	}
 	p.fp()
-	f.base, f.chain = p.id, p.chain
+	f.base, f.chain, f.spare = p.id, p.chain, p.spare
 	if err := f.saveRecord(false); err != nil {
 		f.log.Warn("kernelpath: mount record not updated", "mount", f.id, "err", err)
 	}
