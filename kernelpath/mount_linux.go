@@ -328,7 +328,13 @@ func (f *FS) Checkpoint() (string, error) {
 		return f.checkpointIoctl()
 	}
 	if f.track != nil {
-		defer f.track.drainOwn()
+		// The freeze's own opens are dropped from the tracker's queue,
+		// by settle when the checkpoint is deferred (off the window).
+		defer func() {
+			if f.pending == nil && f.track != nil {
+				f.track.drainOwn()
+			}
+		}()
 	}
 	defer f.pool.refill()
 	if f.ckpt != nil && len(f.chain) >= maxChain {
@@ -462,6 +468,9 @@ func (f *FS) settle() {
 	}
 	<-p.done
 	f.pending = nil
+	if f.track != nil {
+		f.track.drainOwn()
+	}
 	if p.err != nil {
 		f.failed = append(f.failed, fmt.Errorf("checkpoint %s: writing its layer: %w", p.id, p.err))
 		f.log.Error("kernelpath: a checkpoint's layer could not be written after the freeze; the checkpoint is dropped", "mount", f.id, "checkpoint", p.id, "err", p.err)
