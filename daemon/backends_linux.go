@@ -334,6 +334,17 @@ func (b *fsBackend) Delete(_ context.Context, ckpt string) error {
 	return nil
 }
 
+// Lost implements state.FSChecker: a checkpoint with neither a record nor
+// a journal entry (a kernel-path checkpoint whose layer was still being
+// written when the previous daemon died), or deleted.
+func (b *fsBackend) Lost(_ context.Context, ckpt string) bool {
+	if _, err := b.st.Record(ckpt); err == nil || !errors.Is(err, layer.ErrNotFound) {
+		return false
+	}
+	_, err := b.st.Checkpoint(ckpt) // the FUSE back end's journals
+	return errors.Is(err, layer.ErrNotFound)
+}
+
 // Size implements state.FSSizer: the bytes of the layer fs checkpoint ckpt
 // froze (0 when it froze none: nothing had changed since its parent).
 //

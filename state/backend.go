@@ -122,6 +122,16 @@ type FSSizer interface {
 	Size(ctx context.Context, ckpt string) (int64, error)
 }
 
+// FSChecker is implemented by FS back ends that can lose an fs checkpoint
+// to a crash after FSMount.Checkpoint returned its id: the kernel path
+// writes a checkpoint's layer and record after the sandbox's freeze
+// window, and a checkpoint whose record was never written does not exist.
+// When the manager opens its store it drops every checkpoint whose fs part
+// Lost reports gone (an error reading it is not a loss).
+type FSChecker interface {
+	Lost(ctx context.Context, ckpt string) bool
+}
+
 // FSMount is one mounted sandbox root.
 type FSMount interface {
 	// Root is the host path of the sandbox's / (empty for fakes).

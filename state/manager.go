@@ -180,8 +180,14 @@ func (m *Manager) recover(ctx context.Context) error {
 	}
 	rebooted := m.cfg.BootID != "" && l.bootID != "" && l.bootID != m.cfg.BootID
 	b := &batch{bootID: m.cfg.BootID}
+	checker, _ := m.cfg.FS.(FSChecker)
 	for _, c := range l.checkpoints {
 		if c.Status != CkptReady {
+			b.delCheckpoints = append(b.delCheckpoints, c.ID)
+			continue
+		}
+		if checker != nil && c.FS != "" && checker.Lost(ctx, c.FS) {
+			m.log.Warn("checkpoint dropped: its fs part was lost with the previous daemon (its layer was still being written)", "checkpoint", c.ID, "fs", c.FS)
 			b.delCheckpoints = append(b.delCheckpoints, c.ID)
 			continue
 		}

@@ -738,3 +738,43 @@ func TestDeferredTurn(t *testing.T) {
 		t.Fatalf("turn reports: %+v", rs.Reports)
 	}
 }
+
+// TestCrashRecoveryDropsLostFS: a checkpoint whose fs part did not survive
+// the daemon (a kernel-path checkpoint's layer is written after the freeze
+// window) is dropped when the store is opened again; the sandbox's head no
+// longer names it and the earlier checkpoints stay restorable.
+func TestCrashRecoveryDropsLostFS(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.run("a", "write", "/f", "kept")
+	kept := e.turn("a", state.ModeFull, true)
+	e.run("a", "write", "/f", "lost")
+	lost := e.turn("a", state.ModeFS, true)
+	c, err := e.m.GetCheckpoint(lost.ID)
+	if err != nil || c.FS == "" {
+		t.Fatalf("checkpoint %s: %+v %v", lost.ID, c, err)
+	}
+	e.m.CrashForTest()
+	e.b.Disk.LoseCheckpoint(c.FS)
+
+	e.b = &statefake.Backends{Disk: e.b.Disk, Faults: e.b.Faults,
+		FS: &statefake.FS{Disk: e.b.Disk, Faults: e.b.Faults}, Proc: &statefake.Proc{Disk: e.b.Disk, Faults: e.b.Faults}}
+	e.open(false, "boot-1")
+	if _, err := e.m.GetCheckpoint(lost.ID); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("lost checkpoint after restart: %v", err)
+	}
+	if _, err := e.m.GetCheckpoint(kept.ID); err != nil {
+		t.Fatalf("kept checkpoint after restart: %v", err)
+	}
+	sb, err := e.m.Get("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sb.Head == lost.ID {
+		t.Fatalf("head is the lost checkpoint: %+v", sb)
+	}
+	e.restore("a", kept.ID)
+	if got := e.run("a", "cat", "/f"); got != "kept" {
+		t.Errorf("/f = %q after restoring the kept checkpoint", got)
+	}
+}

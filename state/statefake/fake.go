@@ -112,7 +112,10 @@ type Mount struct {
 	gone  bool
 }
 
-var _ state.FSBackend = (*FS)(nil)
+var (
+	_ state.FSBackend = (*FS)(nil)
+	_ state.FSChecker = (*FS)(nil)
+)
 
 // Mount implements state.FSBackend.
 func (f *FS) Mount(_ context.Context, id string, spec state.FSSpec) (state.FSMount, error) {
@@ -153,6 +156,23 @@ func (f *FS) Delete(_ context.Context, ckpt string) error {
 
 // Cleanup implements state.FSBackend.
 func (f *FS) Cleanup(context.Context, string) error { return nil }
+
+// Lost implements state.FSChecker: the checkpoint's layer is not on the
+// disk (LoseCheckpoint, or deleted).
+func (f *FS) Lost(_ context.Context, ckpt string) bool {
+	f.Disk.mu.Lock()
+	defer f.Disk.mu.Unlock()
+	_, ok := f.Disk.layers[ckpt]
+	return !ok
+}
+
+// LoseCheckpoint forgets fs checkpoint ckpt as a crash before its layer
+// was written would (tests of recovery).
+func (d *Disk) LoseCheckpoint(ckpt string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	delete(d.layers, ckpt)
+}
 
 // Root implements state.FSMount.
 func (m *Mount) Root() string { return "fake:" + m.id }
