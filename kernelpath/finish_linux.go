@@ -3,7 +3,10 @@ package kernelpath
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -49,12 +52,18 @@ const maxDeferredBytes = 64 << 20
 // finishQueue is the writes of one freeze into its new layer, in the
 // order the freeze made them.
 type finishQueue struct {
+	// files are the regular files' copies (independent of each other);
+	// ops the rest (directories' metadata, hard links), in the order
+	// made, all after the files.
+	files []func(b *copyBufs) error
 	ops   []func(b *copyBufs) error
 	fds   []int // fds the ops use, closed after them
 	bytes int64 // file data held
 }
 
 func (q *finishQueue) add(op func(*copyBufs) error) { q.ops = append(q.ops, op) }
+
+func (q *finishQueue) addFile(op func(*copyBufs) error) { q.files = append(q.files, op) }
 
 // keep hands fd to the queue: it is closed once the ops have run.
 func (q *finishQueue) keep(fd int) { q.fds = append(q.fds, fd) }
@@ -68,19 +77,58 @@ func (q *finishQueue) take(n int64) bool {
 	return true
 }
 
-// run performs the ops in order (the first error stops it) and closes the
-// fds. A nil queue has nothing to do.
+// run writes the files' copies (on up to finishWorkers goroutines), then
+// the other ops in order; the first error stops it. It closes the fds. A
+// nil queue has nothing to do.
 func (q *finishQueue) run() error {
 	if q == nil {
 		return nil
 	}
 	defer q.close()
+	if err := runParallel(q.files, min(runtime.GOMAXPROCS(0), finishWorkers, 1+len(q.files)/16)); err != nil {
+		return err
+	}
+	q.files = nil
 	var b copyBufs
 	for i, op := range q.ops {
 		if err := op(&b); err != nil {
 			return err
 		}
 		q.ops[i] = nil // its data can go
+	}
+	return nil
+}
+
+// finishWorkers bounds the goroutines writing one checkpoint's files.
+const finishWorkers = 4
+
+// runParallel runs ops on n goroutines and returns the first error (the
+// others stop taking ops then).
+func runParallel(ops []func(*copyBufs) error, n int) error {
+	var next atomic.Int64
+	var first atomic.Pointer[error]
+	var wg sync.WaitGroup
+	for range max(n, 1) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var b copyBufs
+			for first.Load() == nil {
+				i := int(next.Add(1)) - 1
+				if i >= len(ops) {
+					return
+				}
+				if err := ops[i](&b); err != nil {
+					first.CompareAndSwap(nil, &err)
+					return
+				}
+				ops[i] = nil // its data can go
+			}
+		}()
+	}
+	wg.Wait()
+	if p := first.Load(); p != nil {
+		return *p
 	}
 	return nil
 }
@@ -93,7 +141,7 @@ func (q *finishQueue) close() {
 	for _, fd := range q.fds {
 		unix.Close(fd)
 	}
-	q.ops, q.fds = nil, nil
+	q.files, q.ops, q.fds = nil, nil, nil
 }
 
 // xattr is one extended attribute read from the upper.
@@ -165,7 +213,7 @@ func setXattrs(xs []xattr, set func(string, []byte) error) error {
 // four system calls it moves.)
 func (c *treeCopier) captureFile(j fileJob) error {
 	lf := &lateFile{dir: j.dir, name: j.name, st: j.st, fd: -1}
-	c.later.add(func(b *copyBufs) error {
+	c.later.addFile(func(b *copyBufs) error {
 		if err := c.finishLate(lf); err != nil {
 			return fmt.Errorf("/%s: %w", j.rel, err)
 		}
