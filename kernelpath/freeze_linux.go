@@ -438,49 +438,11 @@ func (c *treeCopier) copyMetaAt(src, dst int, name string, st *unix.Stat_t, syml
 }
 
 func (c *treeCopier) copyXattrs(b *copyBufs, list func([]byte) (int, error), get func(string, []byte) (int, error), set func(string, []byte) error) error {
-	if b.buf == nil {
-		b.buf = make([]byte, 4096)
-	}
-	n, err := list(b.buf)
-	if errors.Is(err, unix.ERANGE) {
-		if n, err = list(nil); err == nil {
-			b.buf = make([]byte, n*2)
-			n, err = list(b.buf)
-		}
-	}
+	xs, err := c.readXattrs(b, list, get)
 	if err != nil {
-		if errors.Is(err, unix.ENOTSUP) {
-			return nil
-		}
-		return fmt.Errorf("listxattr: %w", err)
+		return err
 	}
-	if n == 0 {
-		return nil
-	}
-	names := strings.Split(strings.TrimRight(string(b.buf[:n]), "\x00"), "\x00")
-	for _, name := range names {
-		if name == "" || !keepXattr(name) || c.noOvl && strings.HasPrefix(name, layer.XattrPrefixOverlay) {
-			continue
-		}
-		val := make([]byte, 256)
-		vn, err := get(name, val)
-		if errors.Is(err, unix.ERANGE) {
-			if vn, err = get(name, nil); err == nil {
-				val = make([]byte, vn)
-				vn, err = get(name, val)
-			}
-		}
-		if errors.Is(err, unix.ENODATA) {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("getxattr %s: %w", name, err)
-		}
-		if err := set(name, val[:vn]); err != nil {
-			return fmt.Errorf("setxattr %s: %w", name, err)
-		}
-	}
-	return nil
+	return setXattrs(xs, set)
 }
 
 // dirFlags reads the overlayfs flags of directory fd.
