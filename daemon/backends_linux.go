@@ -334,6 +334,12 @@ func (b *fsBackend) Delete(_ context.Context, ckpt string) error {
 	return nil
 }
 
+// AwaitCheckpoint implements state.FSWaiter: a kernel-path checkpoint's
+// layer and record are written after its freeze window.
+func (b *fsBackend) AwaitCheckpoint(_ context.Context, ckpt string) error {
+	return b.st.AwaitCheckpoint(ckpt)
+}
+
 // Lost implements state.FSChecker: a checkpoint with neither a record nor
 // a journal entry (a kernel-path checkpoint whose layer was still being
 // written when the previous daemon died), or deleted.

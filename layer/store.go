@@ -203,7 +203,7 @@ func (s *Store) Record(id string) (Checkpoint, error) {
 	if !ValidID(id) {
 		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
 	}
-	if err := s.awaitPending(id); err != nil {
+	if err := s.AwaitCheckpoint(id); err != nil {
 		return c, err
 	}
 	if err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c); err != nil {
@@ -289,9 +289,10 @@ func (s *Store) BeginCheckpoint(id string) (end func(error)) {
 	}
 }
 
-// awaitPending waits while checkpoint id is being written by this process
-// and returns the error it ended with.
-func (s *Store) awaitPending(id string) error {
+// AwaitCheckpoint waits while checkpoint id is being written by this
+// process (BeginCheckpoint) and returns the error it ended with: nil for a
+// checkpoint written, or not announced here at all.
+func (s *Store) AwaitCheckpoint(id string) error {
 	s.pendMu.Lock()
 	done := s.pending[id]
 	s.pendMu.Unlock()
@@ -326,7 +327,7 @@ func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 	if !ValidID(id) {
 		return c, fmt.Errorf("checkpoint %q: %w", id, ErrNotFound)
 	}
-	if err := s.awaitPending(id); err != nil {
+	if err := s.AwaitCheckpoint(id); err != nil {
 		return c, err
 	}
 	err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c)

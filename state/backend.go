@@ -132,6 +132,15 @@ type FSChecker interface {
 	Lost(ctx context.Context, ckpt string) bool
 }
 
+// FSWaiter is implemented by FS back ends whose FSMount.Checkpoint returns
+// before the checkpoint is complete on disk (the kernel path writes the
+// layer and record after the freeze window). AwaitCheckpoint returns once
+// fs checkpoint ckpt is written, or the error that dropped it; a
+// checkpoint is durable only after it.
+type FSWaiter interface {
+	AwaitCheckpoint(ctx context.Context, ckpt string) error
+}
+
 // FSMount is one mounted sandbox root.
 type FSMount interface {
 	// Root is the host path of the sandbox's / (empty for fakes).

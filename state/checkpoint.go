@@ -507,6 +507,12 @@ func (m *Manager) makeDurable(s *sbox, c *ckpt, proc ProcSandbox, metaOK bool) {
 	m.mu.Lock()
 	fsID, fsB := c.rec.FS, c.rec.FSBytes
 	m.mu.Unlock()
+	if w, ok := m.cfg.FS.(FSWaiter); ok && fsID != "" {
+		if err := w.AwaitCheckpoint(context.Background(), fsID); err != nil {
+			m.log.Error("checkpoint not durable: its fs part could not be written", "id", c.rec.ID, "fs", fsID, "err", err)
+			durable = false
+		}
+	}
 	if sz, ok := m.cfg.FS.(FSSizer); ok && fsB == 0 && fsID != "" {
 		if n, err := sz.Size(context.Background(), fsID); err != nil {
 			m.log.Warn("fs checkpoint size unknown", "id", c.rec.ID, "err", err)

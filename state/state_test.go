@@ -778,3 +778,19 @@ func TestCrashRecoveryDropsLostFS(t *testing.T) {
 		t.Errorf("/f = %q after restoring the kept checkpoint", got)
 	}
 }
+
+// TestNotDurableWhenFSUnwritten: a checkpoint whose fs part could not be
+// written after its turn returned (FSWaiter) is never reported durable.
+func TestNotDurableWhenFSUnwritten(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.run("a", "write", "/f", "x")
+	if ok := e.turn("a", state.ModeFull, true); !ok.Durable {
+		t.Fatalf("control checkpoint not durable: %+v", ok)
+	}
+	e.b.Faults.FailAwait.Store(true)
+	e.run("a", "write", "/f", "y")
+	if bad := e.turn("a", state.ModeFull, true); bad.Durable {
+		t.Fatalf("checkpoint durable although its fs part was not written: %+v", bad)
+	}
+}

@@ -92,6 +92,9 @@ type Faults struct {
 	FailRestore    atomic.Int32
 	FailPersist    atomic.Bool
 	FailStart      atomic.Bool
+	// FailAwait makes FS.AwaitCheckpoint fail (an fs checkpoint whose
+	// layer could not be written after it returned).
+	FailAwait atomic.Bool
 	// CheckpointDelay slows every fs checkpoint (nanoseconds).
 	CheckpointDelay atomic.Int64
 }
@@ -115,6 +118,7 @@ type Mount struct {
 var (
 	_ state.FSBackend = (*FS)(nil)
 	_ state.FSChecker = (*FS)(nil)
+	_ state.FSWaiter  = (*FS)(nil)
 )
 
 // Mount implements state.FSBackend.
@@ -156,6 +160,15 @@ func (f *FS) Delete(_ context.Context, ckpt string) error {
 
 // Cleanup implements state.FSBackend.
 func (f *FS) Cleanup(context.Context, string) error { return nil }
+
+// AwaitCheckpoint implements state.FSWaiter (fake checkpoints are
+// complete when made, unless Faults.FailAwait).
+func (f *FS) AwaitCheckpoint(_ context.Context, ckpt string) error {
+	if f.Faults.FailAwait.Load() {
+		return fmt.Errorf("fake fs: injected failure writing checkpoint %s", ckpt)
+	}
+	return nil
+}
 
 // Lost implements state.FSChecker: the checkpoint's layer is not on the
 // disk (LoseCheckpoint, or deleted).
