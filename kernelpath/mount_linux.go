@@ -315,8 +315,12 @@ func (f *FS) Upper() string {
 // Stock kernel: the entries of the live upper are reflinked (or copied)
 // into a new frozen layer stacked on the mount's base layers; the live
 // mount is untouched (fds and cwds stay valid). The caller must hold the
-// sandbox frozen meanwhile for a consistent image. On error nothing is
-// recorded and the view is unchanged.
+// sandbox frozen meanwhile for a consistent image. Unless
+// Options.SyncCheckpoint is set, Checkpoint returns once it has read the
+// upper, and the layer and record are written after it returns
+// (finish_linux.go): readers of the checkpoint in this process wait for
+// them, and Flush reports a checkpoint dropped because they could not be
+// written. On error nothing is recorded and the view is unchanged.
 func (f *FS) Checkpoint() (string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
