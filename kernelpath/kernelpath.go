@@ -18,7 +18,9 @@
 //     layers (a full copy of the upper every 16th time, bounding the
 //     chain). Data is reflinked (FICLONE) on XFS or btrfs, so the cost
 //     grows with the number of entries changed, not with their size; it is
-//     copied elsewhere (FreezeMode says which). The live mount is not
+//     copied elsewhere (FreezeMode says which). Only the reading of the
+//     upper happens inside the sandbox's freeze window; the layer is
+//     written after Checkpoint returns (finish_linux.go). The live mount is not
 //     touched, so open fds and cwds stay valid and keep writing to the live
 //     upper, which is what a checkpoint of a running sandbox needs. Switch
 //     mounts a new overlay over the target stack with a fresh upper beneath
