@@ -127,3 +127,16 @@ func schedCount(pid int) (uint64, error) {
 	}
 	return strconv.ParseUint(string(f[2]), 10, 64)
 }
+
+// stoppedSince reports whether the process probed (pidfd refers to it, as
+// for quietAfter) is the one probed and is now in a stop: single-threaded
+// (as the probe found it: a new thread would have had to run code), it
+// runs nothing until it is continued or killed.
+func stoppedSince(q quietProbe, pidfd int) bool {
+	pfd := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+	if n, err := unix.Poll(pfd, 0); err != nil || n > 0 {
+		return false
+	}
+	st, err := readStat(q.pid)
+	return err == nil && st.start == q.start && st.threads == 1 && st.state == "T"
+}

@@ -1,10 +1,13 @@
 package cr
 
 import (
+	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/rewind-sandbox/rewind/internal/testenv"
 	"golang.org/x/sys/unix"
 )
 
@@ -101,4 +104,76 @@ func dying(pid int) bool {
 		time.Sleep(time.Millisecond)
 	}
 	return true
+}
+
+// membersTarget is a Target whose processes are the listed pids.
+type membersTarget struct {
+	id   string
+	pids []int
+}
+
+func (m membersTarget) ID() string                 { return m.id }
+func (m membersTarget) InitPID() int               { return 1 }
+func (m membersTarget) MemberPIDs() ([]int, error) { return m.pids, nil }
+
+// TestSignalLiveStopsQuiet: signalLive stops a process asleep in a read
+// (quiet) instead of killing it, at SCHED_IDLE; woken afterwards by input,
+// it runs none of its own code (the line it would act on is never acted
+// on), and finish kills it. A spinning process is killed at once and
+// waited for.
+func TestSignalLiveStopsQuiet(t *testing.T) {
+	testenv.RequireRoot(t)
+	mark := filepath.Join(t.TempDir(), "ran")
+	quiet := exec.Command("/bin/sh", "-c", "read x; echo ran > "+mark)
+	stdin, err := quiet.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stdin.Close()
+	spin := exec.Command("/bin/sh", "-c", "while :; do :; done")
+	for _, c := range []*exec.Cmd{quiet, spin} {
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer c.Wait()
+		defer c.Process.Kill()
+	}
+	time.Sleep(200 * time.Millisecond) // let both settle
+	qpid, spid := quiet.Process.Pid, spin.Process.Pid
+	e := newEngine(t, Config{})
+	ks := e.signalLive(membersTarget{id: "signal-live", pids: []int{qpid, spid}}, nil)
+	if len(ks.quiet) != 1 || ks.quiet[0].pid != qpid || len(ks.stopped) != 1 {
+		t.Fatalf("quiet %v, stopped %v: want the reader (%d) alone", ks.quiet, ks.stopped, qpid)
+	}
+	if len(ks.wait) != 1 || ks.wait[0] != spid {
+		t.Fatalf("wait %v: want the spinner (%d)", ks.wait, spid)
+	}
+	if !waitUntil(ctxT(t), 5*time.Second, func() bool { return groupExiting(spid) }) {
+		t.Fatal("spinner not exiting 5 s after signalLive")
+	}
+	if a, err := unix.SchedGetAttr(qpid, 0); err != nil || a.Policy != unix.SCHED_IDLE {
+		t.Fatalf("reader's policy %+v (%v), want SCHED_IDLE", a, err)
+	}
+	// Woken by a line, it must stop before it acts on it.
+	if _, err := stdin.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	if !waitUntil(ctxT(t), 5*time.Second, func() bool { st, err := readStat(qpid); return err == nil && st.state == "T" }) {
+		t.Fatal("reader not stopped 5 s after signalLive")
+	}
+	time.Sleep(100 * time.Millisecond)
+	if _, err := os.Stat(mark); err == nil {
+		t.Fatal("the stopped reader ran its own code")
+	}
+	if exiting(qpid) {
+		t.Fatal("reader exiting before finish")
+	}
+	ks.finish()
+	ks.finish() // a second call is harmless
+	if !waitUntil(ctxT(t), 5*time.Second, func() bool { return groupExiting(qpid) }) {
+		t.Fatal("reader not exiting 5 s after finish")
+	}
+	if _, err := os.Stat(mark); err == nil {
+		t.Fatal("the killed reader ran its own code")
+	}
 }
