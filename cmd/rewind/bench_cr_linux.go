@@ -8,10 +8,12 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/rewind-sandbox/rewind/cr"
 	"github.com/rewind-sandbox/rewind/sandbox"
@@ -30,6 +32,9 @@ type crBenchRow struct {
 	// Phases are the p50 of each step of the restore (template path),
 	// in the engine's order.
 	Phases []crBenchPhase `json:"phases,omitempty"`
+	// PrivateKiBPerCopy is, for the fork rows, the private dirty memory
+	// of one copy right after the fork (smaps_rollup), averaged.
+	PrivateKiBPerCopy float64 `json:"private_kib_per_copy,omitempty"`
 }
 
 // crBenchPhase is the p50 of one step of a restore.
@@ -76,6 +81,9 @@ so that its RSS is about each --sizes value (MB), and measures N times each:
                          think time would; "first" is the first checkpoint alone
   first write            writing one byte per page after a restore (copy-on-write faults),
                          without and with warm; baseline: the same loop a second time
+  fork K copies          Fork of 16, 32 and 64 live copies (each with pipes of its own) until
+                         all run, and each copy's private memory right after; baseline: K
+                         times a plain fork() (computed from its p50)
 Baseline for restores: a plain fork() of the same process, timed inside it before the
 first checkpoint; "fork() at the end" times it again in the last restored process
 (after the engine collapsed its memory into huge pages, unless --no-collapse).
@@ -126,6 +134,11 @@ Needs root, cgroups and (for the criu rows) CRIU.`,
 					fmt.Fprintf(cmd.OutOrStdout(), " %s %.3f", p.Name, p.P50MS)
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), " (ms)")
+			}
+			for _, r := range rows {
+				if r.PrivateKiBPerCopy > 0 {
+					fmt.Fprintf(cmd.OutOrStdout(), "%s %d MB: %.0f KiB private memory per copy right after the fork\n", r.Op, r.RSSMB, r.PrivateKiBPerCopy)
+				}
 			}
 			return nil
 		},
@@ -308,6 +321,9 @@ func runCRBench(ctx context.Context, n, rssMB int, noCollapse bool) ([]crBenchRo
 				row("restore template", restore, "fork()", forkL)
 				rows[len(rows)-1].Phases = phaseP50s(steps)
 				row("first write (no warm)", first, "second pass", second)
+				if err := b.fanOut(e, min(n, 5), forkL, row, func() *crBenchRow { return &rows[len(rows)-1] }); err != nil {
+					return err
+				}
 				// CRIU: evict the template, restore from the image.
 				if err := e.WaitImage(ctx, "f0"); err != nil {
 					return fmt.Errorf("image: %w", err)
@@ -375,6 +391,69 @@ func runCRBench(ctx context.Context, n, rssMB int, noCollapse bool) ([]crBenchRo
 	}
 	row("fork() at the end", endL, "", nil)
 	return rows, nil
+}
+
+// fanOut times Engine.Fork of 16, 32 and 64 copies of checkpoint f0
+// (rounds times each; the copies get pipes of their own, made inside
+// them, and are killed after each round) against as many plain fork()
+// calls of the process (computed: the count times fork()'s p50), and
+// records each copy's private memory right after the fork.
+func (b *crBench) fanOut(e *cr.Engine, rounds int, forkL latencies, row func(string, latencies, string, latencies), last func() *crBenchRow) error {
+	for _, k := range []int{16, 32, 64} {
+		var took latencies
+		var dirty int64
+		for j := 0; j < rounds; j++ {
+			var mu sync.Mutex
+			var keep []*os.File
+			pipes := func(cr.Proc) func(int, *os.File, *os.File) error {
+				return func(_ int, in, out *os.File) error {
+					mu.Lock()
+					keep = append(keep, in, out)
+					mu.Unlock()
+					return nil
+				}
+			}
+			t0 := time.Now()
+			copies, err := e.Fork(b.ctx, b.sb, "f0", k, cr.RestoreOptions{Pipes: pipes})
+			if err != nil {
+				return fmt.Errorf("fork %d copies: %w", k, err)
+			}
+			took = append(took, time.Since(t0))
+			dirty = 0
+			for _, c := range copies {
+				for _, r := range c {
+					dirty += privateDirtyOf(r.PID)
+					_ = unix.Kill(r.PID, unix.SIGKILL)
+				}
+			}
+			mu.Lock()
+			for _, f := range keep {
+				f.Close()
+			}
+			mu.Unlock()
+			settle(e, b.sb.ID(), false)
+		}
+		row(fmt.Sprintf("fork %d copies", k), took, fmt.Sprintf("%d x fork()", k), latencies{time.Duration(k) * forkL.pct(0.5)})
+		last().PrivateKiBPerCopy = float64(dirty) / float64(k) / 1024
+	}
+	return nil
+}
+
+// privateDirtyOf returns Private_Dirty of pid in bytes (0 if unreadable).
+func privateDirtyOf(pid int) int64 {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "Private_Dirty:"); ok {
+			if f := strings.Fields(v); len(f) > 0 {
+				kb, _ := strconv.ParseInt(f[0], 10, 64)
+				return kb << 10
+			}
+		}
+	}
+	return 0
 }
 
 // forks times n plain fork() calls inside the session's process.
