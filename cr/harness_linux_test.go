@@ -263,6 +263,30 @@ func newEngine(t testing.TB, cfg Config) *Engine {
 	return e
 }
 
+// waitAsleep waits until every process of sb is asleep in a call that it
+// blocks in (see quietCalls): a program checkpointed while it still starts
+// up (the dynamic loader between reading a library and mapping it) has
+// files open whose offsets its template shares with it, and the original
+// moves them on (templates share their open file descriptions).
+func waitAsleep(t testing.TB, sb *testSandbox) {
+	t.Helper()
+	ok := waitUntil(ctxT(t), 30*time.Second, func() bool {
+		procs, err := descendants(sb.InitPID(), nil)
+		if err != nil || len(procs) == 0 {
+			return false
+		}
+		for _, p := range procs {
+			if _, maybe := quietBefore(p.PID); !maybe {
+				return false
+			}
+		}
+		return true
+	})
+	if !ok {
+		t.Fatal("the sandbox's processes are not asleep after 30 s")
+	}
+}
+
 func ctxT(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)

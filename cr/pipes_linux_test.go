@@ -127,6 +127,7 @@ func TestRestorePipes(t *testing.T) {
 // gives the copy /dev/null instead, as a forked copy has.
 func TestWarmSpareWithoutStdio(t *testing.T) {
 	sb := startSandbox(t, "python3", "-c", "import time\nwhile True: time.sleep(1000)")
+	waitAsleep(t, sb)
 	e := newEngine(t, Config{Warm: true, Logger: testLogger()})
 	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c1"}); err != nil {
 		t.Fatal(err)
