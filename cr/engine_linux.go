@@ -354,6 +354,24 @@ type template struct {
 	dirty   int64
 	// undumpable: the original was not dumpable (copies stay so).
 	undumpable bool
+	// files are the template's descriptors of files on the sandbox's
+	// root, with their offsets at the checkpoint (see ownFiles).
+	files []viewFD
+}
+
+// ownFiles gives copy cp of tm open file descriptions of its own for the
+// template's files, at their offsets at the checkpoint. A copy made by
+// fork shares them with the template, and the template shares them with
+// the process it was made of, which ran on after the checkpoint and moved
+// the offsets (a python that read on, a loader mapping its libraries);
+// copies would also move each other's. A file that can no longer be
+// opened by its path (deleted since) stays shared.
+func (e *Engine) ownFiles(tm *template, cp *inject.Proc) {
+	for _, f := range tm.files {
+		if err := cp.Reopen(f.fd, f.path, f.flags, f.pos); err != nil {
+			e.log.Debug("copy keeps a shared file", "pid", cp.Pid(), "fd", f.fd, "path", f.path, "err", err)
+		}
+	}
 }
 
 type ckpt struct {
@@ -668,6 +686,8 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 			}
 			tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
 			tmpls = append(tmpls, tm)
+			// The offsets now, while the original is still stopped.
+			tm.files = captureFiles(tp.Pid())
 			// Before any process of the sandbox runs again.
 			if err := guard(tm, true); err != nil {
 				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)
@@ -840,6 +860,7 @@ func (e *Engine) makeSpare(tm *template) {
 			e.log.Debug("spare fork", "pid", tm.proc.Pid(), "err", err)
 			return nil
 		}
+		e.ownFiles(tm, sp)
 		if err := sp.Setsid(); err != nil {
 			e.log.Debug("spare session", "pid", sp.Pid(), "err", err)
 			_ = sp.Kill()
@@ -1648,6 +1669,7 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare, spareOn
 			if err != nil {
 				return fail(fmt.Errorf("fork template %d of %d: %w", tm.proc.Pid(), tm.orig.PID, err))
 			}
+			e.ownFiles(tm, cp)
 		} else if pn := pinHere(cp.Pid()); pn != nil {
 			// A spare meets only a call or two (dumpable): on the
 			// tracer's CPU each is a few microseconds, against up to

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 )
 
 const bashMarker = "__END__"
@@ -117,5 +118,47 @@ func TestTemplatePython200MB(t *testing.T) {
 	}
 	if got := pyChat(t, <-sessions, probe); got != want {
 		t.Fatalf("restored python: %q, want %q", got, want)
+	}
+}
+
+// TestTemplateFileOffsets: a file the process reads with its own offset
+// (os.read on a descriptor) is read on from the checkpoint's offset after
+// every restore, although the live process read on after the checkpoint
+// and copies read on after earlier restores; with and without warm spares.
+func TestTemplateFileOffsets(t *testing.T) {
+	for _, warm := range []bool{false, true} {
+		t.Run(fmt.Sprintf("warm=%v", warm), func(t *testing.T) {
+			data := filepath.Join(t.TempDir(), "data")
+			if err := os.WriteFile(data, []byte("0123456789abcdefghijklmnopqrstuvwxyz"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			sb := startSandbox(t, "python3", "-u", "-c", pyLoop)
+			live := session{in: sb.in, out: sb.out}
+			pyChat(t, live, fmt.Sprintf("import os; fd = os.open(%q, os.O_RDONLY); os.read(fd, 5)", data))
+			e := newEngine(t, Config{Warm: warm})
+			if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c"}); err != nil {
+				t.Fatal(err)
+			}
+			const next = "print(os.read(fd, 5).decode())"
+			if got := pyChat(t, live, next); got != "56789" {
+				t.Fatalf("live read %q", got)
+			}
+			for i := range 3 {
+				if warm && !waitUntil(ctxT(t), 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
+					t.Fatal("no warm spare")
+				}
+				stdio, sessions := freshStdio(t, sb)
+				if _, err := e.Restore(ctxT(t), sb, "c", RestoreOptions{Stdio: stdio}); err != nil {
+					t.Fatal(err)
+				}
+				s := <-sessions
+				if got := pyChat(t, s, next); got != "56789" {
+					t.Fatalf("restore %d reads %q after the checkpoint's offset, want 56789", i, got)
+				}
+				if got := pyChat(t, s, next); got != "abcde" {
+					t.Fatalf("restore %d then reads %q, want abcde", i, got)
+				}
+			}
+		})
 	}
 }

@@ -31,21 +31,34 @@ type viewFD struct {
 // it holds on the mount that is its root. Files deleted since they were
 // opened cannot be reopened by path and are left as they are.
 func captureView(pid int) viewState {
+	cwd, _ := os.Readlink("/proc/" + strconv.Itoa(pid) + "/cwd")
+	return viewState{cwd: cwd, fds: captureFiles(pid)}
+}
+
+// captureFiles returns the descriptors process pid holds on the mount that
+// is its root, by path, with their flags and offsets (see captureView).
+func captureFiles(pid int) []viewFD {
 	base := "/proc/" + strconv.Itoa(pid)
-	var v viewState
-	v.cwd, _ = os.Readlink(base + "/cwd")
+	var fds []viewFD
 	var stx unix.Statx_t
 	if err := unix.Statx(unix.AT_FDCWD, base+"/root", 0, unix.STATX_MNT_ID, &stx); err != nil || stx.Mask&unix.STATX_MNT_ID == 0 {
-		return v
+		return nil
 	}
 	rootMnt := strconv.FormatUint(stx.Mnt_id, 10)
 	ents, err := os.ReadDir(base + "/fd")
 	if err != nil {
-		return v
+		return nil
 	}
 	for _, e := range ents {
 		fd, err := strconv.Atoi(e.Name())
 		if err != nil {
+			continue
+		}
+		// One stat leaves out pipes, sockets and devices (most of a
+		// session's descriptors) before the three calls of fdinfo: a
+		// checkpoint reads this while the agent is stopped.
+		var st unix.Stat_t
+		if unix.Stat(base+"/fd/"+e.Name(), &st) != nil || (st.Mode&unix.S_IFMT != unix.S_IFREG && st.Mode&unix.S_IFMT != unix.S_IFDIR) {
 			continue
 		}
 		info, err := os.ReadFile(base + "/fdinfo/" + e.Name())
@@ -76,9 +89,9 @@ func captureView(pid int) viewState {
 		if err != nil || !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
 			continue
 		}
-		v.fds = append(v.fds, viewFD{fd: fd, path: path, flags: int(flags), pos: pos})
+		fds = append(fds, viewFD{fd: fd, path: path, flags: int(flags), pos: pos})
 	}
-	return v
+	return fds
 }
 
 // reenter moves a stopped copy onto the new root's view: its working
