@@ -1158,19 +1158,36 @@ func (ks *killSet) adopt(o killSet) {
 	ks.stopped = append(ks.stopped, o.stopped...)
 }
 
-// finish sends SIGKILL to the quiet processes signalLive stopped (still
-// SCHED_IDLE: their exit waits for a CPU with nothing else to do). It is
-// safe to call more than once, and on a zero killSet.
+// finish sends SIGKILL to the quiet processes signalLive stopped. They are
+// still SCHED_IDLE, so their exit (unmapping their memory) waits for a CPU
+// with nothing else to do; after idleGrace they get the normal policy
+// back, so that on a machine that stays busy their memory is not held for
+// long (a SCHED_IDLE task gets a fraction of a percent of a busy CPU). It
+// is safe to call more than once, and on a zero killSet.
 func (ks *killSet) finish() {
-	if ks == nil {
+	if ks == nil || len(ks.stopped) == 0 {
 		return
 	}
-	for _, p := range ks.stopped {
-		_ = unix.PidfdSendSignal(p.fd, unix.SIGKILL, nil, 0)
-		unix.Close(p.fd)
-	}
+	stopped := ks.stopped
 	ks.stopped = nil
+	for _, p := range stopped {
+		_ = unix.PidfdSendSignal(p.fd, unix.SIGKILL, nil, 0)
+	}
+	time.AfterFunc(idleGrace, func() {
+		for _, p := range stopped {
+			// Only while the pidfd says it has not exited: its pid is
+			// not reused before it is reaped.
+			pfd := []unix.PollFd{{Fd: int32(p.fd), Events: unix.POLLIN}}
+			if n, err := unix.Poll(pfd, 0); err == nil && n == 0 {
+				_ = unix.SchedSetAttr(p.pid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_NORMAL}, 0)
+			}
+			unix.Close(p.fd)
+		}
+	})
 }
+
+// idleGrace is how long a killed quiet process stays SCHED_IDLE (finish).
+const idleGrace = 10 * time.Millisecond
 
 // waitGone waits until the killed processes are reaped, so their pids are
 // free again (CRIU restores exact pids).

@@ -5,10 +5,13 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // checkSessions asserts that every process of sb leads its own session or
@@ -24,9 +27,11 @@ func checkSessions(t *testing.T, sb *testSandbox, e *Engine) {
 		t.Fatal(err)
 	}
 	// A killed process may still be exiting when a restore returns (the
-	// kill waits for PF_EXITING, not for the exit): it never runs again,
-	// and is no leader of anything live.
-	gone := func(p nsIDs) bool { return p.zombie || exiting(p.host) }
+	// kill waits for PF_EXITING, not for the exit), or not even have
+	// begun to (a quiet one, stopped and then killed as the restore
+	// returned: SIGKILL pending): it never runs again, and is no leader of
+	// anything live.
+	gone := func(p nsIDs) bool { return p.zombie || exiting(p.host) || killPending(p.host) }
 	alive := map[int]bool{1: true}
 	for _, p := range procs {
 		if !gone(p) {
@@ -45,6 +50,22 @@ func checkSessions(t *testing.T, sb *testSandbox, e *Engine) {
 			t.Errorf("process %d (ns pid %d) is in group %d, session %d, whose leader is gone", p.host, p.pid, p.pgid, p.sid)
 		}
 	}
+}
+
+// killPending reports whether process pid has SIGKILL pending (status's
+// ShdPnd, the signals pending for the whole process).
+func killPending(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return false
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "ShdPnd:"); ok {
+			m, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			return err == nil && m&(1<<(unix.SIGKILL-1)) != 0
+		}
+	}
+	return false
 }
 
 // TestCRIURestoreAfterTemplateCheckpoints is the "Can't fork for PID: File
