@@ -951,8 +951,8 @@ func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, err
 }
 
 // killLiveAfter is killLive when the processes were signalled already
-// (signalLive: SIGKILL, or SIGSTOP for the quiet ones): it waits for them first, so that its first listing
-// usually finds no process left; the quiet ones it need not wait for, and
+// (signalLive: SIGKILL, or SIGSTOP for the quiet ones): it waits for them
+// first, so that its first listing usually finds no process left; the quiet ones it need not wait for, and
 // its listings leave them out. It marks "kill_wait" (the wait) and
 // "kill_confirm" (the listings) in ph.
 func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep []int, signalled killSet, ph *phases) ([]int, error) {
@@ -1128,7 +1128,9 @@ func (e *Engine) signalLive(t Target, keep []int) killSet {
 			continue
 		}
 		// Running, on its way to the stop: killed now and waited for,
-		// like any other.
+		// like any other (with its normal policy back: the wait must
+		// not depend on an idle CPU).
+		setPolicy(q.pid, unix.SCHED_NORMAL)
 		_ = unix.PidfdSendSignal(pfds[i], unix.SIGKILL, nil, 0)
 		ks.wait = append(ks.wait, q.pid)
 		unix.Close(pfds[i])
@@ -1138,8 +1140,11 @@ func (e *Engine) signalLive(t Target, keep []int) killSet {
 
 // schedIdle gives thread tid the SCHED_IDLE policy: it runs only on a CPU
 // that has nothing else to run, and never preempts a thread that has.
-func schedIdle(tid int) {
-	_ = unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_IDLE}, 0)
+func schedIdle(tid int) { setPolicy(tid, unix.SCHED_IDLE) }
+
+// setPolicy sets thread tid's scheduling policy (priority 0).
+func setPolicy(tid int, policy uint32) {
+	_ = unix.SchedSetAttr(tid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: policy}, 0)
 }
 
 // killSet are the processes signalLive signalled: those sent SIGKILL, to
@@ -1179,7 +1184,7 @@ func (ks *killSet) finish() {
 			// not reused before it is reaped.
 			pfd := []unix.PollFd{{Fd: int32(p.fd), Events: unix.POLLIN}}
 			if n, err := unix.Poll(pfd, 0); err == nil && n == 0 {
-				_ = unix.SchedSetAttr(p.pid, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: unix.SCHED_NORMAL}, 0)
+				setPolicy(p.pid, unix.SCHED_NORMAL)
 			}
 			unix.Close(p.fd)
 		}
