@@ -952,9 +952,9 @@ func (e *Engine) killLive(ctx context.Context, t Target, keep []int) ([]int, err
 
 // killLiveAfter is killLive when the processes were signalled already
 // (signalLive: SIGKILL, or SIGSTOP for the quiet ones): it waits for them
-// first, so that its first listing usually finds no process left; the quiet ones it need not wait for, and
-// its listings leave them out. It marks "kill_wait" (the wait) and
-// "kill_confirm" (the listings) in ph.
+// first, so that its first listing usually finds no process left; the
+// quiet ones it need not wait for, and its listings leave them out. It
+// marks "kill_wait" (the wait) and "kill_confirm" (the listings) in ph.
 func (e *Engine) killLiveAfter(ctx context.Context, t Target, keep []int, signalled killSet, ph *phases) ([]int, error) {
 	killed := append([]int(nil), signalled.wait...)
 	for _, pid := range signalled.wait {
