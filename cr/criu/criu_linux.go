@@ -485,7 +485,11 @@ func (r *Runner) criu(ctx context.Context, wrapper string, dir *os.File) (c *goc
 }
 
 // runCtx runs f, the go-criu call of run dir, killing criu if ctx ends
-// first (go-criu's own Cleanup then reaps it).
+// first (go-criu's own Cleanup then reaps it). It waits for f at most
+// killedWait after the kill: a criu whose wrapper died first has been
+// reparented to the sandbox's init, where killRun does not find it, and
+// go-criu would wait for it forever (seen once under a loaded test run);
+// such a criu is left to die with the sandbox.
 func runCtx(ctx context.Context, dir *os.File, f func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- f() }()
@@ -503,9 +507,16 @@ func runCtx(ctx context.Context, dir *os.File, f func() error) error {
 		case <-t.C:
 		}
 	}
-	<-done
-	return ctx.Err()
+	select {
+	case <-done:
+		return ctx.Err()
+	case <-time.After(killedWait):
+		return fmt.Errorf("%w (criu did not end %s after the kill; left to end with the sandbox)", ctx.Err(), killedWait)
+	}
 }
+
+// killedWait bounds how long runCtx waits for go-criu once criu is killed.
+const killedWait = 10 * time.Second
 
 // cgroupProcsFiles returns the cgroup.procs files of every cgroup pid is in
 // (v1 hierarchies and cgroup2), as paths in this mount namespace.
