@@ -100,7 +100,24 @@ func runInit() error {
 		return err
 	}
 	keepCaps := false
-	if os.Getenv(initEnv) != stageReexeced {
+	stage := os.Getenv(initEnv)
+	first := stage != stageReexeced
+	if stage == stageFirst {
+		// The setup needs setupCaps effective, not in the bounding set:
+		// drop them there now, while the runtime has few threads (every
+		// all-thread syscall stops them all); threads made from here on
+		// inherit the reduced set. A cgo binary cannot (it re-executes
+		// after the setup instead).
+		if err := dropBoundingAllThreads(); err != nil && !errors.Is(err, errNoAllThreads) {
+			return err
+		}
+	}
+	if first {
+		// The init's threads exist before the hello: a spare init makes
+		// them while it waits, not on a start's path.
+		prewarmThreads()
+	}
+	if first {
 		if err := c.send(&msg{Op: opHello}); err != nil {
 			return err
 		}
@@ -116,6 +133,9 @@ func runInit() error {
 			return fail(err)
 		}
 		keepCaps = m.Setup.KeepCaps
+		if keepCaps && stage != stageKeepCaps {
+			return fail(errors.New("keep_caps needs an init started for it (Config.KeepCaps; spares are not)"))
+		}
 		if !keepCaps {
 			err := dropCapsAllThreads()
 			if errors.Is(err, errNoAllThreads) {
@@ -136,10 +156,13 @@ func runInit() error {
 	// stdin becomes the sandbox's own /dev/null (it was the host's).
 	_ = unix.Dup3(devNull, 0, 0)
 	st := &initState{c: c, devNull: devNull, held: map[int]bool{}, spawns: make(chan spawnReq)}
-	// No sandbox process exists before opReady: start every OS thread the
-	// init will need now, while the pids limit has room (after the caps
-	// drop, so the check below covers these threads too).
-	prewarmThreads()
+	// No sandbox process exists before opReady: every OS thread the init
+	// will need exists by now, made while the pids limit has room (a first
+	// stage made them before its hello; a re-executed init makes them here,
+	// after its caps drop). The check below covers them all.
+	if !first {
+		prewarmThreads()
+	}
 	if !keepCaps {
 		// Every thread of PID 1 must be as powerless as the sandbox's
 		// processes: they can open /proc/1/mem.
@@ -260,6 +283,9 @@ const (
 const (
 	stageFirst    = "1"
 	stageReexeced = "2"
+	// stageKeepCaps is a first start for a sandbox with Config.KeepCaps:
+	// its bounding set keeps setupCaps.
+	stageKeepCaps = "3"
 )
 
 var errNoAllThreads = errors.New("cannot run a syscall on every thread (cgo)")
@@ -276,8 +302,26 @@ func keptMask() uint64 {
 // dropCapsAllThreads reduces the bounding, permitted and effective
 // capability sets of every thread of the process to keptCaps.
 func dropCapsAllThreads() error {
-	for c := uintptr(0); c <= uintptr(lastCap()); c++ {
-		if keptMask()&(1<<c) != 0 {
+	if err := dropBoundingAllThreads(); err != nil {
+		return err
+	}
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	data := capData()
+	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
+		if e == syscall.ENOTSUP {
+			return errNoAllThreads
+		}
+		return fmt.Errorf("capset: %w", e)
+	}
+	return nil
+}
+
+// dropBoundingAllThreads reduces the bounding set of every thread of the
+// process to keptCaps; permitted and effective sets stay.
+func dropBoundingAllThreads() error {
+	last, kept := uintptr(lastCap()), keptMask()
+	for c := uintptr(0); c <= last; c++ {
+		if kept&(1<<c) != 0 {
 			continue
 		}
 		// The init is started with a bounding set of keptCaps and
@@ -292,11 +336,6 @@ func dropCapsAllThreads() error {
 			}
 			return fmt.Errorf("drop capability %d: %w", c, e)
 		}
-	}
-	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
-	data := capData()
-	if _, _, e := syscall.AllThreadsSyscall(unix.SYS_CAPSET, uintptr(unsafe.Pointer(&hdr)), uintptr(unsafe.Pointer(&data[0])), 0); e != 0 {
-		return fmt.Errorf("capset: %w", e)
 	}
 	return nil
 }
@@ -386,7 +425,8 @@ func dropBoundingSet() error {
 // dropBoundingExcept drops every capability not in keep from the calling
 // thread's bounding set.
 func dropBoundingExcept(keep uint64) error {
-	for c := uintptr(0); c <= uintptr(lastCap()); c++ {
+	last := uintptr(lastCap())
+	for c := uintptr(0); c <= last; c++ {
 		if keep&(1<<c) != 0 {
 			continue
 		}

@@ -215,7 +215,7 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 
 	ip := spare
 	if ip == nil {
-		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, -1, s.log); err != nil {
+		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, cfg.KeepCaps, -1, s.log); err != nil {
 			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
 		}
 	} else {
@@ -344,7 +344,7 @@ type initProc struct {
 
 // spawnInit starts an init process in new namespaces.
 // With cgroupFD >= 0 (a cgroup v2 directory) it starts in that cgroup.
-func spawnInit(initPath string, hostNet bool, cgroupFD int, log *slog.Logger) (*initProc, error) {
+func spawnInit(initPath string, hostNet, keepCaps bool, cgroupFD int, log *slog.Logger) (*initProc, error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("socketpair: %w", err)
@@ -363,7 +363,11 @@ func spawnInit(initPath string, hostNet bool, cgroupFD int, log *slog.Logger) (*
 	}
 	cmd := exec.Command(initPath)
 	cmd.Args = []string{"rewind-init"}
-	cmd.Env = []string{initEnv + "=" + stageFirst, "GOMAXPROCS=1"}
+	stage := stageFirst
+	if keepCaps {
+		stage = stageKeepCaps
+	}
+	cmd.Env = []string{initEnv + "=" + stage, "GOMAXPROCS=1"}
 	cmd.Dir = "/"
 	cmd.ExtraFiles = []*os.File{childEnd}
 	logw := &lineLogger{log: log}

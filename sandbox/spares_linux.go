@@ -123,12 +123,12 @@ func (p *Spares) Ready() int {
 }
 
 // Start starts a sandbox like Start, on a spare init when one is ready and
-// cfg fits (own network namespace, same init binary, default cgroup
+// cfg fits (own network namespace, no KeepCaps, same init binary, default cgroup
 // parents), and starts a replacement spare in the background. With an
 // empty cfg.ID the sandbox takes the spare's id (see Sandbox.ID): the
 // fastest path. Without a spare, an empty cfg.ID gets a fresh id.
 func (p *Spares) Start(ctx context.Context, cfg Config) (*Sandbox, error) {
-	fits := !cfg.HostNet && (cfg.InitPath == "" || cfg.InitPath == p.initPath) &&
+	fits := !cfg.HostNet && !cfg.KeepCaps && (cfg.InitPath == "" || cfg.InitPath == p.initPath) &&
 		(cfg.FreezerParent == "" || cfg.FreezerParent == DefaultFreezerParent) &&
 		(cfg.CgroupV2Parent == "" || cfg.CgroupV2Parent == DefaultCgroupV2Parent)
 	if !fits {
@@ -180,7 +180,7 @@ func (p *Spares) spawn() (_ *initProc, err error) {
 	if err != nil {
 		return nil, err
 	}
-	spawned, err := spawnInit(p.initPath, false, v2, p.log)
+	spawned, err := spawnInit(p.initPath, false, false, v2, p.log)
 	unix.Close(v2)
 	if err != nil {
 		return nil, err

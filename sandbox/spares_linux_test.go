@@ -94,3 +94,59 @@ func TestSpares(t *testing.T) {
 		}
 	}
 }
+
+// TestSparesCaps: a spare init drops setupCaps from its bounding set
+// before its setup, so a sandbox on a spare runs with the reduced set; a
+// KeepCaps sandbox is never put on a spare (it needs an init started for
+// it) and keeps what it asked for.
+func TestSparesCaps(t *testing.T) {
+	requireSandbox(t)
+	sp := NewSpares(1, "", "test-spcaps-", nil)
+	defer sp.Close()
+	waitFor(t, "spares", func() bool { return sp.Ready() == 1 })
+	for _, tc := range []struct {
+		name      string
+		keepCaps  bool
+		spare     bool
+		mountCode int
+	}{
+		{"spare", false, true, 1},
+		{"keep caps", true, false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sp.mu.Lock()
+			var sparePID int
+			if len(sp.ready) > 0 {
+				sparePID = sp.ready[0].cmd.Process.Pid
+			}
+			sp.mu.Unlock()
+			root, binds := testRoot(t)
+			sb, err := sp.Start(testCtx(t), Config{Root: root, Binds: binds, KeepCaps: tc.keepCaps})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer sb.Close()
+			if onSpare := sparePID != 0 && sb.InitPID() == sparePID; onSpare != tc.spare {
+				t.Fatalf("on a spare: %v, want %v", onSpare, tc.spare)
+			}
+			_, _, code := run(t, sb, "sh", "-c", "mkdir -p /tmp/m && mount -t tmpfs x /tmp/m 2>/dev/null")
+			if (code == 0) != (tc.mountCode == 0) {
+				t.Errorf("mount in the sandbox: exit %d, want %d", code, tc.mountCode)
+			}
+			st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", sb.InitPID()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			const sysAdmin = 1 << 21
+			for _, line := range strings.Split(string(st), "\n") {
+				if v, ok := strings.CutPrefix(line, "CapBnd:"); ok {
+					var bnd uint64
+					fmt.Sscanf(strings.TrimSpace(v), "%x", &bnd)
+					if (bnd&sysAdmin != 0) != tc.keepCaps {
+						t.Errorf("init's bounding set %x: CAP_SYS_ADMIN kept %v, want %v", bnd, bnd&sysAdmin != 0, tc.keepCaps)
+					}
+				}
+			}
+		})
+	}
+}
