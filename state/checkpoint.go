@@ -1163,14 +1163,17 @@ func (m *Manager) forkOne(ctx context.Context, base *Sandbox, c *ckpt, part *Pro
 		Status: StatusRunning, Epoch: 1, Head: c.rec.ID, Created: time.Now().UTC(), Origin: c.rec.ID, Copy: copyN,
 	}
 	s := &sbox{rec: rec, q: newQueue(), policy: pol}
+	start := time.Now()
 	mount, err := m.cfg.FS.MountFrom(ctx, rec.ID, m.spec(&rec), c.rec.FS)
 	if err != nil {
 		return nil, fmt.Errorf("mount: %w", err)
 	}
+	mounted := time.Since(start)
 	p := *part
 	if err := m.startLive(ctx, s, mount, &p, runFiles(&s.rec)); err != nil {
 		return nil, err
 	}
+	m.log.Debug("fork child started", "child", name, "mount", mounted, "took", time.Since(start))
 	return s, nil
 }
 

@@ -584,11 +584,13 @@ func (m *Manager) spec(rec *Sandbox) FSSpec {
 // startLive starts the processes on mount (restoring part if non-nil) and
 // the probe; on error everything started is torn down, mount included.
 func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *ProcPart, runFiles map[string]string) (err error) {
+	t0 := time.Now()
 	proc, err := m.cfg.Proc.Start(ctx, s.rec.ID, mount.Root())
 	if err != nil {
 		mount.Unmount()
 		return fmt.Errorf("start processes: %w", err)
 	}
+	t1 := time.Now()
 	for name, data := range runFiles {
 		if err := proc.WriteRunFile(name, []byte(data)); err != nil {
 			proc.Close()
@@ -606,6 +608,7 @@ func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *P
 		}
 	}
 	_ = path
+	t2 := time.Now()
 	var win ProbeWindow
 	if m.cfg.Probe != nil {
 		w, err := m.cfg.Probe.Watch(ctx, s.rec.Name, mount, proc)
@@ -618,6 +621,7 @@ func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *P
 	m.mu.Lock()
 	s.mount, s.proc, s.win, s.winOpen = mount, proc, win, win != nil
 	m.mu.Unlock()
+	m.log.Debug("sandbox processes started", "sandbox", s.rec.ID, "init", t1.Sub(t0), "restore", t2.Sub(t1), "probe", time.Since(t2))
 	return nil
 }
 
