@@ -354,16 +354,18 @@ func capData() [2]unix.CapUserData {
 // process has one thread, with the reduced set, and every thread the
 // runtime starts inherits it.
 func reexecReduced(c *conn) error {
-	raw, err := c.c.File()
-	if err != nil {
-		return err
-	}
-	if int(raw.Fd()) == ctlFD {
-		if _, err := unix.FcntlInt(ctlFD, unix.F_SETFD, 0); err != nil {
-			return fmt.Errorf("control fd: %w", err)
+	var derr error
+	if err := c.rc.Control(func(fd uintptr) {
+		if int(fd) == ctlFD {
+			_, derr = unix.FcntlInt(fd, unix.F_SETFD, 0)
+		} else {
+			derr = unix.Dup3(int(fd), ctlFD, 0)
 		}
-	} else if err := unix.Dup3(int(raw.Fd()), ctlFD, 0); err != nil {
+	}); err != nil {
 		return fmt.Errorf("control fd: %w", err)
+	}
+	if derr != nil {
+		return fmt.Errorf("control fd: %w", derr)
 	}
 	if err := dropBoundingSet(); err != nil {
 		return err
@@ -372,7 +374,7 @@ func reexecReduced(c *conn) error {
 	if err := unix.Capset(&unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}, &data[0]); err != nil {
 		return fmt.Errorf("capset: %w", err)
 	}
-	err = syscall.Exec("/proc/self/exe", []string{"rewind-init"}, []string{initEnv + "=" + stageReexeced, "GOMAXPROCS=1"})
+	err := syscall.Exec("/proc/self/exe", []string{"rewind-init"}, []string{initEnv + "=" + stageReexeced, "GOMAXPROCS=1"})
 	return fmt.Errorf("re-execute init: %w", err)
 }
 

@@ -4,9 +4,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"sync"
+	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -74,23 +75,52 @@ type setupConfig struct {
 	KeepCaps bool     `json:"keep_caps,omitempty"`
 }
 
-// conn is a SOCK_SEQPACKET unix connection carrying msg values.
+// conn is a SOCK_SEQPACKET unix connection carrying msg values. It works
+// on the descriptor through the runtime's poller (os.File, RawConn), not
+// package net: an init must not wait for net's package initialization,
+// which a binary's init order puts near the end (see MaybeRunInit).
 type conn struct {
-	c   *net.UnixConn
+	f   *os.File
+	rc  syscall.RawConn
 	wmu sync.Mutex
 }
 
+// newConn wraps a duplicate of f, which must be a SOCK_SEQPACKET unix
+// socket; the caller keeps (and closes) f.
 func newConn(f *os.File) (*conn, error) {
-	nc, err := net.FileConn(f)
+	var fd int
+	var derr error
+	sc, err := f.SyscallConn()
 	if err != nil {
 		return nil, fmt.Errorf("control socket: %w", err)
 	}
-	uc, ok := nc.(*net.UnixConn)
-	if !ok {
-		nc.Close()
-		return nil, errors.New("control socket: not a unix socket")
+	if err := sc.Control(func(raw uintptr) { fd, derr = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
 	}
-	return &conn{c: uc}, nil
+	if derr != nil {
+		return nil, fmt.Errorf("control socket: %w", derr)
+	}
+	if typ, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || typ != unix.SOCK_SEQPACKET {
+		unix.Close(fd)
+		if err == nil {
+			err = errors.New("not a SOCK_SEQPACKET socket")
+		}
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	// Non-blocking (the flag is the shared description's): os.NewFile
+	// then registers it with the poller, so reads park the goroutine and
+	// honour deadlines.
+	if err := unix.SetNonblock(fd, true); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	nf := os.NewFile(uintptr(fd), "control")
+	rc, err := nf.SyscallConn()
+	if err != nil {
+		nf.Close()
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	return &conn{f: nf, rc: rc}, nil
 }
 
 func (c *conn) send(m *msg, fds ...int) error {
@@ -107,13 +137,36 @@ func (c *conn) send(m *msg, fds ...int) error {
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	_, _, err = c.c.WriteMsgUnix(b, oob, nil)
-	return err
+	var serr error
+	err = c.rc.Write(func(fd uintptr) bool {
+		for {
+			serr = unix.Sendmsg(int(fd), b, oob, nil, unix.MSG_NOSIGNAL)
+			if serr != unix.EINTR {
+				return serr != unix.EAGAIN
+			}
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return serr
 }
 
 // recv returns the next message and the fds attached to it (close-on-exec).
 func (c *conn) recv(buf, oob []byte) (*msg, []int, error) {
-	n, oobn, flags, _, err := c.c.ReadMsgUnix(buf, oob)
+	var n, oobn, flags int
+	var rerr error
+	err := c.rc.Read(func(fd uintptr) bool {
+		for {
+			n, oobn, flags, _, rerr = unix.Recvmsg(int(fd), buf, oob, unix.MSG_CMSG_CLOEXEC)
+			if rerr != unix.EINTR {
+				return rerr != unix.EAGAIN
+			}
+		}
+	})
+	if err == nil {
+		err = rerr
+	}
 	if err != nil {
 		return nil, nil, err
 	}
@@ -145,7 +198,10 @@ func (c *conn) recv(buf, oob []byte) (*msg, []int, error) {
 	return &m, fds, nil
 }
 
-func (c *conn) close() error { return c.c.Close() }
+func (c *conn) close() error { return c.f.Close() }
+
+// setReadDeadline sets the deadline of recv (zero: none).
+func (c *conn) setReadDeadline(t time.Time) error { return c.f.SetReadDeadline(t) }
 
 var errEOF = errors.New("control channel closed")
 

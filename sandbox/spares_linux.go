@@ -275,8 +275,8 @@ func (p *Spares) Close() {
 
 // waitHello waits until the init's runtime is up and it waits for a setup.
 func (ip *initProc) waitHello(timeout time.Duration) error {
-	_ = ip.conn.c.SetReadDeadline(time.Now().Add(timeout))
-	defer func() { _ = ip.conn.c.SetReadDeadline(time.Time{}) }()
+	_ = ip.conn.setReadDeadline(time.Now().Add(timeout))
+	defer func() { _ = ip.conn.setReadDeadline(time.Time{}) }()
 	buf := make([]byte, 4096)
 	oob := make([]byte, unix.CmsgSpace(4*4))
 	m, fds, err := ip.conn.recv(buf, oob)
