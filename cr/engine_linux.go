@@ -118,6 +118,9 @@ type Engine struct {
 	// lastCollapse is when each live process's memory was last collapsed
 	// (goCollapse, recollapseAfter).
 	lastCollapse map[int]time.Time
+	// beforeDump, if set (tests), runs before a checkpoint's image dump
+	// starts.
+	beforeDump func()
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.

@@ -126,8 +126,11 @@ func TestTemplatePython200MB(t *testing.T) {
 // every restore, although the live process read on after the checkpoint
 // and copies read on after earlier restores; with and without warm spares.
 func TestTemplateFileOffsets(t *testing.T) {
-	for _, warm := range []bool{false, true} {
-		t.Run(fmt.Sprintf("warm=%v", warm), func(t *testing.T) {
+	for _, tc := range []struct {
+		warm, image bool
+	}{{false, false}, {true, false}, {false, true}} {
+		warm := tc.warm
+		t.Run(fmt.Sprintf("warm=%v/image=%v", tc.warm, tc.image), func(t *testing.T) {
 			data := filepath.Join(t.TempDir(), "data")
 			if err := os.WriteFile(data, []byte("0123456789abcdefghijklmnopqrstuvwxyz"), 0o644); err != nil {
 				t.Fatal(err)
@@ -135,15 +138,38 @@ func TestTemplateFileOffsets(t *testing.T) {
 			sb := startSandbox(t, "python3", "-u", "-c", pyLoop)
 			live := session{in: sb.in, out: sb.out}
 			pyChat(t, live, fmt.Sprintf("import os; fd = os.open(%q, os.O_RDONLY); os.read(fd, 5)", data))
-			e := newEngine(t, Config{Warm: warm})
+			cfg := Config{Warm: warm}
+			if tc.image {
+				cfg.ImagesDir = t.TempDir()
+			}
+			e := newEngine(t, cfg)
+			// The image is dumped only after the original has moved its
+			// offset (the dump runs in the background, any time after
+			// the checkpoint).
+			moved := make(chan struct{})
+			e.beforeDump = func() { <-moved }
 			if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "c"}); err != nil {
 				t.Fatal(err)
 			}
 			const next = "print(os.read(fd, 5).decode())"
-			if got := pyChat(t, live, next); got != "56789" {
+			got := pyChat(t, live, next)
+			close(moved)
+			if got != "56789" {
 				t.Fatalf("live read %q", got)
 			}
+			if tc.image {
+				if err := e.WaitImage(ctxT(t), "c"); err != nil {
+					t.Fatal(err)
+				}
+			}
 			for i := range 3 {
+				if tc.image {
+					// Each restore reads the image: no template is left
+					// from the checkpoint or the restore before.
+					if err := e.Evict("c"); err != nil {
+						t.Fatal(err)
+					}
+				}
 				if warm && !waitUntil(ctxT(t), 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
 					t.Fatal("no warm spare")
 				}

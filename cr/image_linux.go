@@ -103,6 +103,9 @@ func (e *Engine) dumpTemplates(c *ckpt, t Target) {
 }
 
 func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
+	if e.beforeDump != nil {
+		e.beforeDump()
+	}
 	r, err := e.criuRunner()
 	if err != nil {
 		return err
@@ -196,6 +199,10 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	e.mu.Lock()
 	e.aux[cp.Pid()] = tm.sandbox
 	e.mu.Unlock()
+	// The copy shares its file descriptions with the template and the
+	// original, which may have moved their offsets since the checkpoint:
+	// the image must hold the checkpoint's (as every forked copy does).
+	e.ownFiles(tm, cp)
 	// A session leader: the image then holds its whole session, and the
 	// process restored from it has its session inside the sandbox's PID
 	// namespace (CRIU's shell-job mode would otherwise put it into criu's
