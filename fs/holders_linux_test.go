@@ -123,3 +123,29 @@ func TestMountWhileOthersUnmount(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// Both ways of marking FUSE connections close-on-exec (close_range, and
+// the scan for kernels without it) mark a /dev/fuse descriptor opened
+// without the flag, as go-fuse opens it.
+func TestCloexecFuseFDs(t *testing.T) {
+	requireFUSE(t)
+	for _, tc := range []struct {
+		name string
+		fn   func() error
+	}{{"close_range", cloexecFuseFDs}, {"scan", cloexecFuseFDsScan}} {
+		t.Run(tc.name, func(t *testing.T) {
+			fd, err := syscall.Open("/dev/fuse", syscall.O_RDWR, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer syscall.Close(fd)
+			if err := tc.fn(); err != nil {
+				t.Fatal(err)
+			}
+			flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+			if err != nil || flags&unix.FD_CLOEXEC == 0 {
+				t.Fatalf("descriptor flags %#x (%v): no close-on-exec", flags, err)
+			}
+		})
+	}
+}
