@@ -1273,10 +1273,12 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			if err := waitGone(ctx, killed); err != nil {
 				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
 			}
-			procs, err := e.restoreForeign(ctx, c, t, opts)
+			ph.mark("kill")
+			procs, err := e.restoreForeign(ctx, c, t, opts, ph)
 			if err != nil {
 				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
 			}
+			res.Phases = ph.out
 			res.Path = "criu"
 			if c.rec.Mode == ModeTemplate {
 				res.Path = e.imagePath()

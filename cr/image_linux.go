@@ -259,7 +259,7 @@ func (e *Engine) WaitImage(ctx context.Context, id string) error {
 // restoreTemplatesFromImage recreates c's templates from its images (inside
 // the sandbox's namespaces) and attaches them. Caller holds the sandbox lock.
 func (e *Engine) restoreTemplatesFromImage(ctx context.Context, c *ckpt, t Target) error {
-	tmpls, err := e.templatesFromImage(ctx, c, t)
+	tmpls, err := e.templatesFromImage(ctx, c, t, nil)
 	if err != nil {
 		return err
 	}
@@ -270,7 +270,7 @@ func (e *Engine) restoreTemplatesFromImage(ctx context.Context, c *ckpt, t Targe
 }
 
 // templatesFromImage restores c's template images into t and attaches them.
-func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*template, error) {
+func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target, ph *phases) ([]*template, error) {
 	r, err := e.criuRunner()
 	if err != nil {
 		return nil, err
@@ -290,6 +290,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 		if err != nil {
 			return fail(err)
 		}
+		ph.mark("criu")
 		pid, err := hostPID(t.InitPID(), nspid)
 		if err != nil {
 			return fail(err)
@@ -298,6 +299,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 			_ = unix.Kill(pid, unix.SIGKILL)
 			return fail(fmt.Errorf("restored template %d did not stop", pid))
 		}
+		ph.mark("stopped")
 		ip, err := e.tracer.Attach(pid)
 		if err != nil {
 			_ = unix.Kill(pid, unix.SIGKILL)
@@ -317,6 +319,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 		if err := guard(tm, false); err != nil {
 			return fail(err)
 		}
+		ph.mark("attach")
 	}
 	return tmpls, nil
 }
@@ -325,11 +328,11 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target) ([]*
 // from its image: the templates are restored into t's namespaces, forked
 // once each, and dropped (t keeps no templates of a foreign checkpoint).
 // This is how a checkpoint fans out into fresh sandboxes.
-func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts RestoreOptions) ([]Restored, error) {
+func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts RestoreOptions, ph *phases) ([]Restored, error) {
 	if c.rec.Mode == ModeCRIU {
 		return e.restoreTrees(ctx, c, t, opts)
 	}
-	tmpls, err := e.templatesFromImage(ctx, c, t)
+	tmpls, err := e.templatesFromImage(ctx, c, t, ph)
 	if err != nil {
 		return nil, err
 	}
@@ -348,7 +351,9 @@ func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts Res
 			})
 		}
 	}()
-	return e.spawn(tmp, opts, false)
+	procs, err := e.spawn(tmp, opts, false)
+	ph.mark("fork")
+	return procs, err
 }
 
 // hostPID finds the host pid of the child of init whose pid in the
