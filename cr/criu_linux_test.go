@@ -1,6 +1,7 @@
 package cr
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -8,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -210,28 +212,55 @@ func TestRestoreIntoOtherSandboxes(t *testing.T) {
 	a := startSandbox(t, "bash", "--norc", "--noprofile")
 	x := t.TempDir()
 	bashChat(t, session{in: a.in, out: a.out}, "cd "+x+"; export V=orig; f() { echo fun-$1; }")
-	e := newEngine(t, Config{ImagesDir: t.TempDir()})
+	images := t.TempDir()
+	e := newEngine(t, Config{ImagesDir: images})
 	if _, err := e.Checkpoint(ctxT(t), a, CheckpointOptions{ID: "c"}); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.WaitImage(ctxT(t), "c"); err != nil {
 		t.Fatal(err)
 	}
-	// Two fresh sandboxes receive independent copies.
-	var ss []session
-	var bs []*testSandbox
-	for i := 0; i < 2; i++ {
+	// Three fresh sandboxes receive independent copies, restored at the
+	// same time from the one image (a fork's fan-out).
+	const n = 3
+	ss := make([]session, n)
+	bs := make([]*testSandbox, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
 		b := startSandbox(t, "sleep", "1000")
+		bs[i] = b
 		stdio, sessions := freshStdio(t, b)
-		res, err := e.Restore(ctxT(t), b, "c", RestoreOptions{Stdio: stdio})
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := e.Restore(ctxT(t), b, "c", RestoreOptions{Stdio: stdio})
+			if err == nil && (res.Path != "criu" || len(res.Procs) != 1) {
+				err = fmt.Errorf("restore into %s: %+v", b.ID(), res)
+			}
+			if err == nil {
+				ss[i] = <-sessions
+			}
+			errs[i] = err
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res.Path != "criu" || len(res.Procs) != 1 {
-			t.Fatalf("restore into %s: %+v", b.ID(), res)
-		}
-		ss = append(ss, <-sessions)
-		bs = append(bs, b)
+	}
+	// Each run logged to a file of its own; a successful one's log is
+	// left as restore.log.
+	if left, _ := filepath.Glob(filepath.Join(images, "*", "*", "*", "restore-*.log")); len(left) != 0 {
+		t.Errorf("run logs left behind: %v", left)
+	}
+	logs, _ := filepath.Glob(filepath.Join(images, "*", "*", "*", criu.RestoreLog))
+	if len(logs) != 1 {
+		t.Fatalf("restore logs %v, want one", logs)
+	}
+	if b, err := os.ReadFile(logs[0]); err != nil || !bytes.Contains(b, []byte("Restore finished successfully")) {
+		t.Errorf("restore.log is not one successful run's (%v):\n%s", err, b)
 	}
 	for i, s := range ss {
 		bashChat(t, s, fmt.Sprintf("export V=copy%d", i))

@@ -2,6 +2,7 @@ package cr
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -272,8 +273,10 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 			return 0, fmt.Errorf("%w (a pid of the image stayed taken after %d attempts)", err, attempt)
 		}
 		msg := err.Error() // names the log's first error line: read it before the rename
-		log := filepath.Join(o.Dir, criu.RestoreLog)
-		_ = os.Rename(log, fmt.Sprintf("%s.%d", log, attempt))
+		var ce *criu.Error
+		if errors.As(err, &ce) {
+			_ = os.Rename(ce.Log, fmt.Sprintf("%s.%d", filepath.Join(o.Dir, criu.RestoreLog), attempt))
+		}
 		e.log.Info("restore retry: a pid of the image was taken", "dir", o.Dir, "attempt", attempt, "err", msg)
 		time.Sleep(time.Duration(attempt) * time.Millisecond)
 	}

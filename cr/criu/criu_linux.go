@@ -13,6 +13,8 @@ package criu
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -261,7 +263,9 @@ type DumpOptions struct {
 
 // Log files criu writes into an image directory.
 const (
-	DumpLog    = "dump.log"
+	DumpLog = "dump.log"
+	// RestoreLog is the log of the last successful restore; a failed
+	// restore's log keeps a name of its own (Error.Log).
 	RestoreLog = "restore.log"
 	LazyLog    = "lazy-pages.log"
 )
@@ -388,7 +392,16 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 			}
 		}
 	}
-	opts := baseOpts(RestoreLog)
+	// A log of its own: restores of one image run in parallel (a fork
+	// fans one checkpoint out into many sandboxes), and a shared log
+	// would name another run's lines in this run's error (and in
+	// PidTaken's decision). A successful run's log becomes RestoreLog.
+	logName, err := runLogName()
+	if err != nil {
+		return 0, fmt.Errorf("criu restore: %w", err)
+	}
+	logPath := filepath.Join(o.Dir, logName)
+	opts := baseOpts(logName)
 	opts.RstSibling = ptr(false)
 	if o.Lazy {
 		lw, err := r.wrapper(o.NSInit, false)
@@ -404,9 +417,20 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	}
 	n := &notify{}
 	if err := runCtx(ctx, run, func() error { return c.Restore(opts, n) }); err != nil {
-		return 0, &Error{Op: "restore", Log: filepath.Join(o.Dir, RestoreLog), Err: err}
+		return 0, &Error{Op: "restore", Log: logPath, Err: err}
 	}
+	_ = os.Rename(logPath, filepath.Join(o.Dir, RestoreLog))
 	return int(n.pid), nil
+}
+
+// runLogName returns a log file name no other run uses: "restore-" and 12
+// random hex digits.
+func runLogName() (string, error) {
+	var b [6]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", err
+	}
+	return "restore-" + hex.EncodeToString(b[:]) + ".log", nil
 }
 
 // startLazyPages starts `criu lazy-pages` for dir (through the same
