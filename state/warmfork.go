@@ -25,6 +25,12 @@ const warmIdle = 10 * time.Minute
 // warmParallel bounds the preparations running at once.
 const warmParallel = 2
 
+// warmMaxFailures is how many preparations of one checkpoint may fail in a
+// row before the refill stops trying it (until it is forked or prepared
+// again): one failure among many restores is retried, a checkpoint that
+// cannot be prepared is not retried for ever.
+const warmMaxFailures = 3
+
 // warmDefer bounds how long preparations wait, after a fork, for the fork's
 // children to finish their first request: they run first. Preparing a child
 // (a CRIU restore, a sandbox start) competes with them for the CPU, and
@@ -39,6 +45,7 @@ type warmPool struct {
 	want   map[string]int       // checkpoint id -> children to keep ready
 	used   map[string]time.Time // checkpoint id -> last fork
 	making map[string]int       // checkpoint id -> preparations running
+	failed map[string]int       // checkpoint id -> preparations failed in a row
 	forks  int                  // forks in progress: no preparation starts meanwhile
 	// Children of recent forks that have not finished a first request
 	// yet: no preparation starts until they have, or until deferUntil.
@@ -53,7 +60,7 @@ type warmPool struct {
 func newWarmPool() *warmPool {
 	return &warmPool{
 		ready: map[string][]*sbox{}, want: map[string]int{}, used: map[string]time.Time{}, making: map[string]int{},
-		awaiting: map[*sbox]struct{}{}, deferFor: warmDefer,
+		failed: map[string]int{}, awaiting: map[*sbox]struct{}{}, deferFor: warmDefer,
 		kick: make(chan struct{}, 1), stop: make(chan struct{}), done: make(chan struct{}),
 	}
 }
@@ -143,6 +150,7 @@ func (m *Manager) dropWarmFor(ids []string) {
 		drop = append(drop, m.warm.ready[id]...)
 		delete(m.warm.ready, id)
 		delete(m.warm.want, id)
+		delete(m.warm.failed, id)
 		delete(m.warm.used, id)
 	}
 	m.mu.Unlock()
@@ -204,6 +212,7 @@ func (m *Manager) endForkWarm(id string, n int, ok bool, kids []*sbox) {
 	m.warm.forks--
 	if ok {
 		m.warm.want[id] = min(n, m.cfg.WarmForks)
+		delete(m.warm.failed, id)
 		m.warm.used[id] = time.Now()
 		for _, k := range kids {
 			m.warm.awaiting[k] = struct{}{}
@@ -297,6 +306,7 @@ func (m *Manager) nextWarm() (string, bool) {
 		drop = w.ready[victim]
 		delete(w.ready, victim)
 		delete(w.want, victim)
+		delete(w.failed, victim)
 	}
 	w.making[id]++
 	m.mu.Unlock()
@@ -333,10 +343,14 @@ func (m *Manager) refillWarm() {
 			keep := err == nil && !m.closed && m.ckpts[id] != nil && len(w.ready[id]) < w.want[id]
 			if keep {
 				w.ready[id] = append(w.ready[id], s)
-			} else if err != nil {
+			}
+			if err == nil {
+				delete(w.failed, id)
+			} else if w.failed[id]++; w.failed[id] >= warmMaxFailures {
 				// Do not retry a checkpoint that cannot be prepared
 				// until it is forked again.
 				delete(w.want, id)
+				delete(w.failed, id)
 			}
 			m.mu.Unlock()
 			m.gcMu.RUnlock()
@@ -499,6 +513,7 @@ func (m *Manager) PrepareFork(ctx context.Context, id string, count int) (int, e
 	}
 	n := min(count, m.cfg.WarmForks)
 	m.warm.want[id] = max(m.warm.want[id], n)
+	delete(m.warm.failed, id)
 	m.warm.used[id] = time.Now()
 	m.mu.Unlock()
 	m.kickWarm()

@@ -250,3 +250,59 @@ func TestForkPreparesAfterChildrenServed(t *testing.T) {
 	}
 	e.waitWarm(c.ID, 1)
 }
+
+// A preparation that fails is retried: one failure among a refill's
+// restores leaves it short only until the retry; a checkpoint whose
+// preparations keep failing is given up after a few (warmMaxFailures),
+// until it is prepared or forked again.
+func TestPrepareForkRetriesFailures(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		failures int32
+		want     int // prepared children once the refill settles
+	}{
+		{"one failure", 1, 3},
+		{"two failures", 2, 3},
+		{"failing for good", 1000, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newWarmEnv(t, 4)
+			e.create("src")
+			e.run("src", "set", "seed", "7")
+			c := e.turn("src", state.ModeFull, true)
+			e.b.Faults.FailStarts.Store(tc.failures)
+			if _, err := e.m.PrepareFork(e.ctx, c.ID, 3); err != nil {
+				t.Fatal(err)
+			}
+			if tc.want > 0 {
+				e.waitWarm(c.ID, tc.want)
+				return
+			}
+			// Given up: the failures stop (a few attempts, not one per
+			// loop of the refill for ever).
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				left := e.b.Faults.FailStarts.Load()
+				time.Sleep(200 * time.Millisecond)
+				if e.b.Faults.FailStarts.Load() == left {
+					if tried := tc.failures - left; tried > 8 {
+						t.Fatalf("%d preparations tried", tried)
+					}
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("still preparing after 5 s (%d tried)", tc.failures-e.b.Faults.FailStarts.Load())
+				}
+			}
+			if n := e.m.WarmForks()[c.ID]; n != 0 {
+				t.Fatalf("%d prepared", n)
+			}
+			// Asked again, it is tried again.
+			e.b.Faults.FailStarts.Store(0)
+			if _, err := e.m.PrepareFork(e.ctx, c.ID, 3); err != nil {
+				t.Fatal(err)
+			}
+			e.waitWarm(c.ID, 3)
+		})
+	}
+}

@@ -92,6 +92,8 @@ type Faults struct {
 	FailRestore    atomic.Int32
 	FailPersist    atomic.Bool
 	FailStart      atomic.Bool
+	// FailStarts fails the next N process starts.
+	FailStarts atomic.Int32
 	// FailAwait makes FS.AwaitCheckpoint fail (an fs checkpoint whose
 	// layer could not be written after it returned).
 	FailAwait atomic.Bool
@@ -282,6 +284,9 @@ type Sandbox struct {
 // Start implements state.ProcBackend.
 func (p *Proc) Start(_ context.Context, id, root string) (state.ProcSandbox, error) {
 	if p.Faults.FailStart.Load() {
+		return nil, errors.New("fake proc: injected start failure")
+	}
+	if p.Faults.FailStarts.Add(-1) >= 0 {
 		return nil, errors.New("fake proc: injected start failure")
 	}
 	p.Disk.mu.Lock()
