@@ -290,9 +290,10 @@ func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCou
 	// between the open and the fix (ForkLock; a direct mount only, which
 	// starts no fusermount).
 	syscall.ForkLock.Lock()
+	hint := lowestFreeFD()
 	srv, err := fuse.NewServer(raw, mp, &o.MountOptions)
 	if err == nil {
-		err = cloexecFuseFDs()
+		err = cloexecFuseFD(hint)
 	}
 	syscall.ForkLock.Unlock()
 	if err != nil {
@@ -308,24 +309,54 @@ func mountCounting(mp string, root gofs.InodeEmbedder, o *gofs.Options, c *opCou
 	return srv, nil
 }
 
-// cloexecFuseFDs sets close-on-exec on every /dev/fuse descriptor of this
-// process. It runs under ForkLock at every mount, so it must be cheap: one
-// close_range(2) sets the flag on every descriptor from 3 on (everything
-// Go opens has it already; os/exec and syscall.ForkExec pass a child its
-// files by dup, which clears the flag on the child's copy), 1.3 µs against
-// 2 ms for a scan of the thousand descriptors the daemon holds with 64
-// fork children. Kernels without CLOSE_RANGE_CLOEXEC (before 5.11) get the
-// scan.
-func cloexecFuseFDs() error {
-	if err := unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err == nil {
-		return nil
+// lowestFreeFD returns the number the next descriptor opened will get
+// (unless another goroutine opens one first), or -1.
+func lowestFreeFD() int {
+	fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1
+	}
+	unix.Close(fd)
+	return fd
+}
+
+// cloexecFuseFD sets close-on-exec on the /dev/fuse descriptor a mount has
+// just opened without it, which got the lowest free number, hint, unless
+// another goroutine took that first: the few numbers from hint on are
+// looked at, then every descriptor (cloexecFuseFDsScan). It runs under
+// ForkLock at every mount, so it must be cheap: the scan of the thousand
+// descriptors the daemon holds beside 64 fork children takes 2 ms, and
+// holds every process start of the daemon meanwhile. Only /dev/fuse
+// descriptors are touched: other code passes descriptors to children by
+// leaving close-on-exec off (go-criu's swrk socket, named by number on
+// criu's command line).
+func cloexecFuseFD(hint int) error {
+	if hint >= 0 {
+		for fd := hint; fd < hint+8; fd++ {
+			if flags, ok := fuseWithoutCloexec(fd); ok {
+				if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, flags|unix.FD_CLOEXEC); err == nil {
+					return nil
+				}
+			}
+		}
 	}
 	return cloexecFuseFDsScan()
 }
 
-// cloexecFuseFDsScan is cloexecFuseFDs by listing: only descriptors
-// without the flag are looked at, and one closed since the listing
-// (another mount going away) is skipped.
+// fuseWithoutCloexec reports whether descriptor fd is a /dev/fuse
+// connection without close-on-exec, and its descriptor flags.
+func fuseWithoutCloexec(fd int) (int, bool) {
+	flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+	if err != nil || flags&unix.FD_CLOEXEC != 0 {
+		return 0, false
+	}
+	t, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	return flags, err == nil && t == "/dev/fuse"
+}
+
+// cloexecFuseFDsScan sets close-on-exec on every /dev/fuse descriptor of
+// this process: only descriptors without the flag are looked at, and one
+// closed since the listing (another mount going away) is skipped.
 func cloexecFuseFDsScan() error {
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {

@@ -124,27 +124,44 @@ func TestMountWhileOthersUnmount(t *testing.T) {
 	}
 }
 
-// Both ways of marking FUSE connections close-on-exec (close_range, and
-// the scan for kernels without it) mark a /dev/fuse descriptor opened
-// without the flag, as go-fuse opens it.
-func TestCloexecFuseFDs(t *testing.T) {
+// Marking a new FUSE connection close-on-exec finds it from the right
+// hint, from a wrong one, and by the scan; it never touches another
+// descriptor left inheritable on purpose (go-criu names its swrk socket
+// by number on criu's command line).
+func TestCloexecFuseFD(t *testing.T) {
 	requireFUSE(t)
 	for _, tc := range []struct {
 		name string
-		fn   func() error
-	}{{"close_range", cloexecFuseFDs}, {"scan", cloexecFuseFDsScan}} {
+		fn   func(fuseFD int) error
+	}{
+		{"hint", func(fd int) error { return cloexecFuseFD(fd) }},
+		{"wrong hint", func(fd int) error { return cloexecFuseFD(fd + 100) }},
+		{"no hint", func(int) error { return cloexecFuseFD(-1) }},
+		{"scan", func(int) error { return cloexecFuseFDsScan() }},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
+			var keep [2]int
+			if err := unix.Pipe(keep[:]); err != nil { // no O_CLOEXEC
+				t.Fatal(err)
+			}
+			defer unix.Close(keep[0])
+			defer unix.Close(keep[1])
 			fd, err := syscall.Open("/dev/fuse", syscall.O_RDWR, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer syscall.Close(fd)
-			if err := tc.fn(); err != nil {
+			if err := tc.fn(fd); err != nil {
 				t.Fatal(err)
 			}
 			flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
 			if err != nil || flags&unix.FD_CLOEXEC == 0 {
-				t.Fatalf("descriptor flags %#x (%v): no close-on-exec", flags, err)
+				t.Fatalf("/dev/fuse descriptor flags %#x (%v): no close-on-exec", flags, err)
+			}
+			for _, p := range keep {
+				if flags, err := unix.FcntlInt(uintptr(p), unix.F_GETFD, 0); err != nil || flags&unix.FD_CLOEXEC != 0 {
+					t.Fatalf("an inheritable pipe got flags %#x (%v)", flags, err)
+				}
 			}
 		})
 	}
