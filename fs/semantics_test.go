@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -911,6 +912,13 @@ func TestPassthrough(t *testing.T) {
 	r0, w0 := fx.fs.Requests()
 	mustWrite(t, fx.p("big"), data)
 	for i := 0; i < 4; i++ {
+		// A node serves a plain handle while go-fuse still releases its
+		// last one (see releases): the close's RELEASE is answered
+		// asynchronously, and under load the next open can come first
+		// (1 READ reached the daemon in a CI run). Wait for it.
+		if err := fx.fs.WaitIdle(context.Background()); err != nil {
+			t.Fatal(err)
+		}
 		if got := mustRead(t, fx.p("big")); got != data {
 			t.Fatal("passthrough read returned wrong data")
 		}
