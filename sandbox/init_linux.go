@@ -102,20 +102,27 @@ func runInit() error {
 	keepCaps := false
 	stage := os.Getenv(initEnv)
 	first := stage != stageReexeced
-	if stage == stageFirst {
+	// The init's threads are made before the hello where they can be (a
+	// spare init makes them while it waits, not on a start's path).
+	prewarmed := false
+	switch stage {
+	case stageFirst:
 		// The setup needs setupCaps effective, not in the bounding set:
 		// drop them there now, while the runtime has few threads (every
 		// all-thread syscall stops them all); threads made from here on
-		// inherit the reduced set. A cgo binary cannot (it re-executes
-		// after the setup instead).
-		if err := dropBoundingAllThreads(); err != nil && !errors.Is(err, errNoAllThreads) {
+		// inherit the reduced set. A cgo binary cannot: it re-executes
+		// after the setup and makes its threads then.
+		err := dropBoundingAllThreads()
+		if err != nil && !errors.Is(err, errNoAllThreads) {
 			return err
 		}
-	}
-	if first {
-		// The init's threads exist before the hello: a spare init makes
-		// them while it waits, not on a start's path.
+		if err == nil {
+			prewarmThreads()
+			prewarmed = true
+		}
+	case stageKeepCaps:
 		prewarmThreads()
+		prewarmed = true
 	}
 	if first {
 		if err := c.send(&msg{Op: opHello}); err != nil {
@@ -157,10 +164,10 @@ func runInit() error {
 	_ = unix.Dup3(devNull, 0, 0)
 	st := &initState{c: c, devNull: devNull, held: map[int]bool{}, spawns: make(chan spawnReq)}
 	// No sandbox process exists before opReady: every OS thread the init
-	// will need exists by now, made while the pids limit has room (a first
-	// stage made them before its hello; a re-executed init makes them here,
-	// after its caps drop). The check below covers them all.
-	if !first {
+	// will need exists by now, made while the pids limit has room (before
+	// the hello, or here, after a re-executed init's caps drop). The check
+	// below covers them all.
+	if !prewarmed {
 		prewarmThreads()
 	}
 	if !keepCaps {
