@@ -80,6 +80,10 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 	}
 	closers = append(closers, func() { eng.Close() })
 	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb}
+	if cfg.SpareInits > 0 {
+		pb.spares = sandbox.NewSpares(cfg.SpareInits, "", "spare-", log)
+		closers = append(closers, pb.spares.Close)
+	}
 	// Checkpoints whose CRIU images survived the previous daemon (or host)
 	// stay restorable: the engine re-registers them from ImagesDir.
 	if cks, err := eng.LoadImages(); err != nil {
@@ -632,6 +636,7 @@ type procBackend struct {
 	hide   []string
 	images map[string]bool // cr checkpoints re-registered from disk at start
 	fsb    *fsBackend      // for the stock-kernel native mounts (nil in tests)
+	spares *sandbox.Spares // inits started ahead (nil: none)
 
 	digestMu sync.Mutex
 	digests  map[tmplKey]string // shell digests of templates (see templateDigest)
@@ -644,7 +649,14 @@ type tmplKey struct {
 }
 
 func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
-	sb, err := sandbox.Start(ctx, sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log})
+	cfg := sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log}
+	var sb *sandbox.Sandbox
+	var err error
+	if b.spares != nil {
+		sb, err = b.spares.Start(ctx, cfg)
+	} else {
+		sb, err = sandbox.Start(ctx, cfg)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -59,6 +59,10 @@ type Config struct {
 	// WarmForks bounds the fork children prepared ahead of a repeated
 	// fork (state.Config.WarmForks); 0 prepares none.
 	WarmForks int
+	// SpareInits is how many sandbox inits the real backend keeps started
+	// ahead of time (sandbox.Spares): a new sandbox or fork child on one
+	// skips the init's exec and runtime start. 0 keeps none.
+	SpareInits int
 	// StoreConfig is the store config `rewind init-store` writes ("" =
 	// kernelpath.DefaultStoreConfig). If it names this daemon's state dir,
 	// the real backend mounts its image there before using the state dir

@@ -46,7 +46,10 @@ func startRealWith(t *testing.T, dir string, edit func(*daemon.Config)) *realDae
 	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	cfg := daemon.Config{
 		StateDir: filepath.Join(dir, "state"), Socket: d.sock, Backend: "real", DefaultPolicy: "effects",
-		Logger: log, Ready: func() { close(ready) },
+		// As `rewind daemon` by default: sandboxes and fork children
+		// start on spare inits while there are some.
+		SpareInits: 2,
+		Logger:     log, Ready: func() { close(ready) },
 	}
 	if edit != nil {
 		edit(&cfg)

@@ -48,7 +48,10 @@
 //
 // Spares keeps inits started ahead of time, in their namespaces and
 // cgroups, so that a start (a fork of a checkpoint into a new sandbox)
-// only pays the mounts.
+// only pays the mounts. A spare's mount namespace is a copy of the host's
+// from when it started: it gets the sandbox's root as a detached mount
+// tree (open_tree) in its setup, and drops its copies of FUSE and overlay
+// mounts while it waits. Config.Binds are resolved in that copy.
 //
 // Every program that starts sandboxes must import this package (any
 // binary that does can serve as the init); calling MaybeRunInit first

@@ -15,6 +15,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 )
 
 // initEnv marks a process started by Start (the same binary re-executed)
@@ -101,6 +103,10 @@ func runInit() error {
 	}
 	keepCaps := false
 	stage := os.Getenv(initEnv)
+	spareStage := stage == stageSpare
+	if spareStage {
+		stage = stageFirst
+	}
 	first := stage != stageReexeced
 	// The init's threads are made before the hello where they can be (a
 	// spare init makes them while it waits, not on a start's path).
@@ -124,6 +130,16 @@ func runInit() error {
 		prewarmThreads()
 		prewarmed = true
 	}
+	if spareStage {
+		// A spare waits with a copy of the host's mounts, made when it
+		// was spawned: copies of other sandboxes' FUSE views and overlays
+		// would hold their connections and superblocks, and their
+		// unmounts would wait for this spare. Its root comes as a
+		// descriptor (setupConfig.RootFD), so it drops them now.
+		if err := dropViewMounts(); err != nil {
+			return err
+		}
+	}
 	if first {
 		if err := c.send(&msg{Op: opHello}); err != nil {
 			return err
@@ -132,11 +148,24 @@ func runInit() error {
 		if err != nil {
 			return fmt.Errorf("read setup: %w", err)
 		}
-		closeFDs(fds)
 		if m.Op != opSetup || m.Setup == nil {
+			closeFDs(fds)
 			return fmt.Errorf("expected setup, got %q", m.Op)
 		}
-		if err := setupNamespace(m.Setup); err != nil {
+		rootFD := -1
+		if m.Setup.RootFD {
+			if len(fds) != 1 {
+				closeFDs(fds)
+				return fail(fmt.Errorf("setup: %d descriptors for the root, want 1", len(fds)))
+			}
+			rootFD, fds = fds[0], nil
+		}
+		closeFDs(fds)
+		err = setupNamespace(m.Setup, rootFD)
+		if rootFD >= 0 {
+			unix.Close(rootFD)
+		}
+		if err != nil {
 			return fail(err)
 		}
 		keepCaps = m.Setup.KeepCaps
@@ -293,7 +322,43 @@ const (
 	// stageKeepCaps is a first start for a sandbox with Config.KeepCaps:
 	// its bounding set keeps setupCaps.
 	stageKeepCaps = "3"
+	// stageSpare is a first start of a spare init (Spares), whose root
+	// comes as a descriptor: it drops its copies of FUSE and overlay
+	// mounts while it waits (dropViewMounts).
+	stageSpare = "4"
 )
+
+// dropViewMounts makes every mount of the init's namespace private and
+// detaches the FUSE and overlay mounts in it, deepest first.
+func dropViewMounts() error {
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make mounts private: %w", err)
+	}
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return fmt.Errorf("read mountinfo: %w", err)
+	}
+	var views []string
+	for _, l := range strings.Split(string(b), "\n") {
+		pre, post, ok := strings.Cut(l, " - ")
+		if !ok {
+			continue
+		}
+		pf, qf := strings.Fields(pre), strings.Fields(post)
+		if len(pf) < 5 || len(qf) < 1 {
+			continue
+		}
+		if fstype := qf[0]; fstype == "fuse" || strings.HasPrefix(fstype, "fuse.") || fstype == "overlay" {
+			views = append(views, mountinfo.Unescape(pf[4]))
+		}
+	}
+	for i := len(views) - 1; i >= 0; i-- { // mountinfo lists parents first
+		if err := unix.Unmount(views[i], unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("detach %s: %w", views[i], err)
+		}
+	}
+	return nil
+}
 
 var errNoAllThreads = errors.New("cannot run a syscall on every thread (cgo)")
 
@@ -447,9 +512,17 @@ func dropBoundingExcept(keep uint64) error {
 }
 
 // setupNamespace runs in the new mount namespace as PID 1.
-func setupNamespace(cfg *setupConfig) error {
+func setupNamespace(cfg *setupConfig, rootFD int) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
+	}
+	if rootFD >= 0 {
+		// A spare's namespace is a copy of the host's from before the
+		// sandbox's root was mounted: the daemon sends the root as a
+		// detached clone (open_tree), attached here over its path.
+		if err := unix.MoveMount(rootFD, "", unix.AT_FDCWD, cfg.Root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+			return fmt.Errorf("attach root %s: %w", cfg.Root, err)
+		}
 	}
 	// Clone bind sources on the host side (detached mount trees) before the
 	// host disappears; they are attached after the root switch.

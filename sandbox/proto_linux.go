@@ -73,6 +73,9 @@ type setupConfig struct {
 	Hide     []string `json:"hide,omitempty"`
 	Binds    []Bind   `json:"binds,omitempty"`
 	KeepCaps bool     `json:"keep_caps,omitempty"`
+	// RootFD: the message carries Root as a detached mount tree
+	// (open_tree), attached over Root in the init's namespace (a spare).
+	RootFD bool `json:"root_fd,omitempty"`
 }
 
 // conn is a SOCK_SEQPACKET unix connection carrying msg values. It works

@@ -215,7 +215,7 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 
 	ip := spare
 	if ip == nil {
-		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, cfg.KeepCaps, -1, s.log); err != nil {
+		if ip, err = spawnInit(cfg.InitPath, cfg.HostNet, cfg.KeepCaps, false, -1, s.log); err != nil {
 			return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, err)
 		}
 	} else {
@@ -244,7 +244,19 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 		Root: cfg.Root, Hostname: cfg.Hostname, Net: !cfg.HostNet,
 		Tmpfs: cfg.Tmpfs, Hide: cfg.Hide, Binds: cfg.Binds, KeepCaps: cfg.KeepCaps,
 	}
-	if err := s.cli.conn.send(&msg{Op: opSetup, Setup: setup}); err != nil {
+	var fds []int
+	if spare != nil {
+		// The spare's mount namespace predates the root's mount (a FUSE
+		// view mounted for this sandbox): hand it the root itself.
+		fd, err := unix.OpenTree(unix.AT_FDCWD, cfg.Root, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
+		if err != nil {
+			return nil, fmt.Errorf("start sandbox %s: clone root: %w", cfg.ID, err)
+		}
+		defer unix.Close(fd)
+		fds = append(fds, fd)
+		setup.RootFD = true
+	}
+	if err := s.cli.conn.send(&msg{Op: opSetup, Setup: setup}, fds...); err != nil {
 		return nil, fmt.Errorf("start sandbox %s: send setup: %w", cfg.ID, err)
 	}
 	select {
@@ -344,7 +356,7 @@ type initProc struct {
 
 // spawnInit starts an init process in new namespaces.
 // With cgroupFD >= 0 (a cgroup v2 directory) it starts in that cgroup.
-func spawnInit(initPath string, hostNet, keepCaps bool, cgroupFD int, log *slog.Logger) (*initProc, error) {
+func spawnInit(initPath string, hostNet, keepCaps, spare bool, cgroupFD int, log *slog.Logger) (*initProc, error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("socketpair: %w", err)
@@ -364,8 +376,11 @@ func spawnInit(initPath string, hostNet, keepCaps bool, cgroupFD int, log *slog.
 	cmd := exec.Command(initPath)
 	cmd.Args = []string{"rewind-init"}
 	stage := stageFirst
-	if keepCaps {
+	switch {
+	case keepCaps:
 		stage = stageKeepCaps
+	case spare:
+		stage = stageSpare
 	}
 	cmd.Env = []string{initEnv + "=" + stage, "GOMAXPROCS=1"}
 	cmd.Dir = "/"

@@ -180,7 +180,7 @@ func (p *Spares) spawn() (_ *initProc, err error) {
 	if err != nil {
 		return nil, err
 	}
-	spawned, err := spawnInit(p.initPath, false, false, v2, p.log)
+	spawned, err := spawnInit(p.initPath, false, false, true, v2, p.log)
 	unix.Close(v2)
 	if err != nil {
 		return nil, err

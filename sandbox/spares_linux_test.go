@@ -150,3 +150,76 @@ func TestSparesCaps(t *testing.T) {
 		})
 	}
 }
+
+// TestSparesRootMountedLater: a sandbox's root is often a mount made for
+// it (a FUSE view), after the spare's mount namespace was copied from the
+// host's; the sandbox on the spare still gets that mount as its root.
+func TestSparesRootMountedLater(t *testing.T) {
+	requireSandbox(t)
+	sp := NewSpares(1, "", "test-splate-", nil)
+	defer sp.Close()
+	waitFor(t, "spares", func() bool { return sp.Ready() == 1 })
+	sp.mu.Lock()
+	sparePID := sp.ready[0].cmd.Process.Pid
+	sp.mu.Unlock()
+	root := t.TempDir()
+	if err := syscall.Mount("tmpfs", root, "tmpfs", 0, "mode=0755"); err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Unmount(root, syscall.MNT_DETACH)
+	binds, err := MinimalRoot(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(root+"/marker", []byte("mounted after the spare"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sb, err := sp.Start(testCtx(t), Config{Root: root, Binds: binds})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	if sb.InitPID() != sparePID {
+		t.Fatal("the start did not use the spare")
+	}
+	if out := sh(t, sb, "cat /marker; echo; echo x > /written"); out != "mounted after the spare\n" {
+		t.Fatalf("sandbox root: %q", out)
+	}
+	if b, err := os.ReadFile(root + "/written"); err != nil || string(b) != "x\n" {
+		t.Fatalf("a write in the sandbox reached %q (%v), not the mount", b, err)
+	}
+}
+
+// TestSparesDropViewMounts: a waiting spare holds no copy of the host's
+// FUSE or overlay mounts (other sandboxes' views), whose unmounts would
+// otherwise wait for it.
+func TestSparesDropViewMounts(t *testing.T) {
+	requireSandbox(t)
+	dir := t.TempDir()
+	for _, d := range []string{"lower", "upper", "work", "view"} {
+		if err := os.Mkdir(dir+"/"+d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	view := dir + "/view"
+	if err := syscall.Mount("overlay", view, "overlay", 0, "lowerdir="+dir+"/lower,upperdir="+dir+"/upper,workdir="+dir+"/work"); err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Unmount(view, syscall.MNT_DETACH)
+	sp := NewSpares(1, "", "test-spdrop-", nil)
+	defer sp.Close()
+	waitFor(t, "spares", func() bool { return sp.Ready() == 1 })
+	sp.mu.Lock()
+	pid := sp.ready[0].cmd.Process.Pid
+	sp.mu.Unlock()
+	mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(mi), " / / ") {
+		t.Fatalf("spare's mountinfo looks wrong:\n%s", mi)
+	}
+	if strings.Contains(string(mi), " "+view+" ") {
+		t.Fatalf("the spare holds a copy of the overlay at %s:\n%s", view, mi)
+	}
+}

@@ -711,6 +711,7 @@ func newDaemonCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.NoHugePages, "no-huge-pages", false, "keep checkpointed process memory in 4 KiB pages (by default it is collapsed into huge pages in the background, so forks and restores do not grow with memory size)")
 	cmd.Flags().IntVar(&cfg.CompactDepth, "compact-depth", daemon.DefaultCompactDepth, "merge a sandbox's frozen layers in the background once its stack is this deep (-1: never)")
 	cmd.Flags().IntVar(&cfg.WarmForks, "warm-forks", 64, "fork children to prepare ahead of a repeated fork of a checkpoint (0: none)")
+	cmd.Flags().IntVar(&cfg.SpareInits, "spare-inits", 2, "sandbox inits to keep started ahead, so that a new sandbox or fork child skips the init's start (0: none)")
 	cmd.Flags().StringVar(&cfg.StoreConfig, "store-config", "", "store config written by rewind init-store, whose image is mounted on the state dir at start (default "+kernelpath.DefaultStoreConfig+")")
 	cmd.Flags().StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	return cmd
