@@ -344,6 +344,7 @@ func (m *Manager) refillWarm() {
 			if keep {
 				w.ready[id] = append(w.ready[id], s)
 			}
+			retry := false
 			if err == nil {
 				delete(w.failed, id)
 			} else if w.failed[id]++; w.failed[id] >= warmMaxFailures {
@@ -351,9 +352,16 @@ func (m *Manager) refillWarm() {
 				// until it is forked again.
 				delete(w.want, id)
 				delete(w.failed, id)
+			} else {
+				retry = true
 			}
 			m.mu.Unlock()
 			m.gcMu.RUnlock()
+			if retry {
+				// This refill may have handed out its last preparation
+				// already: have the loop run again once it returns.
+				m.kickWarm()
+			}
 			if err != nil {
 				m.log.Warn("prepare fork child", "checkpoint", id, "err", err)
 			} else if !keep {
