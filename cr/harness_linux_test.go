@@ -76,17 +76,9 @@ func detachForeignMounts() {
 	if err != nil {
 		return
 	}
-	for _, l := range strings.Split(string(b), "\n") {
-		pre, post, ok := strings.Cut(l, " - ")
-		if !ok {
-			continue
-		}
-		pf, qf := strings.Fields(pre), strings.Fields(post)
-		if len(pf) < 5 || len(qf) < 1 {
-			continue
-		}
-		if qf[0] == "overlay" || strings.HasPrefix(qf[0], "fuse") {
-			_ = unix.Unmount(mountinfo.Unescape(pf[4]), unix.MNT_DETACH)
+	for _, m := range mountinfo.Parse(b) {
+		if m.FSType == "overlay" || strings.HasPrefix(m.FSType, "fuse") {
+			_ = unix.Unmount(m.MountPoint, unix.MNT_DETACH)
 		}
 	}
 }

@@ -339,17 +339,9 @@ func dropViewMounts() error {
 		return fmt.Errorf("read mountinfo: %w", err)
 	}
 	var views []string
-	for _, l := range strings.Split(string(b), "\n") {
-		pre, post, ok := strings.Cut(l, " - ")
-		if !ok {
-			continue
-		}
-		pf, qf := strings.Fields(pre), strings.Fields(post)
-		if len(pf) < 5 || len(qf) < 1 {
-			continue
-		}
-		if fstype := qf[0]; fstype == "fuse" || strings.HasPrefix(fstype, "fuse.") || fstype == "overlay" {
-			views = append(views, mountinfo.Unescape(pf[4]))
+	for _, m := range mountinfo.Parse(b) {
+		if m.FSType == "fuse" || strings.HasPrefix(m.FSType, "fuse.") || m.FSType == "overlay" {
+			views = append(views, m.MountPoint)
 		}
 	}
 	for i := len(views) - 1; i >= 0; i-- { // mountinfo lists parents first

@@ -27,3 +27,27 @@ func Unescape(s string) string {
 	}
 	return b.String()
 }
+
+// Mount is one line of a mountinfo file, the fields its readers use.
+type Mount struct {
+	MountPoint string // unescaped
+	FSType     string
+}
+
+// Parse returns the mounts of mountinfo text b in its order (a mount's
+// parent before it); malformed lines are skipped.
+func Parse(b []byte) []Mount {
+	var ms []Mount
+	for _, l := range strings.Split(string(b), "\n") {
+		pre, post, ok := strings.Cut(l, " - ")
+		if !ok {
+			continue
+		}
+		pf, qf := strings.Fields(pre), strings.Fields(post)
+		if len(pf) < 5 || len(qf) < 1 {
+			continue
+		}
+		ms = append(ms, Mount{MountPoint: Unescape(pf[4]), FSType: qf[0]})
+	}
+	return ms
+}

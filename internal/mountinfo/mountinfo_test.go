@@ -19,3 +19,20 @@ func TestUnescape(t *testing.T) {
 		}
 	}
 }
+
+func TestParse(t *testing.T) {
+	in := "26 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n" +
+		"90 26 0:52 / /tmp/a\\040b rw,nosuid - fuse.rewind rewind:x rw,user_id=0\n" +
+		"garbage line\n" +
+		"91 26 0:53 / /v rw - overlay overlay rw,lowerdir=/l\n"
+	got := Parse([]byte(in))
+	want := []Mount{{"/", "ext4"}, {"/tmp/a b", "fuse.rewind"}, {"/v", "overlay"}}
+	if len(got) != len(want) {
+		t.Fatalf("Parse = %+v, want %+v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("mount %d = %+v, want %+v", i, got[i], want[i])
+		}
+	}
+}
