@@ -281,3 +281,38 @@ func TestReportCompare(t *testing.T) {
 		})
 	}
 }
+
+// memManager holds 10 bytes per checkpoint and frees them all at a restore,
+// so the peak is only seen mid-search.
+type memManager struct {
+	fakeManager
+	held int64
+}
+
+func (m *memManager) Checkpoint(ctx context.Context) (string, Cost, error) {
+	m.held += 10
+	return m.fakeManager.Checkpoint(ctx)
+}
+func (m *memManager) Restore(ctx context.Context, id string) (Cost, error) {
+	m.held = 0
+	return m.fakeManager.Restore(ctx, id)
+}
+func (m *memManager) MemBytes() int64 { return m.held }
+func (m *memManager) Usage() Usage    { return Usage{DiskBytes: 7, MemBytes: m.held} }
+
+func TestReplayPeakMemory(t *testing.T) {
+	tr := &Trace{Name: "t", Nodes: []Node{
+		{ID: 1, Parent: 0, Commands: []string{"a"}},
+		{ID: 2, Parent: 1, Commands: []string{"b"}},
+		{ID: 3, Parent: 2, Commands: []string{"c"}},
+		{ID: 4, Parent: 1, Commands: []string{"d"}}, // rollback frees all
+	}}
+	res, err := Replay(context.Background(), tr, &memManager{}, ReplayOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Root + 3 checkpoints = 40 before the rollback; 10 at the end.
+	if res.Usage.MemBytes != 40 || res.Usage.DiskBytes != 7 {
+		t.Fatalf("usage %+v, want the peak memory 40 and the final disk 7", res.Usage)
+	}
+}

@@ -50,10 +50,19 @@ type Cost struct {
 	Phases map[string]time.Duration
 }
 
-// Usage is the disk and memory a manager holds for its checkpoints.
+// Usage is the disk and memory a manager holds for its checkpoints: disk
+// at the end of the search, memory at its peak (checkpoints kept in
+// processes' memory, rewind's templates; baselines keep theirs on disk).
 type Usage struct {
 	DiskBytes int64 `json:"disk_bytes"`
 	MemBytes  int64 `json:"mem_bytes"`
+}
+
+// MemSampler is implemented by managers whose checkpoints hold memory
+// (rewind's templates): Replay samples it after every checkpoint, outside
+// the timed calls, and reports the peak as Usage.MemBytes.
+type MemSampler interface {
+	MemBytes() int64
 }
 
 // Manager is a state manager under test: rewind, or a baseline.
@@ -207,6 +216,7 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 	var ckptLat, restLat, all []time.Duration
 	var state, state0, exec, frozen time.Duration
 	var pending time.Duration // async work of the last call, not yet masked
+	var peakMem int64         // of a MemSampler
 	phases := map[string][]time.Duration{}
 	charge := func(c Cost) {
 		for k, v := range c.Phases {
@@ -239,6 +249,9 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 		res.Decisions[c.Decision]++
 		ckpt[n.ID], cur = id, n.ID
 		expect[n.ID] = expect[n.Parent].next(n)
+		if ms, ok := m.(MemSampler); ok {
+			peakMem = max(peakMem, ms.MemBytes())
+		}
 
 		if checks[n.ID] {
 			ok, err := crashCheck(ctx, m, id, expect[n.ID])
@@ -328,6 +341,7 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 	sa := summarize(all)
 	res.P50MS, res.P99MS = sa.P50MS, sa.P99MS
 	res.Usage = m.Usage()
+	res.Usage.MemBytes = max(res.Usage.MemBytes, peakMem)
 	res.RecoveryCorrectness = 1
 	if res.CrashChecks > 0 {
 		res.RecoveryCorrectness = float64(res.CrashCorrect) / float64(res.CrashChecks)

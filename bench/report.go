@@ -40,6 +40,7 @@ func merge(a, b *Result) {
 	a.CrashChecks += b.CrashChecks
 	a.CrashCorrect += b.CrashCorrect
 	a.Usage.DiskBytes = max(a.Usage.DiskBytes, b.Usage.DiskBytes)
+	a.Usage.MemBytes = max(a.Usage.MemBytes, b.Usage.MemBytes)
 	for k, v := range b.Decisions {
 		if a.Decisions == nil {
 			a.Decisions = map[string]int{}
@@ -118,16 +119,16 @@ func mb(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
 
 // Markdown renders the report as a Markdown table.
 func (rep *Report) Markdown(w io.Writer) {
-	fmt.Fprintf(w, "| system | overhead (LLM 2 s median) | overhead (LLM 0) | state ms | p50 ms | p99 ms | restore p50 ms | frozen ms | disk MiB | skip/fs/full | recovery |\n")
-	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(w, "| system | overhead (LLM 2 s median) | overhead (LLM 0) | state ms | p50 ms | p99 ms | restore p50 ms | frozen ms | disk MiB | mem MiB | skip/fs/full | recovery |\n")
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, s := range rep.Systems {
 		if s.Error != "" {
-			fmt.Fprintf(w, "| %s | error: %s | | | | | | | | | |\n", s.Name, strings.ReplaceAll(s.Error, "|", "/"))
+			fmt.Fprintf(w, "| %s | error: %s | | | | | | | | | | |\n", s.Name, strings.ReplaceAll(s.Error, "|", "/"))
 			continue
 		}
-		fmt.Fprintf(w, "| %s | %.3fx | %.2fx | %.0f | %.1f | %.1f | %.1f | %.0f | %s | %d/%d/%d | %d/%d |\n",
+		fmt.Fprintf(w, "| %s | %.3fx | %.2fx | %.0f | %.1f | %.1f | %.1f | %.0f | %s | %s | %d/%d/%d | %d/%d |\n",
 			s.Name, s.OverheadRatio, s.OverheadRatioZeroLLM, s.StateMS, s.P50MS, s.P99MS, s.Restore.P50MS, s.FrozenMS,
-			mb(s.Usage.DiskBytes), s.Decisions["skip"], s.Decisions["fs"], s.Decisions["full"], s.CrashCorrect, s.CrashChecks)
+			mb(s.Usage.DiskBytes), mb(s.Usage.MemBytes), s.Decisions["skip"], s.Decisions["fs"], s.Decisions["full"], s.CrashCorrect, s.CrashChecks)
 	}
 	switch {
 	case rep.BestBaseline != "" && rep.Speedup >= 1:

@@ -258,18 +258,21 @@ func (r *rewindManager) Digest(ctx context.Context) (string, error) {
 	return strings.TrimSpace(out), err
 }
 
-// Usage sums the file-system bytes of the sandbox's checkpoints.
+// Usage is what the sandbox's checkpoints hold (the daemon's measure):
+// disk is their fs layers and CRIU images, memory their templates'
+// private dirty memory.
 func (r *rewindManager) Usage() Usage {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var u Usage
-	if log, err := r.c.Log(ctx, r.name); err == nil {
-		for _, ck := range log.Checkpoints {
-			u.DiskBytes += ck.FSBytes
-		}
+	u, err := r.c.Usage(ctx, r.name)
+	if err != nil {
+		return Usage{}
 	}
-	return u
+	return Usage{DiskBytes: u.FSBytes + u.ProcBytes, MemBytes: u.TemplateBytes}
 }
+
+// MemBytes is the templates' memory now (Replay samples it for the peak).
+func (r *rewindManager) MemBytes() int64 { return r.Usage().MemBytes }
 
 func (r *rewindManager) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -253,6 +253,13 @@ func (c *Client) Log(ctx context.Context, name string) (*api.Log, error) {
 	return &l, c.do(ctx, "GET", "/v1/sandboxes/"+esc(name)+"/log", nil, &l)
 }
 
+// Usage returns what the sandbox's own checkpoints hold: fs layers and
+// process images on disk, templates in memory.
+func (c *Client) Usage(ctx context.Context, name string) (*state.Usage, error) {
+	var u state.Usage
+	return &u, c.do(ctx, "GET", "/v1/sandboxes/"+esc(name)+"/usage", nil, &u)
+}
+
 // Reports returns the sandbox's recent turn reports with a Seq after the
 // cursor after (0: every report the daemon still holds). With wait > 0 and
 // nothing newer yet, the daemon holds the call up to wait (at most 5

@@ -41,6 +41,24 @@ func (e *Engine) Stats() PoolStats {
 	return st
 }
 
+// TemplateUsage measures the templates of checkpoints ids (unknown ids
+// count nothing): how many template processes they keep and the private
+// dirty memory of those and their warm spares, in bytes.
+func (e *Engine) TemplateUsage(ids []string) (templates int, bytes int64) {
+	var tms []*template
+	e.mu.Lock()
+	for _, id := range ids {
+		if c := e.ckpts[id]; c != nil {
+			tms = append(tms, c.templates...)
+		}
+	}
+	e.mu.Unlock()
+	for _, tm := range tms {
+		bytes += e.measure(tm)
+	}
+	return len(tms), bytes
+}
+
 func (e *Engine) measure(tm *template) int64 {
 	d := privateDirty(tm.proc.Pid())
 	e.mu.Lock()

@@ -713,6 +713,17 @@ func (b *procBackend) forgetDigests(ck string) {
 	}
 }
 
+// TemplateUsage implements state.ProcMeter.
+func (b *procBackend) TemplateUsage(parts []*state.ProcPart) (int, int64) {
+	var ids []string
+	for _, p := range parts {
+		if id := p.Data["cr"]; id != "" {
+			ids = append(ids, id)
+		}
+	}
+	return b.eng.TemplateUsage(ids)
+}
+
 // Recover: templates die with the daemon; a part with no processes needs
 // nothing to come back, and a part whose image the engine re-registered
 // from disk comes back through CRIU.

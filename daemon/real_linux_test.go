@@ -249,6 +249,16 @@ func TestRealPythonHeapAndFork(t *testing.T) {
 		t.Fatal(err)
 	}
 	py("py", "heap.clear(); heap['who'] = 'changed'")
+	// The checkpoint's template keeps the heap the live interpreter has
+	// now freed: its pages are the template's own, and the usage says so.
+	u, err := c.Usage(ctx, "py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.Checkpoints != 1 || u.Templates < 1 || u.TemplateBytes < 1<<20 || u.ProcBytes < 1<<20 {
+		t.Fatalf("usage after the heap changed: %+v (want a template of at least 1 MiB of its own, and the image)", u)
+	}
+	t.Logf("usage: %+v", u)
 	r, err := c.Restore(ctx, "py", ck.ID, 0)
 	if err != nil {
 		t.Fatal(err)

@@ -48,6 +48,7 @@ func newServer(m *state.Manager, met *metrics, reg *prometheus.Registry, log *sl
 	route("POST /v1/sandboxes/{name}/checkpoint", s.checkpoint)
 	route("POST /v1/sandboxes/{name}/restore", s.restore)
 	route("GET /v1/sandboxes/{name}/log", s.logTree)
+	route("GET /v1/sandboxes/{name}/usage", s.usage)
 	route("GET /v1/sandboxes/{name}/reports", s.reports)
 	route("GET /v1/checkpoints/{id}", s.getCheckpoint)
 	route("POST /v1/checkpoints/{id}/wait", s.wait)
@@ -392,6 +393,15 @@ func (s *server) logTree(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, api.Log{Sandbox: sb, Checkpoints: cks, Pins: s.m.Pins()})
+}
+
+func (s *server) usage(w http.ResponseWriter, r *http.Request) {
+	u, err := s.m.Usage(r.PathValue("name"))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, u)
 }
 
 // maxReportWait bounds the long poll of GET .../reports.

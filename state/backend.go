@@ -170,6 +170,15 @@ type ProcBackend interface {
 	Cleanup(ctx context.Context, id string) error
 }
 
+// ProcMeter is implemented by process back ends that can say what memory
+// the live fast-restore form of checkpoints holds (templates and their
+// spares), for Manager.Usage.
+type ProcMeter interface {
+	// TemplateUsage returns how many template processes the parts keep
+	// alive and their private dirty memory in bytes, measured now.
+	TemplateUsage(parts []*ProcPart) (processes int, bytes int64)
+}
+
 // ExecRequest is a one-shot command.
 type ExecRequest struct {
 	Argv   []string

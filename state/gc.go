@@ -269,3 +269,52 @@ func (m *Manager) Stats() Stats {
 	}
 	return st
 }
+
+// Usage is what one sandbox's own checkpoints hold (fork children's
+// checkpoints of their origin are the origin's).
+type Usage struct {
+	// Checkpoints is the number of the sandbox's checkpoints.
+	Checkpoints int `json:"checkpoints"`
+	// FSBytes is the bytes of their frozen fs layers.
+	FSBytes int64 `json:"fs_bytes"`
+	// ProcBytes is the bytes of their durable process parts (CRIU images)
+	// written so far.
+	ProcBytes int64 `json:"proc_bytes"`
+	// Templates is the number of template processes kept for fast
+	// restores, and TemplateBytes their private dirty memory (0 when the
+	// process back end cannot measure it).
+	Templates     int   `json:"templates"`
+	TemplateBytes int64 `json:"template_bytes"`
+}
+
+// Usage measures what sandbox name's checkpoints hold on disk and in
+// memory.
+func (m *Manager) Usage(name string) (Usage, error) {
+	var u Usage
+	var parts []*ProcPart
+	m.mu.Lock()
+	s, err := m.lookup(name, 0)
+	if err != nil {
+		m.mu.Unlock()
+		return u, err
+	}
+	for _, c := range m.ckpts {
+		if c.rec.Sandbox != s.rec.ID || c.rec.Status == CkptFailed {
+			continue
+		}
+		u.Checkpoints++
+		u.FSBytes += c.rec.FSBytes
+		if p := c.rec.Proc; p != nil && c.rec.ProcFrom == c.rec.ID {
+			if p.ImageReady {
+				u.ProcBytes += p.Bytes
+			}
+			cp := *p
+			parts = append(parts, &cp)
+		}
+	}
+	m.mu.Unlock()
+	if pm, ok := m.cfg.Proc.(ProcMeter); ok && len(parts) > 0 {
+		u.Templates, u.TemplateBytes = pm.TemplateUsage(parts)
+	}
+	return u, nil
+}

@@ -291,3 +291,51 @@ func settle(t *testing.T, e *env, md *model) {
 		}
 	}
 }
+
+func TestUsage(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.create("b")
+	if _, err := e.m.Usage("nope"); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("usage of an unknown sandbox: %v", err)
+	}
+	u, err := e.m.Usage("a")
+	if err != nil || u != (state.Usage{}) {
+		t.Fatalf("a new sandbox holds nothing: %+v %v", u, err)
+	}
+	e.run("a", "write", "/f", "0123456789")
+	e.run("a", "set", "X", "1")
+	e.run("a", "set", "Y", "2")
+	full := e.turn("a", state.ModeFull, true)
+	e.run("a", "write", "/g", "abc")
+	fsOnly := e.turn("a", state.ModeFS, true)
+	e.run("b", "write", "/h", "other sandbox")
+	e.turn("b", state.ModeFull, true)
+
+	var fsBytes int64
+	for _, id := range []string{full.ID, fsOnly.ID} {
+		c, err := e.m.GetCheckpoint(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fsBytes += c.FSBytes
+	}
+	c, err := e.m.GetCheckpoint(full.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := state.Usage{Checkpoints: 2, FSBytes: fsBytes, ProcBytes: c.Proc.Bytes, Templates: 1, TemplateBytes: 2 * 64}
+	if u, err = e.m.Usage("a"); err != nil || u != want || u.FSBytes == 0 || u.ProcBytes == 0 {
+		t.Fatalf("usage of a: got %+v (%v), want %+v with fs and image bytes", u, err, want)
+	}
+	// Removed and collected, the checkpoints hold nothing; b's stay.
+	if err := e.m.Remove(e.ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.GC(e.ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	if u, err := e.m.Usage("b"); err != nil || u.Checkpoints != 1 || u.Templates != 1 {
+		t.Fatalf("usage of b after a's collection: %+v %v", u, err)
+	}
+}

@@ -31,7 +31,7 @@ import (
 func newStateCmds() []*cobra.Command {
 	return []*cobra.Command{
 		newCreateCmd(), newExecCmd(), newSessionCmd(), newTurnCmd(), newCheckpointCmd(), newRestoreCmd(),
-		newForkCmd(), newLsCmd(), newLogCmd(), newRmCmd(), newPinCmd(), newUnpinCmd(), newGCCmd(),
+		newForkCmd(), newLsCmd(), newLogCmd(), newUsageCmd(), newRmCmd(), newPinCmd(), newUnpinCmd(), newGCCmd(),
 		newDaemonCmd(), newBenchCmd(), newDemoCmd(),
 	}
 }
@@ -520,6 +520,54 @@ func newLogCmd() *cobra.Command {
 	}
 	o.add(cmd)
 	return cmd
+}
+
+func newUsageCmd() *cobra.Command {
+	var o clientOpts
+	cmd := &cobra.Command{
+		Use:   "usage NAME",
+		Short: "Show what a sandbox's checkpoints hold on disk and in memory",
+		Long: `Show what a sandbox's own checkpoints hold, measured now: their frozen fs
+layers and written CRIU images on disk, and the template processes kept for
+millisecond restores with their private dirty memory (the pages a template no
+longer shares with the live processes).`,
+		Example: "  rewind usage agent1\n  rewind usage agent1 --json",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o.connect(cmd)
+			if err != nil {
+				return err
+			}
+			u, err := c.Usage(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			if o.json {
+				return printJSON(cmd.OutOrStdout(), u)
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "checkpoints  %d\n", u.Checkpoints)
+			fmt.Fprintf(w, "fs layers    %s (disk)\n", sizeStr(u.FSBytes))
+			fmt.Fprintf(w, "images       %s (disk)\n", sizeStr(u.ProcBytes))
+			fmt.Fprintf(w, "templates    %d, %s (memory)\n", u.Templates, sizeStr(u.TemplateBytes))
+			return nil
+		},
+	}
+	o.add(cmd)
+	return cmd
+}
+
+// sizeStr prints n bytes in binary units.
+func sizeStr(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
 }
 
 // printTree prints the checkpoints as a tree, children under parents.

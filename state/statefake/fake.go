@@ -265,7 +265,10 @@ type Proc struct {
 	tpls   map[string]map[string]string
 }
 
-var _ state.ProcBackend = (*Proc)(nil)
+var (
+	_ state.ProcBackend = (*Proc)(nil)
+	_ state.ProcMeter   = (*Proc)(nil)
+)
 
 // Sandbox is a fake live sandbox.
 type Sandbox struct {
@@ -331,6 +334,23 @@ func (p *Proc) Recover(_ context.Context, part *state.ProcPart) *state.ProcPart 
 	_, np.ImageReady = p.Disk.images[part.ImageDir]
 	p.Disk.mu.Unlock()
 	return &np
+}
+
+// TemplateUsage implements state.ProcMeter: 64 bytes per template
+// variable (the checkpoint's Bytes).
+func (p *Proc) TemplateUsage(parts []*state.ProcPart) (int, int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n, b := 0, int64(0)
+	for _, part := range parts {
+		for _, t := range part.Templates {
+			if snap, ok := p.tpls[t]; ok {
+				n++
+				b += int64(len(snap)) * 64
+			}
+		}
+	}
+	return n, b
 }
 
 // Cleanup implements state.ProcBackend.
