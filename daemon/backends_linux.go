@@ -234,7 +234,11 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 	// A sandbox's mount is unmounted once its processes are dead: what
 	// still holds the connection then is a copy of the mount in a mount
 	// namespace made elsewhere on the host meanwhile.
-	f, err := fs.Mount(b.st, mp, fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), NoOpen: true, Logger: b.log, UnmountGrace: sandboxUnmountGrace})
+	opts := fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), NoOpen: true, Logger: b.log, UnmountGrace: sandboxUnmountGrace}
+	if from != "" {
+		opts.MaxIO = forkMaxIO
+	}
+	f, err := fs.Mount(b.st, mp, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -320,6 +324,17 @@ func (b *fsBackend) ResolveKind(kind string) string {
 func (b *fsBackend) Mount(_ context.Context, id string, spec state.FSSpec) (state.FSMount, error) {
 	return b.mount(id, spec, "")
 }
+
+// forkMaxIO is fs.Options.MaxIO for the mounts of sandboxes made from a
+// checkpoint (fork children, many made at once): a quarter of the
+// default. Each such mount reads its base image into a page cache of its
+// own and keeps go-fuse's request buffers of this size per reader; with
+// 256 KiB a first fork of 16 of a bash checkpoint took 6% less time and
+// CPU than with 1 MiB on this project's 2-core VM (1045 against 1116 ms,
+// medians of five alternating runs; the daemon read 1.5 MiB per child
+// instead of 3.2 and its resident size after the fork was 84-90 MiB
+// instead of 104-113).
+const forkMaxIO = 256 << 10
 
 // sandboxUnmountGrace is fs.Options.UnmountGrace for sandbox mounts.
 const sandboxUnmountGrace = 2 * time.Second

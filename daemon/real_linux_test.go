@@ -163,6 +163,15 @@ func TestRealFilesRestoreAndFork(t *testing.T) {
 			t.Fatalf("%s: %q", n, got)
 		}
 	}
+	// A fork child's mount negotiates smaller requests (forkMaxIO) than
+	// a sandbox made from its base.
+	const rootMaxRead = `awk '$5 == "/" { print $NF }' /proc/self/mountinfo | tr , '\n' | grep '^max_read='`
+	if got := sh(t, c, "a", rootMaxRead); got != "max_read=1048576" {
+		t.Errorf("a's root: %q", got)
+	}
+	if got := sh(t, c, "k1", rootMaxRead); got != "max_read=262144" {
+		t.Errorf("fork child k1's root: %q", got)
+	}
 	sh(t, c, "k1", "echo mine > /work/f")
 	if got := sh(t, c, "k2", "cat /work/f"); got != "two" {
 		t.Fatalf("k2 sees k1's write: %q", got)

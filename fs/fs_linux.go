@@ -73,6 +73,16 @@ type Options struct {
 	// happens at a file's first write rather than at an open for
 	// writing. Ignored with Passthrough, which needs the open.
 	NoOpen bool
+	// MaxIO is the largest READ and WRITE request the mount negotiates
+	// and its kernel readahead window, in bytes; 0 means DefaultMaxIO.
+	// go-fuse keeps a request buffer of this size per reader goroutine
+	// and reads ahead this much of a file on a cold page cache, both per
+	// mount: a smaller value costs more round trips on large sequential
+	// I/O and less memory and CPU per mount (fork children, many at once,
+	// each reading its base image into a page cache of its own). Values
+	// under 64 KiB are raised to it; others are rounded down to whole
+	// pages.
+	MaxIO int
 	// Debug logs every FUSE request.
 	Debug bool
 	// Logger receives diagnostics; nil means slog.Default().
@@ -268,6 +278,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	f.root.gen = 1
 	f.nodes[1] = f.root
 	to := opts.CacheTimeout
+	maxIO := opts.maxIO()
 	fo := &gofs.Options{
 		EntryTimeout:    &to,
 		AttrTimeout:     &to,
@@ -978,9 +989,22 @@ func (f *FS) waitServer() bool {
 	}
 }
 
-// maxIO is the largest READ and WRITE request the mount negotiates, and
-// its kernel readahead window.
-const maxIO = 1 << 20
+// DefaultMaxIO is the default of Options.MaxIO: the largest READ and
+// WRITE request a mount negotiates, and its kernel readahead window.
+const DefaultMaxIO = 1 << 20
+
+// minMaxIO is the smallest Options.MaxIO a mount takes.
+const minMaxIO = 64 << 10
+
+func (o Options) maxIO() int {
+	switch {
+	case o.MaxIO == 0:
+		return DefaultMaxIO
+	case o.MaxIO < minMaxIO:
+		return minMaxIO
+	}
+	return o.MaxIO &^ (os.Getpagesize() - 1)
+}
 
 // setReadahead sets the readahead window of the FUSE connection of device
 // dev to size bytes. The kernel caps a FUSE connection's window at its
