@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/rewind-sandbox/rewind/api"
@@ -62,7 +63,7 @@ func (r *rewindManager) Start(ctx context.Context, setup []string) error {
 	return nil
 }
 
-var rwMarker = regexp.MustCompile(`__RWB_\d+_(\d+)__`)
+var rwMarker = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`__RWB_\d+_(\d+)__`) })
 
 func (r *rewindManager) run(ctx context.Context, cmd string) (string, int, error) {
 	out, code, _, err := r.send(ctx, cmd, "", nil)
@@ -97,7 +98,7 @@ func (r *rewindManager) send(ctx context.Context, cmd, restore string, turn *api
 		return out, -1, res, fmt.Errorf("session output lacks the end marker of %q: %q", cmd, out)
 	}
 	code := -1
-	if m := rwMarker.FindStringSubmatch(out[i:]); m != nil {
+	if m := rwMarker().FindStringSubmatch(out[i:]); m != nil {
 		code, _ = strconv.Atoi(m[1])
 	}
 	return out[:i], code, res, nil

@@ -51,7 +51,7 @@ func startShell(dir, repo string) (*shell, error) {
 	return &shell{cmd: cmd, stdin: in, out: bufio.NewReaderSize(pr, 64<<10)}, nil
 }
 
-var markerRE = regexp.MustCompile(`__RWB_(\d+)_(\d+)__`)
+var markerRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`__RWB_(\d+)_(\d+)__`) })
 
 // run runs one command line and returns its output and exit status.
 func (s *shell) run(ctx context.Context, cmdline string) (string, int, error) {
@@ -74,7 +74,7 @@ func (s *shell) run(ctx context.Context, cmdline string) (string, int, error) {
 		l, err := s.out.ReadString('\n')
 		if i := strings.Index(l, marker); i >= 0 {
 			b.WriteString(l[:i])
-			m := markerRE.FindStringSubmatch(l[i:])
+			m := markerRE().FindStringSubmatch(l[i:])
 			code := -1
 			if m != nil {
 				fmt.Sscan(m[2], &code)

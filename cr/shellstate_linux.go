@@ -14,6 +14,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/rewind-sandbox/rewind/cr/inject"
@@ -66,7 +67,9 @@ var volatileVars = []string{
 // volatileLine matches a `declare -p` line of a volatile variable. declare
 // -p prints one line per variable (newlines in values come out as $'\n'),
 // and no other part of the dump has a line starting with "declare ".
-var volatileLine = regexp.MustCompile(`^declare -\S* (` + strings.Join(volatileVars, "|") + `)(=|$)`)
+var volatileLine = sync.OnceValue(func() *regexp.Regexp {
+	return regexp.MustCompile(`^declare -\S* (` + strings.Join(volatileVars, "|") + `)(=|$)`)
+})
 
 // shellScript is what the copy runs; %[1]s is a per-call nonce marking the
 // status line and the end. Every command is called through `builtin`, so
@@ -334,7 +337,7 @@ func readDump(r *os.File, nonce string) (int, []string, error) {
 func normaliseDump(lines []string, nonce string) string {
 	var b strings.Builder
 	for _, l := range lines {
-		if volatileLine.MatchString(l) {
+		if volatileLine().MatchString(l) {
 			continue
 		}
 		b.WriteString(strings.ReplaceAll(l, nonce, "NONCE"))

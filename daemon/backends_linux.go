@@ -1503,7 +1503,9 @@ func (w *probeWindow) End(context.Context) (*effect.Report, error) {
 // kernel-feature cache (kerndat's MOVE_MOUNT_SET_GROUP check): the
 // engine's asynchronous image dumps run while the sandbox's next probe
 // window is open.
-var criuTempDir = regexp.MustCompile(`^/tmp/\.criu\.move_mount_set_group\.[A-Za-z0-9]{6}$`)
+var criuTempDir = sync.OnceValue(func() *regexp.Regexp {
+	return regexp.MustCompile(`^/tmp/\.criu\.move_mount_set_group\.[A-Za-z0-9]{6}$`)
+})
 
 // discountCRIUTemp removes from rep the file effects of CRIU's own
 // temporary directory: each path created and deleted again in the window,
@@ -1524,7 +1526,7 @@ func discountCRIUTemp(rep *effect.Report) {
 	var n uint64
 	own := map[string]bool{}
 	for p, o := range ops {
-		if criuTempDir.MatchString(p) && len(o) == 2 && o[0] == "create" && o[1] == "delete" {
+		if criuTempDir().MatchString(p) && len(o) == 2 && o[0] == "create" && o[1] == "delete" {
 			own[p] = true
 			n++
 		}

@@ -1038,7 +1038,7 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	names := make([]string, req.Count)
 	for i := range names {
 		names[i] = req.Prefix + strconv.Itoa(i+1)
-		if !nameRE.MatchString(names[i]) {
+		if !nameRE().MatchString(names[i]) {
 			return nil, errf(CodeBadRequest, "invalid sandbox name "+strconv.Quote(names[i]), nil)
 		}
 	}

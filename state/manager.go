@@ -383,7 +383,7 @@ func (m *Manager) stopSandbox(s *sbox) {
 	}
 }
 
-var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
+var nameRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`) })
 
 func newID(prefix string) string {
 	var b [6]byte
@@ -522,7 +522,7 @@ type CreateRequest struct {
 
 // Create creates and starts a sandbox.
 func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, error) {
-	if !nameRE.MatchString(req.Name) {
+	if !nameRE().MatchString(req.Name) {
 		return nil, errf(CodeBadRequest, "invalid sandbox name "+strconv.Quote(req.Name)+" (letters, digits, _ . -; at most 63)", nil)
 	}
 	switch req.FS {
@@ -725,7 +725,7 @@ func (m *Manager) StartSession(ctx context.Context, name string, epoch uint64, s
 	if session == "" {
 		session = newID("s")[:7]
 	}
-	if !nameRE.MatchString(session) {
+	if !nameRE().MatchString(session) {
 		return "", errf(CodeBadRequest, "invalid session id "+strconv.Quote(session), nil)
 	}
 	err := m.op(ctx, name, epoch, func(s *sbox) error {

@@ -163,7 +163,7 @@ while True:
     print("__END__", flush=True)
 `
 
-var crBenchEnd = regexp.MustCompile(`__END__\n`)
+var crBenchEnd = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`__END__\n`) })
 
 type crBench struct {
 	ctx context.Context
@@ -175,7 +175,7 @@ func (b *crBench) send(code string) (string, error) {
 	if s == nil {
 		return "", fmt.Errorf("no session")
 	}
-	out, err := s.Send(b.ctx, fmt.Sprintf("exec(%q)", code), sandbox.SendOptions{Until: crBenchEnd})
+	out, err := s.Send(b.ctx, fmt.Sprintf("exec(%q)", code), sandbox.SendOptions{Until: crBenchEnd()})
 	if err != nil {
 		return "", err
 	}
