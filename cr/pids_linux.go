@@ -11,9 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/checkpoint-restore/go-criu/v8/crit/images/pstree"
-	"google.golang.org/protobuf/proto"
-
 	"github.com/rewind-sandbox/rewind/cr/criu"
 )
 
@@ -36,12 +33,12 @@ func imagePids(dir string) ([]int, error) {
 	}
 	seen := map[int]bool{}
 	for _, raw := range ents {
-		var e pstree.PstreeEntry
-		if err := proto.Unmarshal(raw, &e); err != nil {
+		pid, threads, err := criu.PstreeIDs(raw)
+		if err != nil {
 			return bad(err.Error())
 		}
-		seen[int(e.GetPid())] = true
-		for _, t := range e.GetThreads() {
+		seen[int(pid)] = true
+		for _, t := range threads {
 			seen[int(t)] = true
 		}
 	}

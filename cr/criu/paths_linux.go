@@ -8,9 +8,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/checkpoint-restore/go-criu/v8/crit/images/fdinfo"
 	"golang.org/x/sys/unix"
-	"google.golang.org/protobuf/proto"
 )
 
 // ErrImagePath is returned by Restore when a file the image names is now
@@ -44,16 +42,16 @@ func checkImagePaths(dir string, nsInit int) error {
 	}
 	var names []string
 	for _, raw := range ents {
-		var e fdinfo.FileEntry
-		if err := proto.Unmarshal(raw, &e); err != nil {
+		reg, usk, err := fileNames(raw)
+		if err != nil {
 			return bad(err.Error())
 		}
-		if r := e.GetReg(); r != nil && strings.HasPrefix(r.GetName(), "/") {
-			names = append(names, r.GetName())
+		if strings.HasPrefix(reg, "/") {
+			names = append(names, reg)
 		}
-		if u := e.GetUsk(); u != nil && len(u.GetName()) > 0 && u.GetName()[0] == '/' {
+		if len(usk) > 0 && usk[0] == '/' {
 			// A socket's directory, where criu binds it again.
-			names = append(names, filepath.Dir(string(u.GetName())))
+			names = append(names, filepath.Dir(string(usk)))
 		}
 	}
 	if len(names) == 0 {
