@@ -15,7 +15,6 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-
 // TestPstreeIDs decodes entries encoded by go-criu's generated code (the
 // reference) and checks the ids match, for random trees.
 func TestPstreeIDs(t *testing.T) {
