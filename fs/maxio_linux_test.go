@@ -11,6 +11,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 )
 
 // TestMaxIO checks that Options.MaxIO reaches the kernel — the mount's
@@ -73,12 +75,11 @@ func maxRead(t *testing.T, mp string) int {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, l := range strings.Split(string(b), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 5 || f[4] != mp {
+	for _, m := range mountinfo.Parse(b) {
+		if m.MountPoint != mp {
 			continue
 		}
-		for _, o := range strings.Split(f[len(f)-1], ",") {
+		for _, o := range strings.Split(m.SuperOptions, ",") {
 			if v, ok := strings.CutPrefix(o, "max_read="); ok {
 				n, err := strconv.Atoi(v)
 				if err != nil {
@@ -87,7 +88,7 @@ func maxRead(t *testing.T, mp string) int {
 				return n
 			}
 		}
-		t.Fatalf("no max_read in %q", l)
+		t.Fatalf("no max_read in %+v", m)
 	}
 	t.Fatalf("%s not in mountinfo", mp)
 	return 0

@@ -30,8 +30,9 @@ func Unescape(s string) string {
 
 // Mount is one line of a mountinfo file, the fields its readers use.
 type Mount struct {
-	MountPoint string // unescaped
-	FSType     string
+	MountPoint   string // unescaped
+	FSType       string
+	SuperOptions string // per-superblock options, comma-separated ("" if absent)
 }
 
 // Parse returns the mounts of mountinfo text b in its order (a mount's
@@ -47,7 +48,11 @@ func Parse(b []byte) []Mount {
 		if len(pf) < 5 || len(qf) < 1 {
 			continue
 		}
-		ms = append(ms, Mount{MountPoint: Unescape(pf[4]), FSType: qf[0]})
+		m := Mount{MountPoint: Unescape(pf[4]), FSType: qf[0]}
+		if len(qf) >= 3 {
+			m.SuperOptions = qf[2]
+		}
+		ms = append(ms, m)
 	}
 	return ms
 }
