@@ -50,6 +50,9 @@ const (
 	// those, so a process writing all over its memory would otherwise make
 	// every checkpoint cost a copy of it.
 	recollapseAfter = 10 * time.Second
+	// collapseRetryAfter is how long a collapse waits before asking again
+	// for the ranges the kernel refused for a passing reason.
+	collapseRetryAfter = 20 * time.Millisecond
 )
 
 // hugeRange is a 2 MiB-aligned range of a process's anonymous memory.
@@ -206,8 +209,9 @@ func (c *collapser) collapse(r hugeRange) error {
 // CollapseStats says what Collapse did.
 type CollapseStats struct {
 	// Ranges is how many dense 2 MiB ranges were asked for; Collapsed how
-	// many of them are now mapped with a huge page.
-	Ranges, Collapsed int
+	// many of them are now mapped with a huge page; Refused how many the
+	// kernel refused (even when asked again).
+	Ranges, Collapsed, Refused int
 }
 
 // Collapse maps the dense anonymous memory of pid (a running or stopped
@@ -245,13 +249,10 @@ func (c *collapser) run(pid int, keepOn func() bool, guard sync.Locker, unshare 
 	}
 	done := make(map[uint64]bool, len(rs))
 	page := make([]byte, pageSize)
-	for _, r := range rs {
-		if keepOn != nil && !keepOn() {
-			break
-		}
-		st.Ranges++
+	one := func(r hugeRange) error {
 		if guard != nil {
 			guard.Lock()
+			defer guard.Unlock()
 		}
 		if unshare {
 			_ = rewrite(pid, r.start, page)
@@ -261,22 +262,50 @@ func (c *collapser) run(pid int, keepOn func() bool, guard sync.Locker, unshare 
 			// A page was busy (locked, or not on an LRU list yet).
 			err = c.collapse(r)
 		}
-		if guard != nil {
-			guard.Unlock()
+		return err
+	}
+	// Ranges refused for a passing reason are asked for once more after
+	// the others: EAGAIN (a page was locked or isolated, as by another
+	// collapse of a page both processes share), ENOMEM (no huge page
+	// free then; compaction may have made one since).
+	var again []hugeRange
+	for pass := 0; pass < 2; pass++ {
+		todo := rs
+		if pass == 1 {
+			if len(again) == 0 {
+				break
+			}
+			todo, again = again, nil
+			time.Sleep(collapseRetryAfter)
 		}
-		switch {
-		case err == nil:
-			st.Collapsed++
-			done[r.start] = true
-		case errors.Is(err, unix.ESRCH):
-			return st, done, fmt.Errorf("collapse %d: %w", pid, err)
-		case errors.Is(err, unix.EINVAL) && st.Collapsed == 0 && st.Ranges == 1:
-			// No MADV_COLLAPSE, THP off, or the process opted out:
-			// asking for the other ranges would fail the same way.
-			return st, done, fmt.Errorf("collapse %d: %w", pid, err)
+		for _, r := range todo {
+			if keepOn != nil && !keepOn() {
+				return st, done, nil
+			}
+			if pass == 0 {
+				st.Ranges++
+			}
+			err := one(r)
+			switch {
+			case err == nil:
+				st.Collapsed++
+				done[r.start] = true
+			case errors.Is(err, unix.ESRCH):
+				return st, done, fmt.Errorf("collapse %d: %w", pid, err)
+			case errors.Is(err, unix.EINVAL) && st.Collapsed == 0 && st.Ranges == 1:
+				// No MADV_COLLAPSE, THP off, or the process opted out:
+				// asking for the other ranges would fail the same way.
+				return st, done, fmt.Errorf("collapse %d: %w", pid, err)
+			case errors.Is(err, unix.EAGAIN), errors.Is(err, unix.ENOMEM):
+				if pass == 0 {
+					again = append(again, r)
+				} else {
+					st.Refused++
+				}
+			default:
+				st.Refused++
+			}
 		}
-		// EAGAIN (a page was locked or busy), ENOMEM (no huge page
-		// free): the range stays as it is.
 	}
 	return st, done, nil
 }
@@ -350,7 +379,7 @@ func (e *Engine) goCollapse(sb string, tmpls []*template) {
 			for i, pid := range j.pids {
 				if keepOn() && smallAnon(pid) >= collapseWorth {
 					st, _, err := j.cs[i].run(pid, keepOn, l, false)
-					e.log.Debug("collapse", "pid", pid, "template", i == 1, "ranges", st.Ranges, "collapsed", st.Collapsed, "err", err)
+					e.log.Debug("collapse", "pid", pid, "template", i == 1, "ranges", st.Ranges, "collapsed", st.Collapsed, "refused", st.Refused, "err", err)
 					if i == 0 {
 						e.mu.Lock()
 						e.lastCollapse[pid] = time.Now()
@@ -388,7 +417,7 @@ func (e *Engine) warmSpare(pid int) {
 			var st CollapseStats
 			st, done, err = c.run(pid, func() bool { return e.life.Err() == nil }, nil, true)
 			c.close()
-			e.log.Debug("collapse spare", "pid", pid, "ranges", st.Ranges, "collapsed", st.Collapsed, "err", err)
+			e.log.Debug("collapse spare", "pid", pid, "ranges", st.Ranges, "collapsed", st.Collapsed, "refused", st.Refused, "err", err)
 		}
 	}
 	if err := prefault(pid, done); err != nil {

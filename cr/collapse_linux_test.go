@@ -25,6 +25,35 @@ func rollup(t testing.TB, pid int, field string) int64 {
 	return 0
 }
 
+// hugeAllocFailures returns how often the kernel could not allocate a huge
+// page for a collapse (all processes; /proc/vmstat).
+func hugeAllocFailures(t testing.TB) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/vmstat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "thp_collapse_alloc_failed "); ok {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				t.Fatalf("vmstat %q: %v", l, err)
+			}
+			return n
+		}
+	}
+	return 0
+}
+
+// compactMemory asks the kernel to compact free memory (as root), so that
+// a test's collapses find free huge pages after a run of other tests.
+func compactMemory(t testing.TB) {
+	t.Helper()
+	if err := os.WriteFile("/proc/sys/vm/compact_memory", []byte("1"), 0); err != nil {
+		t.Logf("compact_memory: %v", err)
+	}
+}
+
 // waitHuge waits until e's background collapses in sb are done and returns
 // how much anonymous memory pid has in huge pages then.
 func waitHuge(t testing.TB, e *Engine, sb string, pid int) int64 {
@@ -52,6 +81,7 @@ func TestCollapseAfterCheckpoint(t *testing.T) {
 		if want != fmt.Sprintf("%d %d 9 32", 64<<20, 3*(64<<20)/4096) {
 			t.Fatalf("unexpected baseline %q", want)
 		}
+		compactMemory(t)
 		e := newEngine(t, Config{})
 		procs, err := e.Processes(sb)
 		if err != nil || len(procs) != 1 {
@@ -153,6 +183,8 @@ func TestCollapseSpare(t *testing.T) {
 	pyChat(t, live, "buf = bytearray(b'\\x05') * (48 << 20); buf[777] = 1")
 	const probe = "print(len(buf), sum(buf[::4096]), buf[777])"
 	want := pyChat(t, live, probe)
+	compactMemory(t)
+	failed0 := hugeAllocFailures(t)
 	e := newEngine(t, Config{Warm: true})
 	if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: "w"}); err != nil {
 		t.Fatal(err)
@@ -171,10 +203,12 @@ func TestCollapseSpare(t *testing.T) {
 	if len(res.Procs) != 1 {
 		t.Fatalf("restored %v", res.Procs)
 	}
-	// Most of it (a range stays small when the kernel has no free huge
-	// page at that moment, as beside other tests).
-	if got := rollup(t, res.Procs[0].PID, "AnonHugePages"); got < 32<<20 {
-		t.Fatalf("restored spare: %d MiB in huge pages, want >= 32", got>>20)
+	// Most of it: a range stays small when the kernel has no free huge
+	// page for it even when asked again (beside other tests), which the
+	// kernel counts; at most 8 such ranges are allowed for.
+	failed := min(hugeAllocFailures(t)-failed0, 8)
+	if got, want := rollup(t, res.Procs[0].PID, "AnonHugePages"), 32<<20-failed*hugeSize; got < want {
+		t.Fatalf("restored spare: %d MiB in huge pages, want >= %d (%d huge-page allocations failed meanwhile)", got>>20, want>>20, failed)
 	}
 	if got := pyChat(t, <-sessions, probe); got != want {
 		t.Fatalf("restored: %q, want %q", got, want)
