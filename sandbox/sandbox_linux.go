@@ -398,7 +398,7 @@ func spawnInit(initPath string, hostNet, keepCaps, spare bool, cgroupFD int, log
 		cmd.SysProcAttr.UseCgroupFD = true
 		cmd.SysProcAttr.CgroupFD = cgroupFD
 	}
-	err = startReduced(cmd)
+	err = startReduced(cmd, keepCaps)
 	childEnd.Close()
 	if err != nil {
 		c.close()
@@ -413,23 +413,48 @@ func spawnInit(initPath string, hostNet, keepCaps, spare bool, cgroupFD int, log
 }
 
 // startReduced starts cmd from a fresh OS thread whose capability bounding
-// set holds only what the init needs (keptCaps and setupCaps): the init
-// never has the others, so it drops few after its setup. The thread ends
-// with the goroutine (locked, never unlocked).
-func startReduced(cmd *exec.Cmd) error {
+// set is reduced first, so that the init starts with it (dropping it there
+// would stop every thread of the init's runtime for each capability: about
+// 1 ms each on a paravirtualized VM). Unless keepCaps, the bounding set is
+// keptCaps only, and setupCaps, which the init needs for its setup and then
+// drops, come through the inheritable set: a root process's permitted set
+// after exec is its bounding set plus its inheritable set. With keepCaps the
+// bounding set keeps setupCaps. The thread exits with the goroutine (it
+// stays locked), so the daemon's own threads keep their sets.
+func startReduced(cmd *exec.Cmd, keepCaps bool) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
 		keep := keptMask()
+		setup := uint64(0)
 		for _, c := range setupCaps {
-			keep |= 1 << c
+			setup |= 1 << c
 		}
 		// Best effort (needs CAP_SETPCAP): the init drops whatever is
 		// left itself.
+		if keepCaps || raiseInheritable(setup) != nil {
+			keep |= setup
+		}
 		_ = dropBoundingExcept(keep)
 		errc <- cmd.Start()
 	}()
 	return <-errc
+}
+
+// raiseInheritable adds caps to the calling thread's inheritable set (they
+// must be in its permitted set, and still in its bounding set).
+func raiseInheritable(caps uint64) error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capget: %w", err)
+	}
+	data[0].Inheritable |= uint32(caps)
+	data[1].Inheritable |= uint32(caps >> 32)
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("capset: %w", err)
+	}
+	return nil
 }
 
 // kill ends an init that never became a sandbox.

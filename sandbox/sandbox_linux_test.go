@@ -166,6 +166,11 @@ func TestIsolation(t *testing.T) {
 	if out := sh(t, sb, "grep -h -E 'Cap(Eff|Prm|Bnd)' /proc/1/task/*/status /proc/self/status | cut -f2 | sort -u | wc -l"); out != "1\n" {
 		t.Fatalf("init threads and sandbox processes differ in capabilities: %q", out)
 	}
+	// Nothing inheritable or ambient (the init gets its setup
+	// capabilities through its inheritable set, see startReduced).
+	if out := sh(t, sb, "grep -h -E 'Cap(Inh|Amb)' /proc/1/task/*/status /proc/self/status | cut -f2 | sort -u"); out != "0000000000000000\n" {
+		t.Fatalf("init threads or sandbox processes keep inheritable or ambient capabilities: %q", out)
+	}
 	if out := sh(t, sb, "grep CapEff /proc/self/status | cut -f2"); out == "000001ffffffffff\n" || out == "000001fffeffffff\n" {
 		t.Fatalf("sandbox process has every capability: %q", out)
 	}
