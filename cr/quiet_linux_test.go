@@ -138,8 +138,12 @@ func TestSignalLiveStopsQuiet(t *testing.T) {
 		defer c.Wait()
 		defer c.Process.Kill()
 	}
-	time.Sleep(200 * time.Millisecond) // let both settle
 	qpid, spid := quiet.Process.Pid, spin.Process.Pid
+	// The reader must be asleep in its read before the signal (on a
+	// loaded machine a fixed pause was not always enough).
+	if !waitUntil(ctxT(t), 5*time.Second, func() bool { _, ok := quietBefore(qpid); return ok }) {
+		t.Fatal("reader not asleep in its read 5 s after it started")
+	}
 	e := newEngine(t, Config{})
 	ks := e.signalLive(membersTarget{id: "signal-live", pids: []int{qpid, spid}}, nil)
 	if len(ks.quiet) != 1 || ks.quiet[0].pid != qpid || len(ks.stopped) != 1 {
