@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -25,9 +26,19 @@ type rewindManager struct {
 	fs     string // file-system backend of the sandbox ("": the daemon's default)
 	name   string
 	seq    int
-	// minRTT is the fastest round trip of a plain send so far (the call's
-	// time beyond the daemon's time of the send; 0 before the first).
-	minRTT time.Duration
+	// plainRTTs are the round trips of the plain sends so far (each call's
+	// time beyond the daemon's time of the send), sorted.
+	plainRTTs []time.Duration
+}
+
+// typicalRTT is the median round trip of a plain send so far (0 before
+// the first): what a send's call costs beyond the daemon's work when it
+// carries no state operation.
+func (r *rewindManager) typicalRTT() time.Duration {
+	if len(r.plainRTTs) == 0 {
+		return 0
+	}
+	return r.plainRTTs[len(r.plainRTTs)/2]
 }
 
 // NewRewind returns a rewind row named "rewind-<policy>" ("always" is
@@ -88,9 +99,9 @@ func (r *rewindManager) send(ctx context.Context, cmd, restore string, turn *api
 		return "", -1, nil, err
 	}
 	if restore == "" && turn == nil {
-		if rtt := time.Since(start) - time.Duration(res.ElapsedUS)*time.Microsecond; r.minRTT == 0 || rtt < r.minRTT {
-			r.minRTT = max(rtt, time.Microsecond)
-		}
+		rtt := max(time.Since(start)-time.Duration(res.ElapsedUS)*time.Microsecond, 0)
+		i, _ := slices.BinarySearch(r.plainRTTs, rtt)
+		r.plainRTTs = slices.Insert(r.plainRTTs, i, rtt)
 	}
 	out := res.Output
 	i := strings.Index(out, marker)
@@ -195,8 +206,10 @@ func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
 // of its sends only. Of a call that carries a restore or a turn, exec is
 // what the same send would have cost without them: the daemon's time of
 // the send itself (the command running and its answer being read) plus
-// the fastest round trip a plain send had so far in this run (none before
-// the first). Everything else the harness waited for — the restore, the
+// the median round trip of the plain sends so far in this run (none
+// before the first; the median, not the fastest, because a plain send's
+// own round trip varies by as much as a turn costs: the fastest would
+// charge that variation to state management). Everything else the harness waited for — the restore, the
 // turn, the rest of the round trip, anything the checkpoint's start
 // delayed the answer by — is charged to state management (to the turn
 // when the call has one, else to the restore). The checkpoint's
@@ -222,7 +235,7 @@ func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string)
 			continue
 		}
 		rest := took - us(res.ElapsedUS)
-		rtt := min(r.minRTT, max(rest, 0))
+		rtt := min(r.typicalRTT(), max(rest, 0))
 		sr.Exec += us(res.ElapsedUS) + rtt
 		rest -= rtt
 		credited += rtt

@@ -108,6 +108,24 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 	json.NewEncoder(w).Encode(v)
 }
 
+// writeJSONNow is writeJSON with the answer on the wire when it returns
+// (a length and a flush), for handlers that go on working after it.
+func writeJSONNow(w http.ResponseWriter, code int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeErr(w, fmt.Errorf("encode the answer: %w", err))
+		return
+	}
+	b = append(b, '\n')
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(code)
+	w.Write(b)
+	if f, ok := w.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
 // decode reads a JSON body (an empty body is an empty object).
 func decode(r *http.Request, v any) error {
 	dec := json.NewDecoder(io.LimitReader(r.Body, 16<<20))
@@ -309,18 +327,29 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 	if req.Turn != nil {
 		treq := *req.Turn
 		treq.Epoch = epoch
-		tr, err := s.doTurn(r, treq, "")
+		// A deferred turn's checkpoint starts once this answer is out.
+		hold := make(chan struct{})
+		defer close(hold)
+		tr, err := s.doTurnHeld(r, treq, "", hold)
 		if err != nil {
 			writeErr(w, fmt.Errorf("turn after the send (done): %w", err))
 			return
 		}
 		res.Turn = tr
+		writeJSONNow(w, http.StatusOK, res)
+		return
 	}
 	writeJSON(w, http.StatusOK, res)
 }
 
 // doTurn ends a turn (force, when set, overrides the mode).
 func (s *server) doTurn(r *http.Request, req api.TurnRequest, force state.Mode) (*api.TurnResult, error) {
+	return s.doTurnHeld(r, req, force, nil)
+}
+
+// doTurnHeld is doTurn whose deferred checkpoint waits for hold to close
+// (state.TurnRequest.Hold).
+func (s *server) doTurnHeld(r *http.Request, req api.TurnRequest, force state.Mode, hold <-chan struct{}) (*api.TurnResult, error) {
 	start := time.Now()
 	mode, err := state.ParseMode(req.Mode)
 	if err != nil {
@@ -329,7 +358,7 @@ func (s *server) doTurn(r *http.Request, req api.TurnRequest, force state.Mode) 
 	if force != "" {
 		mode = force
 	}
-	res, err := s.m.Turn(r.Context(), r.PathValue("name"), state.TurnRequest{Mode: mode, Wait: req.Wait, Epoch: req.Epoch, Defer: req.Defer && force == ""})
+	res, err := s.m.Turn(r.Context(), r.PathValue("name"), state.TurnRequest{Mode: mode, Wait: req.Wait, Epoch: req.Epoch, Defer: req.Defer && force == "", Hold: hold})
 	if err != nil {
 		return nil, err
 	}

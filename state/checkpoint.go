@@ -27,7 +27,16 @@ type TurnRequest struct {
 	// to skip becomes an fs checkpoint, which freezes nothing new when
 	// nothing changed: the id is handed out already.
 	Defer bool
+	// Hold, for a deferred turn, delays the start of the checkpoint's
+	// work until it is closed (or holdMax has passed): the daemon closes
+	// it once the turn's answer is written, so that answer does not share
+	// the CPU with the checkpoint it announces. Later operations on the
+	// sandbox still wait for the checkpoint.
+	Hold <-chan struct{}
 }
+
+// holdMax bounds how long TurnRequest.Hold can delay a checkpoint.
+const holdMax = 100 * time.Millisecond
 
 // TurnResult answers a turn at once; the checkpoint work runs on.
 type TurnResult struct {
@@ -220,7 +229,16 @@ func (m *Manager) deferTurn(ctx context.Context, s *sbox, req TurnRequest, win P
 	s.rec.Head = c.rec.ID
 	res := &TurnResult{ID: c.rec.ID, Decision: ModeAuto, Reason: c.rec.Reason, Epoch: s.rec.Epoch, Status: CkptPending}
 	m.mu.Unlock()
+	hold := req.Hold
 	s.q.async(&m.wg, func() {
+		if hold != nil {
+			t := time.NewTimer(m.holdMax)
+			select {
+			case <-hold:
+			case <-t.C:
+			}
+			t.Stop()
+		}
 		m.decideDeferred(s, c, win, pol, polName)
 		m.doCheckpoint(s, c)
 	})

@@ -35,3 +35,6 @@ func (m *Manager) AwaitingForTest() int {
 	defer m.mu.Unlock()
 	return len(m.warm.awaiting)
 }
+
+// SetHoldMaxForTest sets how long TurnRequest.Hold can delay a checkpoint.
+func (m *Manager) SetHoldMaxForTest(d time.Duration) { m.holdMax = d }

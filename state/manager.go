@@ -75,6 +75,9 @@ type Manager struct {
 	// pmu serializes store writes, so later states are written later.
 	pmu sync.Mutex
 
+	// holdMax bounds TurnRequest.Hold (the holdMax constant; tests raise it).
+	holdMax time.Duration
+
 	mu        sync.Mutex // guards everything below and the records inside
 	byName    map[string]*sbox
 	byID      map[string]*sbox
@@ -161,7 +164,7 @@ func Open(ctx context.Context, cfg Config) (*Manager, error) {
 	m := &Manager{
 		cfg: cfg, log: cfg.Logger, obs: cfg.Observer, st: st,
 		byName: map[string]*sbox{}, byID: map[string]*sbox{}, reserved: map[string]bool{},
-		ckpts: map[string]*ckpt{}, pins: map[string]bool{},
+		ckpts: map[string]*ckpt{}, pins: map[string]bool{}, holdMax: holdMax,
 	}
 	if err := m.recover(ctx); err != nil {
 		st.close()

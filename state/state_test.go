@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -736,6 +737,52 @@ func TestDeferredTurn(t *testing.T) {
 	}
 	if n := len(rs.Reports); n != 4 || rs.Reports[3].Applied != state.ModeFull || rs.Reports[1].Applied != state.ModeFS {
 		t.Fatalf("turn reports: %+v", rs.Reports)
+	}
+}
+
+// TestDeferredTurnHold: a deferred turn's checkpoint waits for its Hold
+// to close, and an operation sent meanwhile still waits for the checkpoint:
+// the checkpoint has the state of the turn, not the operation's.
+func TestDeferredTurnHold(t *testing.T) {
+	e := newEnv(t, true)
+	e.m.SetHoldMaxForTest(time.Hour)
+	e.create("a")
+	e.run("a", "write", "/f", "one")
+	e.turn("a", state.ModeAuto, true)
+	e.run("a", "write", "/f", "two")
+	hold := make(chan struct{})
+	r, err := e.m.Turn(e.ctx, "a", state.TurnRequest{Mode: state.ModeAuto, Defer: true, Hold: hold})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(e.ctx, 50*time.Millisecond)
+	_, err = e.m.Wait(wctx, r.ID)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the held checkpoint did not wait for its hold: %v", err)
+	}
+	wrote := make(chan string, 1)
+	go func() {
+		var out bytes.Buffer
+		_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"write", "/f", "three"}, Stdout: &out})
+		wrote <- fmt.Sprint(err)
+	}()
+	select {
+	case w := <-wrote:
+		t.Fatalf("an operation ran before the held checkpoint: %s", w)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(hold)
+	if w := <-wrote; w != "<nil>" {
+		t.Fatalf("write after the hold: %s", w)
+	}
+	c, err := e.m.Wait(e.ctx, r.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.restore("a", c.ID)
+	if got := e.run("a", "cat", "/f"); got != "two" {
+		t.Fatalf("/f = %q after restoring the held checkpoint, want two", got)
 	}
 }
 
