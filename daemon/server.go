@@ -330,7 +330,7 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 		// A deferred turn's checkpoint starts once this answer is out.
 		hold := make(chan struct{})
 		defer close(hold)
-		tr, err := s.doTurnHeld(r, treq, "", hold)
+		tr, err := s.doTurn(r, treq, "", hold)
 		if err != nil {
 			writeErr(w, fmt.Errorf("turn after the send (done): %w", err))
 			return
@@ -342,14 +342,9 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, res)
 }
 
-// doTurn ends a turn (force, when set, overrides the mode).
-func (s *server) doTurn(r *http.Request, req api.TurnRequest, force state.Mode) (*api.TurnResult, error) {
-	return s.doTurnHeld(r, req, force, nil)
-}
-
-// doTurnHeld is doTurn whose deferred checkpoint waits for hold to close
-// (state.TurnRequest.Hold).
-func (s *server) doTurnHeld(r *http.Request, req api.TurnRequest, force state.Mode, hold <-chan struct{}) (*api.TurnResult, error) {
+// doTurn ends a turn (force, when set, overrides the mode); a deferred
+// turn's checkpoint waits for hold to close (state.TurnRequest.Hold).
+func (s *server) doTurn(r *http.Request, req api.TurnRequest, force state.Mode, hold <-chan struct{}) (*api.TurnResult, error) {
 	start := time.Now()
 	mode, err := state.ParseMode(req.Mode)
 	if err != nil {
@@ -372,12 +367,15 @@ func (s *server) turnCall(w http.ResponseWriter, r *http.Request, force state.Mo
 		writeErr(w, err)
 		return
 	}
-	res, err := s.doTurn(r, req, force)
+	// A deferred turn's checkpoint starts once this answer is out.
+	hold := make(chan struct{})
+	defer close(hold)
+	res, err := s.doTurn(r, req, force, hold)
 	if err != nil {
 		writeErr(w, err)
 		return
 	}
-	writeJSON(w, http.StatusOK, res)
+	writeJSONNow(w, http.StatusOK, res)
 }
 
 func (s *server) turn(w http.ResponseWriter, r *http.Request)       { s.turnCall(w, r, "") }
