@@ -209,11 +209,12 @@ func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
 // the median round trip of the plain sends so far in this run (none
 // before the first; the median, not the fastest, because a plain send's
 // own round trip varies by as much as a turn costs: the fastest would
-// charge that variation to state management). Everything else the harness waited for — the restore, the
-// turn, the rest of the round trip, anything the checkpoint's start
-// delayed the answer by — is charged to state management (to the turn
-// when the call has one, else to the restore). The checkpoint's
-// asynchronous part is accounted as for Checkpoint.
+// charge that variation to state management). Everything else the
+// harness waited for — the restore, the turn, the rest of the round
+// trip, anything the checkpoint's start delayed the answer by — is
+// charged to state management (to the turn when the call has one, else to
+// the restore). The checkpoint's asynchronous part is accounted as for
+// Checkpoint.
 func (r *rewindManager) Step(ctx context.Context, restore string, cmds []string) (StepResult, error) {
 	var sr StepResult
 	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }

@@ -31,7 +31,7 @@ type TurnRequest struct {
 	// work until it is closed (or holdMax has passed): the daemon closes
 	// it once the turn's answer is written, so that answer does not share
 	// the CPU with the checkpoint it announces. Later operations on the
-	// sandbox still wait for the checkpoint.
+	// sandbox still wait for the checkpoint. A turn with Wait ignores it.
 	Hold <-chan struct{}
 }
 
@@ -230,6 +230,9 @@ func (m *Manager) deferTurn(ctx context.Context, s *sbox, req TurnRequest, win P
 	res := &TurnResult{ID: c.rec.ID, Decision: ModeAuto, Reason: c.rec.Reason, Epoch: s.rec.Epoch, Status: CkptPending}
 	m.mu.Unlock()
 	hold := req.Hold
+	if req.Wait {
+		hold = nil // the answer waits for the checkpoint: nothing to hold it for
+	}
 	s.q.async(&m.wg, func() {
 		if hold != nil {
 			t := time.NewTimer(m.holdMax)

@@ -784,6 +784,14 @@ func TestDeferredTurnHold(t *testing.T) {
 	if got := e.run("a", "cat", "/f"); got != "two" {
 		t.Fatalf("/f = %q after restoring the held checkpoint, want two", got)
 	}
+	// A turn that waits for its checkpoint is not held (its answer comes
+	// after the checkpoint): it returns durable with the hold never closed.
+	never := make(chan struct{})
+	e.run("a", "write", "/f", "four")
+	wr, err := e.m.Turn(e.ctx, "a", state.TurnRequest{Mode: state.ModeAuto, Defer: true, Wait: true, Hold: never})
+	if err != nil || wr.Status != state.CkptReady {
+		t.Fatalf("waited held turn: %+v %v", wr, err)
+	}
 }
 
 // TestCrashRecoveryDropsLostFS: a checkpoint whose fs part did not survive
