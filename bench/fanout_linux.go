@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -148,12 +149,7 @@ func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) Fan
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			var out strings.Builder
-			code, err := c.Exec(ctx, sb, api.ExecRequest{Argv: []string{"sh", "-c", "cat /run/rewind/copy 2>/dev/null; ls " + RepoDir + " >/dev/null"}}, &out, io.Discard)
-			if err == nil && code != 0 {
-				err = fmt.Errorf("first command in %s exited %d", sb, code)
-			}
-			errs <- err
+			errs <- firstCommand(ctx, c, sb)
 		}()
 	}
 	wg.Wait()
@@ -167,6 +163,35 @@ func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) Fan
 	}
 	return row
 }
+
+// firstCommand runs a rollout's first command in fork child sb: the
+// command the copy baselines run in their new shells (fanoutCopy), sent to
+// the child's copy of the forked sandbox's persistent shell, as a rollout
+// would continue the agent's shell. It fails unless the command exits 0.
+func firstCommand(ctx context.Context, c *client.Client, sb string) error {
+	const marker = "__RWF_"
+	res, err := c.Step(ctx, sb, "sh", api.SendRequest{
+		Text:      firstCmd + "\necho " + marker + "$?__",
+		Until:     regexp.QuoteMeta(marker) + `\d+__`,
+		TimeoutMS: 120000,
+		IdleMS:    120000,
+	})
+	if err != nil {
+		return fmt.Errorf("first command in %s: %w", sb, err)
+	}
+	m := regexp.MustCompile(regexp.QuoteMeta(marker) + `(\d+)__`).FindStringSubmatch(res.Output)
+	if m == nil {
+		return fmt.Errorf("first command in %s: no exit status in %q", sb, res.Output)
+	}
+	if m[1] != "0" {
+		return fmt.Errorf("first command in %s exited %s", sb, m[1])
+	}
+	return nil
+}
+
+// firstCmd is every fan-out copy's first command (in a shell with $R the
+// repository).
+const firstCmd = "ls $R >/dev/null"
 
 // waitWarm waits until the daemon has n fork children of checkpoint id
 // prepared (its rewind_warm_forks metric).
@@ -233,7 +258,7 @@ func fanoutCopy(ctx context.Context, parent string, setup []string, n int) Fanou
 			defer wg.Done()
 			s, err := startShell(dst, dst)
 			if err == nil {
-				_, _, err = s.run(ctx, "ls $R >/dev/null")
+				_, _, err = s.run(ctx, firstCmd)
 			}
 			mu.Lock()
 			defer mu.Unlock()
