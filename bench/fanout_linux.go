@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -169,17 +168,16 @@ func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) Fan
 // the child's copy of the forked sandbox's persistent shell, as a rollout
 // would continue the agent's shell. It fails unless the command exits 0.
 func firstCommand(ctx context.Context, c *client.Client, sb string) error {
-	const marker = "__RWF_"
 	res, err := c.Step(ctx, sb, "sh", api.SendRequest{
-		Text:      firstCmd + "\necho " + marker + "$?__",
-		Until:     regexp.QuoteMeta(marker) + `\d+__`,
+		Text:      firstCmd + "\necho __RWB_0_$?__", // the marker of rewindManager.send
+		Until:     rwMarker().String(),
 		TimeoutMS: 120000,
 		IdleMS:    120000,
 	})
 	if err != nil {
 		return fmt.Errorf("first command in %s: %w", sb, err)
 	}
-	m := regexp.MustCompile(regexp.QuoteMeta(marker) + `(\d+)__`).FindStringSubmatch(res.Output)
+	m := rwMarker().FindStringSubmatch(res.Output)
 	if m == nil {
 		return fmt.Errorf("first command in %s: no exit status in %q", sb, res.Output)
 	}
