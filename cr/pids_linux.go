@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/cr/criu"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 )
 
 // pstreeMagic is the magic of CRIU's pstree image (criu/include/magic.h).
@@ -79,7 +80,7 @@ func nsProcesses(init int) ([]nsIDs, error) {
 // its threads' ids from /proc/<pid>/task/*/status.
 func readNSIDs(pid int) (nsIDs, error) {
 	ids := nsIDs{host: pid}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {
 		return ids, err
 	}

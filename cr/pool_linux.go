@@ -6,6 +6,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 )
 
 // PoolStats describes the template pool.
@@ -72,7 +74,7 @@ func (e *Engine) measure(tm *template) int64 {
 
 // privateDirty returns Private_Dirty of pid in bytes (0 if unreadable).
 func privateDirty(pid int) int64 {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "smaps_rollup"))
 	if err != nil {
 		return 0
 	}
@@ -90,7 +92,7 @@ func privateDirty(pid int) int64 {
 
 // procState returns the state letter of pid from /proc/pid/stat.
 func procState(pid int) (byte, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return 0, err
 	}

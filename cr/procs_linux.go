@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -26,7 +27,7 @@ type Proc struct {
 
 // readProc reads /proc/<pid>/status.
 func readProc(pid int) (Proc, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {
 		return Proc{}, err
 	}
@@ -196,7 +197,7 @@ func visitDescendants(init int, skip map[int]bool, visit func(pid int)) error {
 // statIDs reads pid's parent pid and start time (clock ticks since boot)
 // from /proc/<pid>/stat.
 func statIDs(pid int) (ppid int, start uint64, err error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return 0, 0, err
 	}

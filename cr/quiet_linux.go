@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -49,7 +50,7 @@ func quietBefore(pid int) (quietProbe, bool) {
 	if err != nil {
 		return quietProbe{}, false
 	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/syscall")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "syscall"))
 	if err != nil {
 		return quietProbe{}, false
 	}
@@ -92,7 +93,7 @@ type statFields struct {
 }
 
 func readStat(pid int) (statFields, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return statFields{}, err
 	}
@@ -117,7 +118,7 @@ func readStat(pid int) (statFields, error) {
 
 // schedCount returns how many times pid was put on a CPU.
 func schedCount(pid int) (uint64, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/schedstat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "schedstat"))
 	if err != nil {
 		return 0, err
 	}

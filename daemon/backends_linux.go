@@ -28,6 +28,7 @@ import (
 	"github.com/rewind-sandbox/rewind/effect"
 	"github.com/rewind-sandbox/rewind/fs"
 	"github.com/rewind-sandbox/rewind/internal/pause"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/layer"
 	"github.com/rewind-sandbox/rewind/policy"
@@ -787,7 +788,7 @@ type procOrigin struct {
 
 // procStart returns field 22 of /proc/pid/stat (the start time in ticks).
 func procStart(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return ""
 	}
@@ -1439,7 +1440,7 @@ func (s procStat) exiting() bool {
 
 // readProcStat reads the state, parent and flags of pid.
 func readProcStat(pid int) (procStat, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return procStat{}, err
 	}
@@ -1466,7 +1467,7 @@ func readProcStat(pid int) (procStat, error) {
 // tracedByUs reports whether pid is traced by a thread of this process
 // (TracerPid names the tracing thread, cr's tracer thread).
 func tracedByUs(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {
 		return false
 	}

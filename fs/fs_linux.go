@@ -770,7 +770,12 @@ func (f *FS) Switch(id string) error {
 	var delta []*layerDir
 	delta = append(delta, old.frozen[k:]...)
 	delta = append(delta, next.frozen[k:]...)
-	touched, terr := touchedPaths(old.upper, delta)
+	// A kept upper received nothing: it is empty, and no walk is needed.
+	upper := old.upper
+	if keep {
+		upper = nil
+	}
+	touched, terr := touchedPaths(upper, delta)
 	f.retargetPassthrough(old, next)
 	if err := f.journal.Append(layer.JournalEntry{Op: "switch", Checkpoint: cp, Upper: next.upper.id}); err != nil {
 		f.mu.Unlock()
@@ -810,14 +815,16 @@ func (f *FS) Switch(id string) error {
 	return nil
 }
 
-// touchedPaths lists the relative paths present in upper and in the frozen
-// layers (a frozen layer never changes, so its walk is done once); the
-// value is true for a path whose subtree may come from elsewhere on one
-// side (a whiteout, an opaque or a redirected directory).
+// touchedPaths lists the relative paths present in upper (if not nil) and
+// in the frozen layers (a frozen layer never changes, so its walk is done
+// once); the value is true for a path whose subtree may come from
+// elsewhere on one side (a whiteout, an opaque or a redirected directory).
 func touchedPaths(upper *layerDir, frozen []*layerDir) (map[string]bool, error) {
 	t := map[string]bool{}
-	if err := walkTouched(upper, t); err != nil {
-		return nil, err
+	if upper != nil {
+		if err := walkTouched(upper, t); err != nil {
+			return nil, err
+		}
 	}
 	for _, l := range frozen {
 		l.touchedOnce.Do(func() {
@@ -921,8 +928,9 @@ func (f *FS) stillDir(in *gofs.Inode) bool {
 	srcs := n.srcs
 	n.mu.Unlock()
 	for _, s := range srcs {
-		hp := s.l.path + "/" + s.path
-		if layer.IsOpaque(hp) || layer.Redirect(hp) != "" {
+		// A frozen or lower layer's entry (and its opaque and redirect
+		// attributes) never changes: its cached stat answers.
+		if le := s.l.stat(s.path, s.l != st.upper); le.opaque || le.redirect != "" {
 			return false
 		}
 	}

@@ -2,8 +2,6 @@ package fs
 
 import (
 	"context"
-	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -13,6 +11,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"github.com/rewind-sandbox/rewind/layer"
 )
 
@@ -505,7 +504,7 @@ func callerInGroup(ctx context.Context, gid uint32) bool {
 	if c.Pid == 0 {
 		return false
 	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", c.Pid))
+	b, err := procfs.ReadFile(procfs.PIDPath(int(c.Pid), "status"))
 	if err != nil {
 		return false
 	}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -15,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 )
 
 // The proc connector (NETLINK_CONNECTOR, CN_IDX_PROC) reports every fork,
@@ -268,7 +268,7 @@ func (s *connSub) excluded(pid int) bool { return s.exclude != nil && s.exclude(
 
 // procCgroup returns a process's cgroup v2 path, "" if unknown.
 func procCgroup(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "cgroup"))
 	if err != nil {
 		return ""
 	}
@@ -281,7 +281,7 @@ func procCgroup(pid int) string {
 }
 
 func procComm(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "comm"))
 	if err != nil {
 		return ""
 	}
@@ -289,7 +289,7 @@ func procComm(pid int) string {
 }
 
 func procArgv0(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "cmdline"))
 	if err != nil {
 		return ""
 	}

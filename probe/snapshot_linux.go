@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 )
 
 // cgroupPIDs lists the processes of a cgroup v2 directory and its
@@ -31,7 +33,7 @@ func cgroupPIDs(dir string) ([]int, error) {
 // meanwhile is no error; top is dir itself.
 func addCgroupPIDs(dir string, top bool, pids *[]int) error {
 	gone := func(err error) bool { return !top && errors.Is(err, os.ErrNotExist) }
-	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	b, err := procfs.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if err != nil {
 		if gone(err) {
 			return nil
@@ -72,8 +74,9 @@ func addCgroupPIDs(dir string, top bool, pids *[]int) error {
 }
 
 // takeSnapshot reads the processes of cgroup dir. Processes that exit while
-// being read are left out. withNet adds the socket table.
-func takeSnapshot(dir string, withNet bool, exclude func(int) bool) (*snapshot, error) {
+// being read are left out. withNet adds the socket table. prev, if not nil,
+// is an earlier snapshot of the same processes: see readProc.
+func takeSnapshot(dir string, withNet bool, exclude func(int) bool, prev *snapshot) (*snapshot, error) {
 	pids, err := cgroupPIDs(dir)
 	if err != nil {
 		return nil, err
@@ -83,7 +86,7 @@ func takeSnapshot(dir string, withNet bool, exclude func(int) bool) (*snapshot, 
 		if exclude != nil && exclude(pid) {
 			continue
 		}
-		p, err := readProc(pid, withNet)
+		p, err := readProc(pid, withNet, prev)
 		if err != nil {
 			continue // exited meanwhile
 		}
@@ -101,7 +104,7 @@ func takeSnapshot(dir string, withNet bool, exclude func(int) bool) (*snapshot, 
 func snapshotOf(pids []int, withNet bool) *snapshot {
 	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
 	for _, pid := range pids {
-		if p, err := readProc(pid, withNet); err == nil {
+		if p, err := readProc(pid, withNet, nil); err == nil {
 			s.Procs[pid] = p
 		}
 	}
@@ -111,82 +114,119 @@ func snapshotOf(pids []int, withNet bool) *snapshot {
 	return s
 }
 
-// readProc reads one process from /proc.
-func readProc(pid int, withNet bool) (*procInfo, error) {
-	base := "/proc/" + strconv.Itoa(pid)
-	b, err := os.ReadFile(base + "/stat")
+// readProc reads one process from /proc. When prev holds the same process
+// (pid and start time) and its threads have not been scheduled since
+// (schedstat's run time and run count unchanged), its working directory and
+// argv[0] are taken from prev instead of read again: only the process
+// itself changes them (chdir, exec, writing its argument area), and it did
+// not run. Sockets are always read: a descriptor can arrive while the
+// process sleeps (another process's connect to a listening socket).
+func readProc(pid int, withNet bool, prev *snapshot) (*procInfo, error) {
+	base := procfs.PIDPath(pid, "")
+	b, err := procfs.ReadFile(base + "stat")
 	if err != nil {
 		return nil, err
 	}
 	p := &procInfo{PID: pid}
-	if err := parseStat(b, p); err != nil {
-		return nil, fmt.Errorf("parse %s/stat: %w", base, err)
+	threads, err := parseStat(b, p)
+	if err != nil {
+		return nil, fmt.Errorf("parse %sstat: %w", base, err)
 	}
-	p.Cwd, _ = os.Readlink(base + "/cwd")
-	if cl, err := os.ReadFile(base + "/cmdline"); err == nil {
-		if i := bytes.IndexByte(cl, 0); i >= 0 {
-			cl = cl[:i]
+	p.RunNS, p.Slices = readSchedstat(base, threads)
+	if q := prev.proc(pid); q != nil && q.StartTime == p.StartTime && q.RunNS == p.RunNS && q.Slices == p.Slices {
+		p.Cwd, p.Argv0 = q.Cwd, q.Argv0
+	} else {
+		p.Cwd, _ = os.Readlink(base + "cwd")
+		if cl, err := procfs.ReadFile(base + "cmdline"); err == nil {
+			if i := bytes.IndexByte(cl, 0); i >= 0 {
+				cl = cl[:i]
+			}
+			p.Argv0 = string(cl)
 		}
-		p.Argv0 = string(cl)
 	}
-	p.RunNS, p.Slices = readSchedstat(base)
 	if withNet {
-		p.NetNS, _ = os.Readlink(base + "/ns/net")
-		p.Sockets = readSocketInodes(base)
+		p.NetNS, _ = os.Readlink(base + "ns/net")
+		p.Sockets = readSocketInodes(base[:len(base)-1])
 	}
 	return p, nil
 }
 
-// parseStat fills comm, ppid, minflt and starttime from /proc/PID/stat.
-func parseStat(b []byte, p *procInfo) error {
+// proc returns s's process pid, or nil (also when s is nil).
+func (s *snapshot) proc(pid int) *procInfo {
+	if s == nil {
+		return nil
+	}
+	return s.Procs[pid]
+}
+
+// parseStat fills comm, ppid, minflt and starttime from /proc/PID/stat and
+// returns the number of threads.
+func parseStat(b []byte, p *procInfo) (threads int, err error) {
 	open := bytes.IndexByte(b, '(')
 	closeParen := bytes.LastIndexByte(b, ')')
 	if open < 0 || closeParen < open {
-		return errors.New("malformed stat")
+		return 0, errors.New("malformed stat")
 	}
 	p.Comm = string(b[open+1 : closeParen])
 	f := strings.Fields(string(b[closeParen+1:]))
 	// f[0] is field 3 (state); field n is f[n-3].
 	if len(f) < 20 {
-		return errors.New("short stat")
+		return 0, errors.New("short stat")
 	}
-	var err error
 	if p.PPID, err = strconv.Atoi(f[4-3]); err != nil {
-		return err
+		return 0, err
 	}
 	if p.MinFlt, err = strconv.ParseUint(f[10-3], 10, 64); err != nil {
-		return err
+		return 0, err
+	}
+	if threads, err = strconv.Atoi(f[20-3]); err != nil {
+		return 0, err
 	}
 	if p.StartTime, err = strconv.ParseUint(f[22-3], 10, 64); err != nil {
-		return err
+		return 0, err
 	}
-	return nil
+	return threads, nil
 }
 
 // readSchedstat sums the on-CPU time and the run counts of every thread of
-// a process.
-func readSchedstat(base string) (runNS, slices uint64) {
-	ents, err := os.ReadDir(base + "/task")
+// the process whose /proc directory is base (with its trailing slash). A
+// process of one thread is read from its own schedstat (its leader's), with
+// no listing of its task directory.
+func readSchedstat(base string, threads int) (runNS, slices uint64) {
+	if threads == 1 {
+		if r, s, ok := parseSchedstat(base + "schedstat"); ok {
+			return r, s
+		}
+	}
+	names, err := procfs.ReadDirNames(base + "task")
 	if err != nil {
 		return 0, 0
 	}
-	for _, e := range ents {
-		b, err := os.ReadFile(base + "/task/" + e.Name() + "/schedstat")
-		if err != nil {
-			continue
-		}
-		f := strings.Fields(string(b))
-		if len(f) < 3 {
-			continue
-		}
-		if v, err := strconv.ParseUint(f[0], 10, 64); err == nil {
-			runNS += v
-		}
-		if v, err := strconv.ParseUint(f[2], 10, 64); err == nil {
-			slices += v
+	for _, name := range names {
+		if r, s, ok := parseSchedstat(base + "task/" + name + "/schedstat"); ok {
+			runNS += r
+			slices += s
 		}
 	}
 	return runNS, slices
+}
+
+// parseSchedstat reads a schedstat file: run time (ns), wait time, run count.
+func parseSchedstat(path string) (runNS, slices uint64, ok bool) {
+	b, err := procfs.ReadFile(path)
+	if err != nil {
+		return 0, 0, false
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return 0, 0, false
+	}
+	runNS, err1 := strconv.ParseUint(f[0], 10, 64)
+	slices, err2 := strconv.ParseUint(f[2], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, 0, false
+	}
+	return runNS, slices, true
 }
 
 // readSocketInodes lists the socket inodes held by a process's fds.

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/internal/pause"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -742,7 +743,7 @@ func (s *Sandbox) MemberPIDs() ([]int, error) {
 }
 
 func cgroupPIDs(dir string) ([]int, error) {
-	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	b, err := procfs.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if err != nil {
 		return nil, err
 	}
@@ -757,7 +758,7 @@ func cgroupPIDs(dir string) ([]int, error) {
 
 func readProcess(pid int) (Process, error) {
 	p := Process{PID: pid}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return p, err
 	}
@@ -782,7 +783,7 @@ func readProcess(pid int) (Process, error) {
 // statusPIDs returns the innermost pid and the parent's host pid of host
 // pid from one read of its status (0s if unknown).
 func statusPIDs(pid int) (nspid, ppid int) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {
 		return 0, 0
 	}
@@ -842,7 +843,7 @@ func (s *Sandbox) pidfd(pid int) int {
 	if err != nil {
 		return -1 // gone
 	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "cgroup"))
 	if err != nil || !strings.Contains(string(b), ":freezer:"+strings.TrimPrefix(s.freezerDir, "/sys/fs/cgroup/freezer")+"\n") {
 		unix.Close(fd)
 		return -1 // not ours (any more)
@@ -1074,7 +1075,7 @@ func CleanupStale(id string) error {
 						continue
 					}
 					// Still a member (the pid may have been recycled)?
-					if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid)); err == nil && strings.Contains(string(b), "/rewind/"+id+"\n") {
+					if b, err := procfs.ReadFile(procfs.PIDPath(pid, "cgroup")); err == nil && strings.Contains(string(b), "/rewind/"+id+"\n") {
 						_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
 					}
 					unix.Close(fd)

@@ -20,13 +20,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 )
 
 // DefaultPath is where scripts/deps.sh installs CRIU.
@@ -170,7 +170,7 @@ func (r *Runner) script(name, text string) (string, error) {
 
 // startTime returns field 22 of /proc/pid/stat (start time in ticks).
 func startTime(pid int) (string, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
 	if err != nil {
 		return "", err
 	}
@@ -582,7 +582,7 @@ func cgroupProcsFiles(pid int) ([]string, error) {
 			}
 		}
 	}
-	cg, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
+	cg, err := procfs.ReadFile(procfs.PIDPath(pid, "cgroup"))
 	if err != nil {
 		return nil, err
 	}

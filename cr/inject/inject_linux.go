@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/internal/pause"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -621,7 +622,7 @@ func (p *Proc) ScratchAddr() uint64 {
 
 // Threads returns the number of threads of pid.
 func Threads(pid int) (int, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {
 		return 0, err
 	}
@@ -816,7 +817,7 @@ func (p *Proc) setStdio(paths [3]string, flags [3]int) error {
 
 // describe names pid and its tracer for error messages.
 func describe(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {
 		return ""
 	}

@@ -1,0 +1,129 @@
+package procfs
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+)
+
+func TestReadFile(t *testing.T) {
+	dir := t.TempDir()
+	big := bytes.Repeat([]byte("0123456789abcdef"), 1000) // several buffer growths
+	if err := os.WriteFile(filepath.Join(dir, "big"), big, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "empty"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("big", filepath.Join(dir, "link")); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, path string
+		want       []byte // nil: compare with os.ReadFile
+		notExist   bool
+		anyErr     bool
+	}{
+		{name: "proc stat", path: PIDPath(os.Getpid(), "stat")},
+		{name: "proc status", path: "/proc/self/status"},
+		{name: "proc cmdline", path: "/proc/self/cmdline"},
+		{name: "proc maps", path: "/proc/self/maps"},
+		{name: "large regular file", path: filepath.Join(dir, "big"), want: big},
+		{name: "empty file", path: filepath.Join(dir, "empty"), want: []byte{}},
+		{name: "missing", path: filepath.Join(dir, "nope"), notExist: true},
+		{name: "missing pid", path: PIDPath(1<<30, "stat"), notExist: true},
+		{name: "symlink outside /proc is not followed", path: filepath.Join(dir, "link"), anyErr: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ReadFile(tc.path)
+			switch {
+			case tc.notExist:
+				if !errors.Is(err, fs.ErrNotExist) {
+					t.Fatalf("ReadFile(%s) error = %v, want not exist", tc.path, err)
+				}
+				return
+			case tc.anyErr:
+				if err == nil {
+					t.Fatalf("ReadFile(%s) succeeded, want an error", tc.path)
+				}
+				return
+			case err != nil:
+				t.Fatal(err)
+			}
+			want := tc.want
+			if want == nil {
+				if want, err = os.ReadFile(tc.path); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// /proc content may move between two reads (maps, status):
+			// compare the first line, and the length loosely.
+			if tc.want == nil {
+				first := func(b []byte) []byte { l, _, _ := bytes.Cut(b, []byte("\n")); return l }
+				if !bytes.Equal(first(got), first(want)) && tc.name != "proc stat" {
+					t.Fatalf("first line %q, os.ReadFile has %q", first(got), first(want))
+				}
+				if len(got) == 0 || len(got) < len(want)/2 {
+					t.Fatalf("read %d bytes, os.ReadFile %d", len(got), len(want))
+				}
+				return
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("read %d bytes, want %d", len(got), len(want))
+			}
+		})
+	}
+}
+
+func TestReadDirNames(t *testing.T) {
+	dir := t.TempDir()
+	var want []string
+	for i := 0; i < 300; i++ { // more than one getdents buffer
+		name := fmt.Sprintf("entry-with-a-long-name-%03d", i)
+		want = append(want, name)
+		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := ReadDirNames(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("got %d names, want %d", len(got), len(want))
+	}
+	tasks, err := ReadDirNames("/proc/self/task")
+	if err != nil || len(tasks) == 0 {
+		t.Fatalf("tasks %v, %v", tasks, err)
+	}
+	if _, err := ReadDirNames(filepath.Join(dir, "nope")); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("missing dir: %v", err)
+	}
+}
+
+// BenchmarkReadStat compares ReadFile with os.ReadFile on /proc/PID/stat
+// (go test -bench ReadStat ./internal/procfs/).
+func BenchmarkReadStat(b *testing.B) {
+	path := PIDPath(os.Getpid(), "stat")
+	b.Run("os.ReadFile", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			if _, err := os.ReadFile(path); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("procfs.ReadFile", func(b *testing.B) {
+		for i := 0; i < b.N; i++ {
+			if _, err := ReadFile(path); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
