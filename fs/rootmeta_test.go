@@ -82,4 +82,22 @@ func TestRootMetaAcrossUppers(t *testing.T) {
 			t.Fatalf("step %d: root mtime after the restore to %s: %v, want %v", i, step.id, got.mtime, changed.mtime)
 		}
 	}
+	// A restore to the checkpoint the view is at keeps an upper that
+	// received nothing (its root already has a's attributes); one that
+	// received a change of the root itself must not be taken as having
+	// them.
+	fx.restore(t, a)
+	if got := get(t, fx.mp); got.mode != changed.mode || got.x != changed.x {
+		t.Fatalf("second restore to a in a row: %+v, want %+v", got, changed)
+	}
+	if err := os.Chmod(fx.mp, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(fx.mp, "user.k", []byte("dirty"), 0); err != nil {
+		t.Fatal(err)
+	}
+	fx.restore(t, a)
+	if got := get(t, fx.mp); got.mode != changed.mode || got.uid != changed.uid || got.x != changed.x {
+		t.Fatalf("restore to a after a change of the root: %+v, want %+v", got, changed)
+	}
 }

@@ -6,6 +6,7 @@ import (
 	"path"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -31,6 +32,14 @@ type layerDir struct {
 	touchedOnce sync.Once
 	touched     map[string]bool
 	touchedErr  error
+
+	// The root attributes of a frozen store layer, read once
+	// (inheritRootMeta), and, for an upper, the layer whose root
+	// attributes it was last given.
+	rootMu   sync.Mutex
+	rootRead bool
+	root     layer.RootAttrs
+	rootFrom atomic.Pointer[layerDir]
 }
 
 // layerEnt is a cached entry of a frozen layer.
