@@ -1,6 +1,7 @@
 package probe
 
 import (
+	"bytes"
 	"encoding/binary"
 	"os"
 	"os/exec"
@@ -8,6 +9,7 @@ import (
 	"reflect"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/rewind-sandbox/rewind/effect"
 )
@@ -180,5 +182,76 @@ func TestCgroupPIDs(t *testing.T) {
 				t.Fatalf("cgroupPIDs = %v, want %v", got, want)
 			}
 		})
+	}
+}
+
+// TestReadProcReusesUnscheduled: an end snapshot takes a process's cwd and
+// argv[0] from the begin snapshot only while the process has not been
+// scheduled since; a process that ran (here: a shell that changed
+// directory) is read again, and so is a pid whose start time differs.
+func TestReadProcReusesUnscheduled(t *testing.T) {
+	dir := t.TempDir()
+	sh := exec.Command("sh", "-c", "read line; cd \"$line\"; read more")
+	sh.Dir = "/"
+	in, err := sh.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sh.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { in.Close(); sh.Process.Kill(); sh.Wait() })
+	pid := sh.Process.Pid
+	// Wait until the shell sleeps in its first read.
+	var begin *procInfo
+	for i := 0; ; i++ {
+		if begin, err = readProc(pid, false, nil); err != nil {
+			t.Fatal(err)
+		}
+		if st, _ := os.ReadFile(filepath.Join("/proc", itoa(pid), "stat")); begin.Cwd == "/" && bytes.Contains(st, []byte(") S ")) && i > 2 {
+			break
+		}
+		if i > 200 {
+			t.Fatalf("shell did not settle: %+v", begin)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	prev := &snapshot{Procs: map[int]*procInfo{pid: begin}}
+
+	// Not scheduled since: a marked cwd in prev comes back.
+	marked := *begin
+	marked.Cwd, marked.Argv0 = "/marked", "marked"
+	got, err := readProc(pid, false, &snapshot{Procs: map[int]*procInfo{pid: &marked}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.RunNS == begin.RunNS && got.Slices == begin.Slices && (got.Cwd != "/marked" || got.Argv0 != "marked") {
+		t.Fatalf("unscheduled process read again: %+v", got)
+	}
+	// Another process under the same pid (another start time): read.
+	other := marked
+	other.StartTime++
+	if got, err = readProc(pid, false, &snapshot{Procs: map[int]*procInfo{pid: &other}}); err != nil || got.Cwd != "/" {
+		t.Fatalf("process with another start time: %+v, %v", got, err)
+	}
+
+	// The shell runs and changes directory: read again.
+	if _, err := in.Write([]byte(dir + "\n")); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; ; i++ {
+		if got, err = readProc(pid, false, prev); err != nil {
+			t.Fatal(err)
+		}
+		if got.Cwd == dir {
+			break
+		}
+		if i > 200 {
+			t.Fatalf("cwd after cd: %q (run %d -> %d ns, slices %d -> %d), want %q", got.Cwd, begin.RunNS, got.RunNS, begin.Slices, got.Slices, dir)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got.Slices == begin.Slices {
+		t.Fatalf("the shell ran but its run count did not move: %+v", got)
 	}
 }
