@@ -160,7 +160,8 @@ func (s *snapshot) proc(pid int) *procInfo {
 }
 
 // parseStat fills comm, ppid, minflt and starttime from /proc/PID/stat and
-// returns the number of threads.
+// returns the number of threads (a leader that exited before its other
+// threads still counts: TestReadProcZombieLeader).
 func parseStat(b []byte, p *procInfo) (threads int, err error) {
 	open := bytes.IndexByte(b, '(')
 	closeParen := bytes.LastIndexByte(b, ')')

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/effect"
+	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
 
 func TestParseHexAddr(t *testing.T) {
@@ -253,5 +254,47 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	}
 	if got.Slices == begin.Slices {
 		t.Fatalf("the shell ran but its run count did not move: %+v", got)
+	}
+}
+
+// TestReadProcZombieLeader: a process whose main thread exited while
+// another thread runs has a zombie leader whose own schedstat no longer
+// moves; its run time must still grow while the other thread runs (the
+// kernel's thread count includes the zombie leader, so readSchedstat lists
+// the threads).
+func TestReadProcZombieLeader(t *testing.T) {
+	cc, err := exec.LookPath("gcc")
+	testenv.RequireNoErr(t, err, "gcc (builds the test program)")
+	bin := filepath.Join(t.TempDir(), "zombieleader")
+	if out, err := exec.Command(cc, "-O1", "-pthread", "-o", bin, "testdata/zombieleader.c").CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bin)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	pid := cmd.Process.Pid
+	for i := 0; ; i++ {
+		st, _ := os.ReadFile(filepath.Join("/proc", itoa(pid), "stat"))
+		if bytes.Contains(st, []byte(") Z ")) {
+			break
+		}
+		if i > 200 {
+			t.Fatalf("main thread did not exit: %s", st)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	first, err := readProc(pid, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // the spinning thread runs about half of it
+	second, err := readProc(pid, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if second.RunNS <= first.RunNS || second.Slices <= first.Slices {
+		t.Fatalf("run time %d -> %d ns, run count %d -> %d: the running thread was not counted", first.RunNS, second.RunNS, first.Slices, second.Slices)
 	}
 }
