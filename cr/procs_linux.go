@@ -227,7 +227,7 @@ const pfExiting = 0x4
 // readStatFields reads a /proc stat file and returns its fields after the
 // command name (state first); ok is false when it is gone or unreadable.
 func readStatFields(path string) (f []string, ok bool) {
-	b, err := os.ReadFile(path)
+	b, err := procfs.ReadFile(path)
 	if err != nil {
 		return nil, false
 	}
@@ -269,12 +269,12 @@ func groupExiting(pid int) bool {
 	// Several threads: each must be exiting (a zombie leader's group
 	// lives on while another thread runs).
 	dir := "/proc/" + strconv.Itoa(pid) + "/task"
-	ents, err := os.ReadDir(dir)
+	names, err := procfs.ReadDirNames(dir)
 	if err != nil {
 		return true // reaped meanwhile
 	}
-	for _, e := range ents {
-		if tf, ok := readStatFields(dir + "/" + e.Name() + "/stat"); ok && !taskExiting(tf) {
+	for _, name := range names {
+		if tf, ok := readStatFields(dir + "/" + name + "/stat"); ok && !taskExiting(tf) {
 			return false
 		}
 	}

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/cr/inject"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -357,7 +358,7 @@ func kernelShellState(pid int) (string, error) {
 		return "", fmt.Errorf("cwd of %d: %w", pid, err)
 	}
 	fmt.Fprintf(&b, "cwd %s\n", cwd)
-	status, err := os.ReadFile(dir + "/status")
+	status, err := procfs.ReadFile(dir + "/status")
 	if err != nil {
 		return "", fmt.Errorf("status of %d: %w", pid, err)
 	}
@@ -368,28 +369,28 @@ func kernelShellState(pid int) (string, error) {
 			}
 		}
 	}
-	limits, err := os.ReadFile(dir + "/limits")
+	limits, err := procfs.ReadFile(dir + "/limits")
 	if err != nil {
 		return "", fmt.Errorf("limits of %d: %w", pid, err)
 	}
 	b.Write(limits)
-	ents, err := os.ReadDir(dir + "/fd")
+	names, err := procfs.ReadDirNames(dir + "/fd")
 	if err != nil {
 		return "", fmt.Errorf("fds of %d: %w", pid, err)
 	}
 	var fds []int
-	for _, ent := range ents {
-		if n, err := strconv.Atoi(ent.Name()); err == nil && n > 2 {
+	for _, name := range names {
+		if n, err := strconv.Atoi(name); err == nil && n > 2 {
 			fds = append(fds, n)
 		}
 	}
 	sort.Ints(fds)
 	for _, fd := range fds {
-		target, err := os.Readlink(fmt.Sprintf("%s/fd/%d", dir, fd))
+		target, err := os.Readlink(dir + "/fd/" + strconv.Itoa(fd))
 		if err != nil {
 			continue // closed meanwhile: the process is stopped, so not ours
 		}
-		info, _ := os.ReadFile(fmt.Sprintf("%s/fdinfo/%d", dir, fd))
+		info, _ := procfs.ReadFile(dir + "/fdinfo/" + strconv.Itoa(fd))
 		var pos, flags string
 		for _, l := range strings.Split(string(info), "\n") {
 			if v, ok := strings.CutPrefix(l, "pos:"); ok {
