@@ -811,6 +811,13 @@ func (f *FS) Switch(id string) error {
 		f.invalidateAll()
 		return nil
 	}
+	if keep && len(delta) == 0 {
+		// The same layers and the kept (empty) upper: the view did not
+		// change, and the kernel's caches (the root's attributes among
+		// them) hold. A tree search returning to the node it just left
+		// through a turn that changed nothing lands here.
+		return nil
+	}
 	f.invalidate(touched)
 	return nil
 }

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"os"
+	"strconv"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -87,5 +88,24 @@ func TestRestoreOverUntouchedUpper(t *testing.T) {
 	fx.restore(t, c)
 	if got := mustRead(t, fx.p("g")); got != "kept" {
 		t.Fatalf("g = %q, want kept", got)
+	}
+	// A checkpoint of an unchanged view has the same layers under another
+	// id: switching between the two changes nothing, and a change made
+	// after such a switch is discarded by the next one.
+	c2 := fx.checkpoint(t)
+	for i, id := range []string{c2, c, c2} {
+		fx.restore(t, id)
+		if got := mustRead(t, fx.p("g")); got != "kept" {
+			t.Fatalf("same-layer step %d: g = %q, want kept", i, got)
+		}
+		mustWrite(t, fx.p("g"), "changed")
+		mustWrite(t, fx.p("h"+strconv.Itoa(i)), "new")
+		fx.restore(t, id)
+		if got := mustRead(t, fx.p("g")); got != "kept" {
+			t.Fatalf("same-layer step %d after a write: g = %q, want kept", i, got)
+		}
+		if _, err := os.Stat(fx.p("h" + strconv.Itoa(i))); !os.IsNotExist(err) {
+			t.Fatalf("same-layer step %d: h%d after restore: %v, want it gone", i, i, err)
+		}
 	}
 }

@@ -8,11 +8,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Store is a state directory holding layers, checkpoint records and mount
@@ -28,7 +31,37 @@ type Store struct {
 	pendMu  sync.Mutex
 	pending map[string]chan struct{}
 	failed  map[string]error
+
+	// layersDir and recordsDir are layers/ and meta/checkpoints/ opened
+	// once (O_PATH): a record is found and its layers checked relative to
+	// them, one path component each, instead of walking the store's
+	// absolute path every time (a mount's switch reads one record).
+	layersDir, recordsDir *os.File
+	// recs caches decoded checkpoint records by id, each with the identity
+	// of the file it was read from (see cachedRecord).
+	recMemo sync.Mutex
+	recs    map[string]cachedRecord
 }
+
+// cachedRecord is a decoded checkpoint record and the identity of its
+// file when it was read. Record files are never written in place (a
+// record is linked into place, a rewrite or tombstone is renamed over
+// it), so a file of the same inode, size, mtime and ctime holds the same
+// record, also when another process shares the store.
+type cachedRecord struct {
+	c   Checkpoint
+	key recordKey
+}
+
+type recordKey struct {
+	dev, ino uint64
+	size     int64
+	mtime    unix.Timespec
+	ctime    unix.Timespec
+}
+
+// maxCachedRecords bounds the record cache; when full it starts over.
+const maxCachedRecords = 4096
 
 // Checkpoint is a checkpoint record: an id naming an immutable stack.
 type Checkpoint struct {
@@ -91,7 +124,19 @@ func OpenStore(dir string) (*Store, error) {
 	if err := os.Chmod(filepath.Join(abs, "ctl"), 0o700); err != nil {
 		return nil, fmt.Errorf("open store %s: %w", dir, err)
 	}
-	return &Store{dir: abs}, nil
+	s := &Store{dir: abs}
+	for _, d := range []struct {
+		f   **os.File
+		rel string
+	}{{&s.layersDir, "layers"}, {&s.recordsDir, "meta/checkpoints"}} {
+		// Closed by the os.File finalizer once the store is unreachable.
+		f, err := os.OpenFile(filepath.Join(abs, d.rel), unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, fmt.Errorf("open store %s: %w", dir, err)
+		}
+		*d.f = f
+	}
+	return s, nil
 }
 
 // Dir is the absolute state directory.
@@ -206,7 +251,7 @@ func (s *Store) Record(id string) (Checkpoint, error) {
 	if err := s.AwaitCheckpoint(id); err != nil {
 		return c, err
 	}
-	if err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c); err != nil {
+	if err := s.readRecord(id, &c); err != nil {
 		return c, fmt.Errorf("checkpoint %s: %w", id, err)
 	}
 	if c.Deleted || c.ID != id {
@@ -330,7 +375,7 @@ func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 	if err := s.AwaitCheckpoint(id); err != nil {
 		return c, err
 	}
-	err := s.readJSON(filepath.Join("meta/checkpoints", id+".json"), &c)
+	err := s.readRecord(id, &c)
 	if errors.Is(err, ErrNotFound) && pending != nil {
 		c, err = *pending, nil
 	} else if errors.Is(err, ErrNotFound) {
@@ -358,12 +403,60 @@ func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 		if !ValidID(l) {
 			return c, fmt.Errorf("checkpoint %s: corrupted record (layer %q)", id, l)
 		}
-		st, err := os.Lstat(s.LayerPath(l))
-		if err != nil || !st.IsDir() {
+		var st unix.Stat_t
+		err := unix.Fstatat(int(s.layersDir.Fd()), l, &st, unix.AT_SYMLINK_NOFOLLOW)
+		runtime.KeepAlive(s.layersDir)
+		if err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			return c, fmt.Errorf("checkpoint %s: layer %s missing or corrupted", id, l)
 		}
 	}
 	return c, nil
+}
+
+// readRecord reads checkpoint id's record file into c (ErrNotFound if
+// there is none), from the cache when the file is the one read before.
+// c gets slices of its own.
+func (s *Store) readRecord(id string, c *Checkpoint) error {
+	name := id + ".json"
+	var st unix.Stat_t
+	err := unix.Fstatat(int(s.recordsDir.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	runtime.KeepAlive(s.recordsDir)
+	if err != nil {
+		if err == unix.ENOENT {
+			return ErrNotFound
+		}
+		return fmt.Errorf("stat record %s: %w", name, err)
+	}
+	key := recordKey{dev: st.Dev, ino: st.Ino, size: st.Size, mtime: st.Mtim, ctime: st.Ctim}
+	s.recMemo.Lock()
+	e, ok := s.recs[id]
+	s.recMemo.Unlock()
+	if ok && e.key == key {
+		*c = e.c.clone()
+		return nil
+	}
+	// The stat is older than the read: if the file is replaced in
+	// between, the entry pairs the new content with the old file's key,
+	// and the next read finds the key changed and reads again.
+	var rc Checkpoint
+	if err := s.readJSON(filepath.Join("meta/checkpoints", name), &rc); err != nil {
+		return err
+	}
+	s.recMemo.Lock()
+	if s.recs == nil || len(s.recs) >= maxCachedRecords {
+		s.recs = map[string]cachedRecord{}
+	}
+	s.recs[id] = cachedRecord{c: rc.clone(), key: key}
+	s.recMemo.Unlock()
+	*c = rc
+	return nil
+}
+
+// clone returns c with slices of its own.
+func (c Checkpoint) clone() Checkpoint {
+	c.Lowers = append([]string(nil), c.Lowers...)
+	c.Layers = append([]string(nil), c.Layers...)
+	return c
 }
 
 // Checkpoints lists every checkpoint of the store, oldest first.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -287,5 +288,68 @@ func TestBeginCheckpoint(t *testing.T) {
 	}
 	if err := st.DeleteCheckpoint(bad); !errors.Is(err, ErrNotFound) {
 		t.Fatalf("delete of a failed checkpoint: %v", err)
+	}
+}
+
+// TestRecordCache: records are read from the cache only while their file
+// is the one read, also when another store (another process) replaces
+// it, and a caller's changes to a returned record do not reach the cache.
+func TestRecordCache(t *testing.T) {
+	dir := t.TempDir()
+	a, err := OpenStore(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := OpenStore(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l1, _ := a.NewLayer("")
+	l2, _ := a.NewLayer("")
+	c := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{l1}}
+	if err := a.SaveCheckpoint(c); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name   string
+		change func() error
+		// The layers Checkpoint and Record return ("" for an error).
+		checkpoint, record string
+	}{
+		{"first read", func() error { return nil }, l1, l1},
+		{"caller changes its copy", func() error {
+			got, err := a.Checkpoint(c.ID)
+			if err == nil {
+				got.Layers[0] = "changed"
+			}
+			return err
+		}, l1, l1},
+		{"rewritten by another store", func() error {
+			return b.RewriteCheckpoint(c.ID, func(r *Checkpoint) bool { r.Layers = []string{l1, l2}; return true })
+		}, l1 + "," + l2, l1 + "," + l2},
+		{"a layer moved away", func() error {
+			return os.Rename(a.LayerPath(l2), a.LayerPath("moved"))
+		}, "", l1 + "," + l2},
+		{"moved back", func() error {
+			return os.Rename(a.LayerPath("moved"), a.LayerPath(l2))
+		}, l1 + "," + l2, l1 + "," + l2},
+		{"deleted by another store", func() error { return b.DeleteCheckpoint(c.ID) }, "", ""},
+	}
+	layers := func(c Checkpoint, err error) string {
+		if err != nil {
+			return ""
+		}
+		return strings.Join(c.Layers, ",")
+	}
+	for _, tc := range tests {
+		if err := tc.change(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if got := layers(a.Checkpoint(c.ID)); got != tc.checkpoint {
+			t.Errorf("%s: Checkpoint's layers %q, want %q", tc.name, got, tc.checkpoint)
+		}
+		if got := layers(a.Record(c.ID)); got != tc.record {
+			t.Errorf("%s: Record's layers %q, want %q", tc.name, got, tc.record)
+		}
 	}
 }
