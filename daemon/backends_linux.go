@@ -1385,6 +1385,11 @@ type probeWindow struct {
 	// next is the window End opened at once (probe.Window.Next), for
 	// Resume to adopt; Begin drops it and opens a fresh one.
 	next probe.Window
+
+	// agents are the processes exclude found to be the agent's, by pid,
+	// with their start times.
+	agentsMu sync.Mutex
+	agents   map[int]uint64
 }
 
 // exclude hides from the probe what is not the agent's: the sandbox's
@@ -1397,23 +1402,38 @@ type probeWindow struct {
 // it). It reads /proc only, and takes none of cr's locks: a listing of the
 // live processes through cr at every window boundary waited for the
 // sandbox's spare forks and cost more than the probe's own snapshot.
+//
+// A process found to be the agent's is remembered (pid and start time):
+// the next snapshots read only its stat (exiting?) and skip its status
+// and its ancestors. Nothing turns an agent's process into one to leave
+// out but cr making it a helper (parked), which IsTemplate answers first,
+// or its exit; a process cr is forking is a new pid, traced from birth.
 func (w *probeWindow) exclude(pid int) bool {
 	init := w.t.InitPID
 	if pid == init || w.eng.IsTemplate(pid) {
 		return true
 	}
 	p := pid
+	var start uint64
 	for depth := 0; depth < 64; depth++ {
 		st, err := readProcStat(p)
 		if err != nil {
 			return true // gone (or an ancestor went: it is being reparented)
 		}
 		if p == pid {
-			if st.exiting() || tracedByUs(pid) {
+			if st.exiting() {
 				return true
 			}
+			if w.isAgent(pid, st.start) {
+				return false
+			}
+			if tracedByUs(pid) {
+				return true
+			}
+			start = st.start
 		}
 		if st.ppid == init {
+			w.rememberAgent(pid, start)
 			return false
 		}
 		if st.ppid <= 1 {
@@ -1424,11 +1444,33 @@ func (w *probeWindow) exclude(pid int) bool {
 	return true
 }
 
+// maxAgents bounds probeWindow.agents; when full it starts over.
+const maxAgents = 4096
+
+// isAgent reports whether exclude found process pid, started at start, to
+// be the agent's before.
+func (w *probeWindow) isAgent(pid int, start uint64) bool {
+	w.agentsMu.Lock()
+	defer w.agentsMu.Unlock()
+	s, ok := w.agents[pid]
+	return ok && s == start
+}
+
+func (w *probeWindow) rememberAgent(pid int, start uint64) {
+	w.agentsMu.Lock()
+	defer w.agentsMu.Unlock()
+	if w.agents == nil || len(w.agents) >= maxAgents {
+		w.agents = map[int]uint64{}
+	}
+	w.agents[pid] = start
+}
+
 // procStat is what exclude reads of /proc/PID/stat.
 type procStat struct {
 	state byte
 	ppid  int
 	flags uint64
+	start uint64 // start time, in clock ticks after boot
 }
 
 // pfExiting is the kernel's PF_EXITING task flag.
@@ -1450,7 +1492,7 @@ func readProcStat(pid int) (procStat, error) {
 	}
 	// After the comm: state ppid pgrp session tty_nr tpgid flags ...
 	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 7 || len(f[0]) != 1 {
+	if len(f) < 20 || len(f[0]) != 1 {
 		return procStat{}, fmt.Errorf("bad stat of %d", pid)
 	}
 	var st procStat
@@ -1459,6 +1501,10 @@ func readProcStat(pid int) (procStat, error) {
 		return procStat{}, fmt.Errorf("bad stat of %d: %w", pid, err)
 	}
 	if st.flags, err = strconv.ParseUint(f[6], 10, 64); err != nil {
+		return procStat{}, fmt.Errorf("bad stat of %d: %w", pid, err)
+	}
+	// starttime is the stat's 22nd field, the 20th after the comm.
+	if st.start, err = strconv.ParseUint(f[19], 10, 64); err != nil {
 		return procStat{}, fmt.Errorf("bad stat of %d: %w", pid, err)
 	}
 	return st, nil

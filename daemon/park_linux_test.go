@@ -19,7 +19,7 @@ import (
 
 // parkSandbox is a real sandbox (minimal root) with a persistent bash
 // session "sh", driven through the daemon's process adapter.
-func parkSandbox(t *testing.T) (*procSandbox, func(cmd string) string) {
+func parkSandbox(t testing.TB) (*procSandbox, func(cmd string) string) {
 	t.Helper()
 	testenv.RequireRoot(t)
 	_, err := os.Stat(filepath.Dir(sandbox.DefaultFreezerParent))
