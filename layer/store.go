@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -32,11 +31,6 @@ type Store struct {
 	pending map[string]chan struct{}
 	failed  map[string]error
 
-	// layersDir and recordsDir are layers/ and meta/checkpoints/ opened
-	// once (O_PATH): a record is found and its layers checked relative to
-	// them, one path component each, instead of walking the store's
-	// absolute path every time (a mount's switch reads one record).
-	layersDir, recordsDir *os.File
 	// recs caches decoded checkpoint records by id, each with the identity
 	// of the file it was read from (see cachedRecord).
 	recMemo sync.Mutex
@@ -124,19 +118,9 @@ func OpenStore(dir string) (*Store, error) {
 	if err := os.Chmod(filepath.Join(abs, "ctl"), 0o700); err != nil {
 		return nil, fmt.Errorf("open store %s: %w", dir, err)
 	}
-	s := &Store{dir: abs}
-	for _, d := range []struct {
-		f   **os.File
-		rel string
-	}{{&s.layersDir, "layers"}, {&s.recordsDir, "meta/checkpoints"}} {
-		// Closed by the os.File finalizer once the store is unreachable.
-		f, err := os.OpenFile(filepath.Join(abs, d.rel), unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return nil, fmt.Errorf("open store %s: %w", dir, err)
-		}
-		*d.f = f
-	}
-	return s, nil
+	// No descriptor is kept open: a store on a file system of its own
+	// (rewind init-store) must stay unmountable.
+	return &Store{dir: abs}, nil
 }
 
 // Dir is the absolute state directory.
@@ -399,13 +383,22 @@ func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 	if c.ID != id {
 		return c, fmt.Errorf("checkpoint %s: corrupted record (id %q)", id, c.ID)
 	}
+	if len(c.Layers) == 0 {
+		return c, nil
+	}
+	// The layers are looked up relative to layers/, opened for this call:
+	// one walk of the store's path instead of one per layer.
+	dfd, err := unix.Open(filepath.Join(s.dir, "layers"), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return c, fmt.Errorf("checkpoint %s: open layers: %w", id, err)
+	}
+	defer unix.Close(dfd)
 	for _, l := range c.Layers {
 		if !ValidID(l) {
 			return c, fmt.Errorf("checkpoint %s: corrupted record (layer %q)", id, l)
 		}
 		var st unix.Stat_t
-		err := unix.Fstatat(int(s.layersDir.Fd()), l, &st, unix.AT_SYMLINK_NOFOLLOW)
-		runtime.KeepAlive(s.layersDir)
+		err := unix.Fstatat(dfd, l, &st, unix.AT_SYMLINK_NOFOLLOW)
 		if err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
 			return c, fmt.Errorf("checkpoint %s: layer %s missing or corrupted", id, l)
 		}
@@ -419,8 +412,7 @@ func (s *Store) checkpoint(id string, pending *Checkpoint) (Checkpoint, error) {
 func (s *Store) readRecord(id string, c *Checkpoint) error {
 	name := id + ".json"
 	var st unix.Stat_t
-	err := unix.Fstatat(int(s.recordsDir.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW)
-	runtime.KeepAlive(s.recordsDir)
+	err := unix.Lstat(filepath.Join(s.dir, "meta/checkpoints", name), &st)
 	if err != nil {
 		if err == unix.ENOENT {
 			return ErrNotFound
