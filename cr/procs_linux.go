@@ -67,21 +67,11 @@ func children(pid int) ([]int, error) {
 		return nil, &os.PathError{Op: "open", Path: "/proc/" + strconv.Itoa(pid) + "/task", Err: err}
 	}
 	defer unix.Close(dfd)
-	var tids []string
-	buf := make([]byte, 4096)
-	for {
-		n, err := unix.Getdents(dfd, buf)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return nil, &os.PathError{Op: "getdents", Path: "/proc/" + strconv.Itoa(pid) + "/task", Err: err}
-		}
-		if n <= 0 {
-			break
-		}
-		_, _, tids = unix.ParseDirent(buf[:n], -1, tids)
+	tids, err := procfs.ReadDirNamesFD(dfd, "/proc/"+strconv.Itoa(pid)+"/task")
+	if err != nil {
+		return nil, err
 	}
+	buf := make([]byte, 4096)
 	var out []int
 	for _, tid := range tids {
 		b, ok := readAt(dfd, tid+"/children", buf)

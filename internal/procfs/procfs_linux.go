@@ -62,6 +62,13 @@ func ReadDirNames(path string) ([]string, error) {
 		return nil, &fs.PathError{Op: "open", Path: path, Err: err}
 	}
 	defer unix.Close(fd)
+	return ReadDirNamesFD(fd, path)
+}
+
+// ReadDirNamesFD is ReadDirNames of directory descriptor fd, read from its
+// current offset; path names it in errors. The caller keeps fd (to open
+// files relative to it).
+func ReadDirNamesFD(fd int, path string) ([]string, error) {
 	var names []string
 	buf := make([]byte, 4096)
 	for {
