@@ -137,7 +137,10 @@ func (e *Engine) ShellDigest(ctx context.Context, t Target, pid int) (*ShellStat
 // TemplateShellDigest digests the shell state that checkpoint id's template
 // of process origPID (its pid when checkpointed) holds, the same way as
 // ShellDigest does for a live shell. The two are equal when the live shell
-// is in the state the checkpoint saved.
+// is in the state the checkpoint saved. The sandbox's lock is held only
+// until the template's copy exists: the copy prints its state while the
+// sandbox's restores and checkpoints go on (it is a helper, which they
+// leave alone).
 func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int) (*ShellState, error) {
 	e.mu.Lock()
 	c, ok := e.ckpts[id]
@@ -147,7 +150,15 @@ func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int
 	}
 	l := e.sandboxLock(c.rec.Sandbox)
 	l.Lock()
-	defer l.Unlock()
+	locked := true
+	unlock := func() error {
+		if locked {
+			locked = false
+			l.Unlock()
+		}
+		return nil
+	}
+	defer unlock()
 	var tm *template
 	for _, x := range e.tmpls(c) {
 		if x.orig.PID == origPID {
@@ -160,7 +171,7 @@ func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int
 	if err := isBash(tm.proc.Pid()); err != nil {
 		return nil, fmt.Errorf("shell digest of checkpoint %s: %w", id, err)
 	}
-	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, nil)
+	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, unlock)
 	if err != nil {
 		return nil, fmt.Errorf("shell digest of checkpoint %s process %d: %w", id, origPID, err)
 	}

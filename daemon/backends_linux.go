@@ -1125,6 +1125,34 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	return part, nil
 }
 
+// templateDigestTimeout bounds a template digest taken ahead (Persist).
+const templateDigestTimeout = 2 * time.Second
+
+// shellTemplate reports whether part is a template part of one process that
+// serves a session (the shells AdoptPart can keep), and that process's pid.
+func (p *procSandbox) shellTemplate(part *state.ProcPart) (int, bool) {
+	ck := part.Data["cr"]
+	if part.Data["mode"] != string(cr.ModeTemplate) || ck == "" || part.Processes != 1 {
+		return 0, false
+	}
+	rec, err := p.b.eng.Record(ck)
+	if err != nil || len(rec.Procs) != 1 {
+		return 0, false
+	}
+	var sessions map[string]string
+	if json.Unmarshal([]byte(part.Data["sessions"]), &sessions) != nil {
+		return 0, false
+	}
+	orig := rec.Procs[0].PID
+	if sessions[strconv.Itoa(orig)] == "" {
+		return 0, false
+	}
+	if _, ok := p.b.cachedDigest(ck, orig); ok {
+		return 0, false
+	}
+	return orig, true
+}
+
 func (p *procSandbox) fillParts(part *state.ProcPart) {
 	if part.Data["mode"] == string(cr.ModeEmpty) {
 		part.TemplateReady, part.ImageReady = true, true
@@ -1140,6 +1168,23 @@ func (p *procSandbox) fillParts(part *state.ProcPart) {
 
 func (p *procSandbox) Persist(ctx context.Context, part *state.ProcPart) (*state.ProcPart, error) {
 	np := *part
+	if orig, ok := p.shellTemplate(part); ok {
+		// A later restore between this part and another can keep the
+		// live shell only when both templates' digests are known
+		// (AdoptPart), and a turn's Unchanged asks for this one's: take
+		// it now, while the image is written and the agent waits for
+		// its model, not on a restore's path.
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			dctx, cancel := context.WithTimeout(context.Background(), templateDigestTimeout)
+			defer cancel()
+			if _, err := p.b.templateDigest(dctx, part.Data["cr"], orig); err != nil {
+				p.b.log.Debug("template digest", "cr", part.Data["cr"], "pid", orig, "err", err)
+			}
+		}()
+		defer func() { <-done }()
+	}
 	if part.Data["mode"] != string(cr.ModeEmpty) {
 		if err := p.b.eng.WaitImage(ctx, part.Data["cr"]); err != nil {
 			p.fillParts(&np)

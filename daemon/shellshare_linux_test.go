@@ -313,3 +313,46 @@ func TestRealRestoreAdoptsEqualShell(t *testing.T) {
 		t.Fatalf("the shell was not recreated (pid %d)", got)
 	}
 }
+
+// TestRealRestoreAdoptsWithDigestTakenAhead: a full checkpoint's shell
+// digest is taken while the checkpoint is made durable, so a restore from
+// it to an equal shell's checkpoint keeps the live shell even when no turn
+// asked for that digest since (no later turn compared the shell with it).
+func TestRealRestoreAdoptsWithDigestTakenAhead(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
+		t.Fatal(err)
+	}
+	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run("mkdir -p /w && cd /w && X=0")
+	_, base := turn(t, c, "sh")
+	run("X=1")
+	_, one := turn(t, c, "sh")
+	run("X=0 && echo data > /w/f")
+	_, zero := turn(t, c, "sh") // the head; nothing compares the shell with it
+	for _, ck := range []*state.Checkpoint{base, one, zero} {
+		if ck.Decision != state.ModeFull || ck.ProcFrom != ck.ID {
+			t.Fatalf("%s: %s from %s (%s), want a full checkpoint of its own", ck.ID, ck.Decision, ck.ProcFrom, ck.Reason)
+		}
+	}
+	// Make the head provably clean (see TestRealFSRestoresChain).
+	for i := 0; i < 2; i++ {
+		if _, err := c.Restore(ctx, "sh", zero.ID, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := c.Restore(ctx, "sh", base.ID, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Path != "fs" || res.Phases.Undo != "head" {
+		t.Fatalf("restore from %s to the equal shell's %s: path %s, undo %s; want fs, head", zero.ID, base.ID, res.Path, res.Phases.Undo)
+	}
+	if got := run(`echo "$X $PWD $(cat /w/f 2>/dev/null)"`); got != "0 /w" {
+		t.Fatalf("after the fs-only restore: %q, want %q", got, "0 /w")
+	}
+}
