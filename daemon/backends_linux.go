@@ -1406,7 +1406,7 @@ func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, p
 	// cr's templates and warm spares are rewind's processes, not effects
 	// of the agent's turn.
 	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID(),
-		Exclude: pw.exclude}
+		ExcludeStat: pw.excludeStat}
 	if fm, ok := mount.(*fsMount); ok {
 		t.FS = fm.f
 	}
@@ -1453,7 +1453,12 @@ type probeWindow struct {
 // and its ancestors. Nothing turns an agent's process into one to leave
 // out but cr making it a helper (parked), which IsTemplate answers first,
 // or its exit; a process cr is forking is a new pid, traced from birth.
-func (w *probeWindow) exclude(pid int) bool {
+func (w *probeWindow) exclude(pid int) bool { return w.excludeStat(pid, nil) }
+
+// excludeStat is exclude for probe.Target.ExcludeStat: stat, if not nil,
+// reads pid's own stat (the snapshot's copy, which the snapshot parses
+// again instead of reading it a second time).
+func (w *probeWindow) excludeStat(pid int, stat func() ([]byte, error)) bool {
 	init := w.t.InitPID
 	if pid == init || w.eng.IsTemplate(pid) {
 		return true
@@ -1461,7 +1466,16 @@ func (w *probeWindow) exclude(pid int) bool {
 	p := pid
 	var start uint64
 	for depth := 0; depth < 64; depth++ {
-		st, err := readProcStat(p)
+		var st procStat
+		var err error
+		if p == pid && stat != nil {
+			var b []byte
+			if b, err = stat(); err == nil {
+				st, err = parseProcStat(pid, b)
+			}
+		} else {
+			st, err = readProcStat(p)
+		}
 		if err != nil {
 			return true // gone (or an ancestor went: it is being reparented)
 		}
@@ -1531,6 +1545,11 @@ func readProcStat(pid int) (procStat, error) {
 	if err != nil {
 		return procStat{}, err
 	}
+	return parseProcStat(pid, b)
+}
+
+// parseProcStat parses b, the content of pid's /proc/PID/stat.
+func parseProcStat(pid int, b []byte) (st procStat, err error) {
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
 		return procStat{}, fmt.Errorf("bad stat of %d", pid)
@@ -1540,7 +1559,6 @@ func readProcStat(pid int) (procStat, error) {
 	if len(f) < 20 || len(f[0]) != 1 {
 		return procStat{}, fmt.Errorf("bad stat of %d", pid)
 	}
-	var st procStat
 	st.state = f[0][0]
 	if st.ppid, err = strconv.Atoi(f[1]); err != nil {
 		return procStat{}, fmt.Errorf("bad stat of %d: %w", pid, err)

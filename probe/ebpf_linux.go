@@ -382,7 +382,7 @@ func (p *ebpfProbe) begin(t Target, pids []int, known bool) (Window, error) {
 	}
 	if known {
 		w.begin = snapshotOf(pids, false)
-	} else if w.begin, err = takeSnapshot(t.CgroupV2Dir, false, t.Exclude, nil); err != nil {
+	} else if w.begin, err = takeSnapshot(t.CgroupV2Dir, false, t.excluder(), nil); err != nil {
 		return fail(err)
 	}
 	return w, nil
@@ -563,7 +563,7 @@ func (w *ebpfWindow) finish(next bool) (*effect.Report, *ebpfWindow, error) {
 	if flushErr != nil {
 		return fail(flushErr)
 	}
-	end, err := takeSnapshot(w.t.CgroupV2Dir, false, w.t.Exclude, w.begin)
+	end, err := takeSnapshot(w.t.CgroupV2Dir, false, w.t.excluder(), w.begin)
 	if err != nil {
 		return fail(err)
 	}

@@ -41,7 +41,27 @@ type Target struct {
 	// memory. It is called for every pid of the cgroup at Begin and at End
 	// and must be cheap and safe for concurrent use.
 	Exclude func(pid int) bool
+	// ExcludeStat, if set, is asked by the snapshots instead of Exclude:
+	// stat returns the process's /proc/PID/stat, read at most once per
+	// process and snapshot, and the snapshot parses the same bytes, so an
+	// exclusion that looks at the process's own stat costs no read of its
+	// own. The same rules as for Exclude apply.
+	ExcludeStat func(pid int, stat func() ([]byte, error)) bool
 }
+
+// excluder returns the snapshots' exclusion test of t (nil: none).
+func (t Target) excluder() excludeFunc {
+	switch {
+	case t.ExcludeStat != nil:
+		return t.ExcludeStat
+	case t.Exclude != nil:
+		return func(pid int, _ func() ([]byte, error)) bool { return t.Exclude(pid) }
+	}
+	return nil
+}
+
+// excludeFunc is Target.ExcludeStat's type.
+type excludeFunc func(pid int, stat func() ([]byte, error)) bool
 
 // Probe observes sandboxes turn by turn. Implementations are safe for
 // concurrent use by many sandboxes.

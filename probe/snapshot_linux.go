@@ -76,17 +76,32 @@ func addCgroupPIDs(dir string, top bool, pids *[]int) error {
 // takeSnapshot reads the processes of cgroup dir. Processes that exit while
 // being read are left out. withNet adds the socket table. prev, if not nil,
 // is an earlier snapshot of the same processes: see readProc.
-func takeSnapshot(dir string, withNet bool, exclude func(int) bool, prev *snapshot) (*snapshot, error) {
+func takeSnapshot(dir string, withNet bool, exclude excludeFunc, prev *snapshot) (*snapshot, error) {
 	pids, err := cgroupPIDs(dir)
 	if err != nil {
 		return nil, err
 	}
 	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
 	for _, pid := range pids {
-		if exclude != nil && exclude(pid) {
+		// The process's stat, read once: by the exclusion test if it
+		// wants it, else by readProc.
+		var st []byte
+		var stErr error
+		read := false
+		stat := func() ([]byte, error) {
+			if !read {
+				read = true
+				st, stErr = readStat(pid)
+			}
+			return st, stErr
+		}
+		if exclude != nil && exclude(pid, stat) {
 			continue
 		}
-		p, err := readProc(pid, withNet, prev)
+		if read && stErr != nil {
+			continue // exited meanwhile
+		}
+		p, err := readProcStat(pid, st, withNet, prev)
 		if err != nil {
 			continue // exited meanwhile
 		}
@@ -104,7 +119,7 @@ func takeSnapshot(dir string, withNet bool, exclude func(int) bool, prev *snapsh
 func snapshotOf(pids []int, withNet bool) *snapshot {
 	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
 	for _, pid := range pids {
-		if p, err := readProc(pid, withNet, nil); err == nil {
+		if p, err := readProcStat(pid, nil, withNet, nil); err == nil {
 			s.Procs[pid] = p
 		}
 	}
@@ -121,11 +136,16 @@ func snapshotOf(pids []int, withNet bool) *snapshot {
 // itself changes them (chdir, exec, writing its argument area), and it did
 // not run. Sockets are always read: a descriptor can arrive while the
 // process sleeps (another process's connect to a listening socket).
-func readProc(pid int, withNet bool, prev *snapshot) (*procInfo, error) {
+//
+// stat, if not nil, is the process's stat, read already.
+func readProcStat(pid int, stat []byte, withNet bool, prev *snapshot) (*procInfo, error) {
 	base := procfs.PIDPath(pid, "")
-	b, err := procfs.ReadFile(base + "stat")
-	if err != nil {
-		return nil, err
+	b := stat
+	if b == nil {
+		var err error
+		if b, err = procfs.ReadFile(base + "stat"); err != nil {
+			return nil, err
+		}
 	}
 	p := &procInfo{PID: pid}
 	threads, err := parseStat(b, p)
@@ -150,6 +170,21 @@ func readProc(pid int, withNet bool, prev *snapshot) (*procInfo, error) {
 	}
 	return p, nil
 }
+
+// excludePID returns t's exclusion test of one pid (nil: none), reading the
+// stat itself when ExcludeStat asks for it.
+func (t Target) excludePID() func(pid int) bool {
+	ex := t.excluder()
+	if ex == nil {
+		return nil
+	}
+	return func(pid int) bool {
+		return ex(pid, func() ([]byte, error) { return readStat(pid) })
+	}
+}
+
+// readStat reads /proc/PID/stat.
+func readStat(pid int) ([]byte, error) { return procfs.ReadFile(procfs.PIDPath(pid, "stat")) }
 
 // proc returns s's process pid, or nil (also when s is nil).
 func (s *snapshot) proc(pid int) *procInfo {

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -206,7 +208,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	// Wait until the shell sleeps in its first read.
 	var begin *procInfo
 	for i := 0; ; i++ {
-		if begin, err = readProc(pid, false, nil); err != nil {
+		if begin, err = readProcStat(pid, nil, false, nil); err != nil {
 			t.Fatal(err)
 		}
 		if st, _ := os.ReadFile(filepath.Join("/proc", itoa(pid), "stat")); begin.Cwd == "/" && bytes.Contains(st, []byte(") S ")) && i > 2 {
@@ -222,7 +224,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	// Not scheduled since: a marked cwd in prev comes back.
 	marked := *begin
 	marked.Cwd, marked.Argv0 = "/marked", "marked"
-	got, err := readProc(pid, false, &snapshot{Procs: map[int]*procInfo{pid: &marked}})
+	got, err := readProcStat(pid, nil, false, &snapshot{Procs: map[int]*procInfo{pid: &marked}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -232,7 +234,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	// Another process under the same pid (another start time): read.
 	other := marked
 	other.StartTime++
-	if got, err = readProc(pid, false, &snapshot{Procs: map[int]*procInfo{pid: &other}}); err != nil || got.Cwd != "/" {
+	if got, err = readProcStat(pid, nil, false, &snapshot{Procs: map[int]*procInfo{pid: &other}}); err != nil || got.Cwd != "/" {
 		t.Fatalf("process with another start time: %+v, %v", got, err)
 	}
 
@@ -241,7 +243,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; ; i++ {
-		if got, err = readProc(pid, false, prev); err != nil {
+		if got, err = readProcStat(pid, nil, false, prev); err != nil {
 			t.Fatal(err)
 		}
 		if got.Cwd == dir {
@@ -285,16 +287,137 @@ func TestReadProcZombieLeader(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	first, err := readProc(pid, false, nil)
+	first, err := readProcStat(pid, nil, false, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(50 * time.Millisecond) // the spinning thread runs about half of it
-	second, err := readProc(pid, false, nil)
+	second, err := readProcStat(pid, nil, false, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if second.RunNS <= first.RunNS || second.Slices <= first.Slices {
 		t.Fatalf("run time %d -> %d ns, run count %d -> %d: the running thread was not counted", first.RunNS, second.RunNS, first.Slices, second.Slices)
+	}
+}
+
+// TestSnapshotSharesStat: with Target.ExcludeStat the exclusion test reads
+// a process's stat through the snapshot (once, however often it asks), the
+// snapshot parses those bytes instead of reading them again, and what the
+// test excludes stays out, as with Exclude.
+func TestSnapshotSharesStat(t *testing.T) {
+	cg := newCgroup(t)
+	var pids []int
+	for _, arg := range []string{"3601", "3602"} {
+		cmd := exec.Command("sleep", arg)
+		cmd.SysProcAttr = cgroupAttr(t, cg)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		pids = append(pids, cmd.Process.Pid)
+	}
+	cat := exec.Command("cat")
+	cat.SysProcAttr = cgroupAttr(t, cg)
+	in, err := cat.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cat.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { in.Close(); cat.Process.Kill(); cat.Wait() })
+
+	asked := map[int]int{}
+	ex := func(pid int, stat func() ([]byte, error)) bool {
+		var first []byte
+		for i := 0; i < 2; i++ {
+			b, err := stat()
+			if err != nil {
+				t.Errorf("stat of %d: %v", pid, err)
+				return true
+			}
+			if i == 0 {
+				first = b
+			} else if &b[0] != &first[0] {
+				t.Errorf("stat of %d read twice", pid)
+			}
+		}
+		if !strings.HasPrefix(string(first), strconv.Itoa(pid)+" (") {
+			t.Errorf("stat of %d is another process's: %q", pid, first)
+		}
+		asked[pid]++
+		return strings.Contains(string(first), "(cat)")
+	}
+	s, err := takeSnapshot(cg, false, Target{ExcludeStat: ex}.excluder(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := s.Procs[cat.Process.Pid]; ok {
+		t.Errorf("excluded cat %d is in the snapshot", cat.Process.Pid)
+	}
+	for _, pid := range pids {
+		p, ok := s.Procs[pid]
+		if !ok {
+			t.Fatalf("sleep %d missing from the snapshot", pid)
+		}
+		if p.Comm != "sleep" || p.StartTime == 0 || p.PPID != os.Getpid() {
+			t.Errorf("sleep %d parsed as %+v", pid, p)
+		}
+		if asked[pid] != 1 {
+			t.Errorf("sleep %d asked %d times, want 1", pid, asked[pid])
+		}
+	}
+}
+
+// BenchmarkSnapshotExclude is a snapshot of a cgroup of one agent process
+// and 15 helpers (as a sandbox with checkpoint templates), its exclusion
+// test reading the agent's stat itself (Exclude) or through the snapshot
+// (ExcludeStat).
+func BenchmarkSnapshotExclude(b *testing.B) {
+	cg := newCgroup(b)
+	helpers := map[int]bool{}
+	agent := 0
+	for i := 0; i < 16; i++ {
+		cmd := exec.Command("sleep", "3600")
+		cmd.SysProcAttr = cgroupAttr(b, cg)
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		if i == 0 {
+			agent = cmd.Process.Pid
+		} else {
+			helpers[cmd.Process.Pid] = true
+		}
+	}
+	check := func(b []byte) bool { return len(b) > 0 && strings.Contains(string(b), "(sleep)") }
+	for _, bc := range []struct {
+		name string
+		t    Target
+	}{
+		{"exclude-reads-stat", Target{Exclude: func(pid int) bool {
+			if helpers[pid] {
+				return true
+			}
+			st, err := readStat(pid)
+			return err != nil || !check(st)
+		}}},
+		{"shared-stat", Target{ExcludeStat: func(pid int, stat func() ([]byte, error)) bool {
+			if helpers[pid] {
+				return true
+			}
+			st, err := stat()
+			return err != nil || !check(st)
+		}}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				s, err := takeSnapshot(cg, false, bc.t.excluder(), nil)
+				if err != nil || len(s.Procs) != 1 || s.Procs[agent] == nil {
+					b.Fatalf("snapshot: %v, %d processes", err, len(s.Procs))
+				}
+			}
+		})
 	}
 }
