@@ -35,6 +35,21 @@ func turn(t *testing.T, c *client.Client, name string) (string, *state.Checkpoin
 	return res.ID, ck
 }
 
+// shellSandbox creates sandbox "sh" under the effects policy with a
+// persistent bash as session "b" (env added to PS1=), and returns a
+// function that runs one command line in it and returns its output.
+func shellSandbox(t *testing.T, c *client.Client, env ...string) func(cmd string) string {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: append([]string{"PS1="}, env...)}); err != nil {
+		t.Fatal(err)
+	}
+	return func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+}
+
 // TestRealUnchangedShellSharesItsProcessPart drives a persistent bash in a
 // real sandbox under the effects policy: bash writes its own memory on
 // every command, yet a command that leaves its state alone (true, ls) must
@@ -45,13 +60,7 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	})
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
-	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run := shellSandbox(t, c)
 	run("mkdir -p /w && cd /w && X=0")
 	_, base := turn(t, c, "sh")
 	if base.Decision != state.ModeFull {
@@ -172,13 +181,7 @@ func TestRealUnchangedShellSharesItsProcessPart(t *testing.T) {
 func TestRealFSRestoresChain(t *testing.T) {
 	d := startReal(t, t.TempDir())
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
-	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run := shellSandbox(t, c)
 	run("mkdir -p /w && cd /w")
 	turn(t, c, "sh")
 	run("echo one > /w/f")
@@ -226,12 +229,7 @@ func TestRealFSRestoresChain(t *testing.T) {
 func TestRealRestoreAdoptsEqualShell(t *testing.T) {
 	d := startReal(t, t.TempDir())
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1=", "RWB_ADOPT_MARK=" + t.Name()}}); err != nil {
-		t.Fatal(err)
-	}
+	run := shellSandbox(t, c, "RWB_ADOPT_MARK="+t.Name())
 	// The live shell, seen from the host: the one running (not stopped
 	// as a template) process with the session's environment.
 	livePID := func() int {
@@ -257,7 +255,6 @@ func TestRealRestoreAdoptsEqualShell(t *testing.T) {
 		}
 		return pids[0]
 	}
-	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
 	run("mkdir -p /w && cd /w && X=0")
 	_, base := turn(t, c, "sh")
 	run("X=1")
@@ -321,13 +318,7 @@ func TestRealRestoreAdoptsEqualShell(t *testing.T) {
 func TestRealRestoreAdoptsWithDigestTakenAhead(t *testing.T) {
 	d := startReal(t, t.TempDir())
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
-	run := func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+	run := shellSandbox(t, c)
 	run("mkdir -p /w && cd /w && X=0")
 	_, base := turn(t, c, "sh")
 	run("X=1")
