@@ -67,9 +67,22 @@ func (e *Engine) measure(tm *template) int64 {
 	if tm.spare != nil {
 		d += privateDirty(tm.spare.Pid())
 	}
-	tm.dirty = d
+	tm.dirty, tm.measured = d, true
 	e.mu.Unlock()
 	return d
+}
+
+// estimate returns tm's private dirty memory as last measured, measuring
+// it only if it never was since its spare changed. A template never runs,
+// so the value moves only as copies sharing its pages come and go.
+func (e *Engine) estimate(tm *template) int64 {
+	e.mu.Lock()
+	d, ok := tm.dirty, tm.measured
+	e.mu.Unlock()
+	if ok {
+		return d
+	}
+	return e.measure(tm)
 }
 
 // privateDirty returns Private_Dirty of pid in bytes (0 if unreadable).
@@ -125,13 +138,25 @@ func (e *Engine) enforceBounds() {
 			newest = c
 		}
 	}
+	maxB := e.cfg.MaxTemplateBytes
 	e.mu.Unlock()
-	var total int64
-	for i := range cs {
-		for _, tm := range cs[i].tms {
-			cs[i].bytes += e.measure(tm)
+	// Each measurement reads a process's smaps_rollup (some 25 us for a
+	// shell here), twice per checkpoint with its spare, after every
+	// checkpoint: from the values measured before, unless the pool may
+	// be near its byte bound, where every template is measured again.
+	sum := func(m func(*template) int64) (total int64) {
+		for i := range cs {
+			cs[i].bytes = 0
+			for _, tm := range cs[i].tms {
+				cs[i].bytes += m(tm)
+			}
+			total += cs[i].bytes
 		}
-		total += cs[i].bytes
+		return total
+	}
+	total := sum(e.estimate)
+	if total > maxB/2 {
+		total = sum(e.measure)
 	}
 	count := len(cs)
 	e.mu.Lock()

@@ -71,3 +71,86 @@ func TestPoolWithoutImagesKeepsReachable(t *testing.T) {
 		t.Fatalf("stats after hint %+v", st)
 	}
 }
+
+// TestPoolByteBound: the byte bound counts each template as last measured
+// while the pool is far below it (no smaps_rollup read per template and
+// checkpoint), measures every template again once the estimate passes half
+// the bound, and then evicts the least recently used imaged checkpoints.
+func TestPoolByteBound(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	e := newEngine(t, Config{ImagesDir: t.TempDir(), MaxTemplateBytes: 1 << 40})
+	for i := 0; i < 3; i++ {
+		id := fmt.Sprint("c", i)
+		if _, err := e.Checkpoint(ctxT(t), sb, CheckpointOptions{ID: id}); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.WaitImage(ctxT(t), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tmOf := func(id string) *template {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if tms := e.ckpts[id].templates; len(tms) > 0 {
+			return tms[0]
+		}
+		return nil
+	}
+	// A value no measurement gives marks c0's template as measured.
+	const mark = 12345
+	tm := tmOf("c0")
+	e.mu.Lock()
+	tm.dirty, tm.measured = mark, true
+	e.mu.Unlock()
+	e.enforceBounds()
+	e.mu.Lock()
+	got := tm.dirty
+	e.mu.Unlock()
+	if got != mark {
+		t.Fatalf("far below the bound, c0's template was measured again: %d", got)
+	}
+	// A bound the estimate passes (one byte): everything is measured,
+	// and all but the newest checkpoint lose their templates.
+	e.SetLimits(0, 1)
+	if tmOf("c0") != nil || tmOf("c1") != nil || tmOf("c2") == nil {
+		t.Fatalf("after a one-byte bound: c0 %v c1 %v c2 %v; want only c2 kept", tmOf("c0") != nil, tmOf("c1") != nil, tmOf("c2") != nil)
+	}
+	e.mu.Lock()
+	got = tm.dirty
+	e.mu.Unlock()
+	if got == mark || got <= 0 {
+		t.Fatalf("near the bound, c0's template was not measured again: %d", got)
+	}
+}
+
+// BenchmarkPoolBound is the bound check that runs after every checkpoint,
+// over 32 checkpoints of a shell (no images, so nothing is evicted): far
+// below the byte bound (each template counted as last measured) and near
+// it (each measured again, as every check did before).
+func BenchmarkPoolBound(b *testing.B) {
+	needCRIU(b)
+	sb := startSandbox(b, "bash", "--norc", "--noprofile")
+	e := newEngine(b, Config{MaxTemplates: 1000})
+	for i := 0; i < 32; i++ {
+		if _, err := e.Checkpoint(ctxT(b), sb, CheckpointOptions{ID: fmt.Sprint("c", i)}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	// Near: the templates' memory is more than half the bound, and within it.
+	near := e.Stats().PrivateDirty * 3 / 2
+	for _, bc := range []struct {
+		name  string
+		bound int64
+	}{{"far", 1 << 40}, {"near", near}} {
+		b.Run(bc.name, func(b *testing.B) {
+			e.SetLimits(0, bc.bound)
+			for i := 0; i < b.N; i++ {
+				e.enforceBounds()
+			}
+			if st := e.Stats(); st.WithTemplates != 32 {
+				b.Fatalf("templates evicted: %+v", st)
+			}
+		})
+	}
+}

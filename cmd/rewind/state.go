@@ -754,7 +754,7 @@ func newDaemonCmd() *cobra.Command {
 	cmd.Flags().StringVar(&cfg.DefaultPolicy, "policy", "effects", "policy of sandboxes created without --policy")
 	cmd.Flags().IntVar(&cfg.Budget.MaxCheckpoints, "max-checkpoints", 0, "run GC automatically above this many checkpoints (0: never)")
 	cmd.Flags().Int64Var(&cfg.Budget.MaxBytes, "max-bytes", 0, "run GC automatically above this many checkpoint bytes (0: never)")
-	cmd.Flags().IntVar(&cfg.MaxTemplates, "max-templates", 0, "checkpoints that keep live process templates (0: 64); older ones restore from their CRIU image")
+	cmd.Flags().IntVar(&cfg.MaxTemplates, "max-templates", 0, "checkpoints that keep live process templates (0: 256); older ones restore from their CRIU image")
 	cmd.Flags().Int64Var(&cfg.MaxTemplateBytes, "max-template-bytes", 0, "private memory all templates may hold (0: 4 GiB)")
 	cmd.Flags().BoolVar(&cfg.NoHugePages, "no-huge-pages", false, "keep checkpointed process memory in 4 KiB pages (by default it is collapsed into huge pages in the background, so forks and restores do not grow with memory size)")
 	cmd.Flags().IntVar(&cfg.CompactDepth, "compact-depth", daemon.DefaultCompactDepth, "merge a sandbox's frozen layers in the background once its stack is this deep (-1: never)")
