@@ -5,10 +5,11 @@
 // CRIU refuses to dump a subtree of a foreign PID namespace ("Can't dump a
 // pid namespace without the process init"), and run in that PID namespace
 // with the host's /proc it cannot even read its targets. So criu runs
-// inside the sandbox's PID and mount namespaces: go-criu starts a small
-// wrapper that enters them with nsenter(1) and execs criu (go-criu has no
-// hook to enter namespaces). Image directories are passed as inherited file
-// descriptors, so they need not be visible inside the sandbox.
+// inside the sandbox's PID and mount namespaces: the runner starts it from
+// a thread that entered them (see swrk; go-criu has no hook to enter
+// namespaces, so only its RPC types are used). Image directories are passed
+// as inherited file descriptors, so they need not be visible inside the
+// sandbox.
 package criu
 
 import (
@@ -24,7 +25,6 @@ import (
 	"syscall"
 	"time"
 
-	gocriu "github.com/checkpoint-restore/go-criu/v8"
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
 	"github.com/rewind-sandbox/rewind/internal/procfs"
 )
@@ -93,20 +93,17 @@ func (r *Runner) Close() error {
 }
 
 // wrapper returns a script that execs criu inside the PID and mount
-// namespaces of nsPID (host pid), or criu itself when nsPID is 0. With
-// joinCgroups the script first moves itself into the cgroups of nsPID.
+// namespaces of nsPID (host pid), or criu itself when nsPID is 0: the way
+// into the sandbox of the lazy-pages daemon, a command go-criu does not
+// start. Dumps and restores start criu themselves (startSwrk).
 //
 // Inside the sandbox's mount namespace criu's path may not exist: it is
 // exec'd through the inherited descriptor 3, by the host's loader with the
 // host's libraries (descriptors 5 and on, see hostLibs): nothing it runs
 // comes from the sandbox's files. All namespaces but the user one are
-// entered, so criu sees nothing foreign to dump.
-//
-// Only restores join the sandbox's cgroups (restored processes are then born
-// in its freezer, pids, memory and v2 cgroups). Dumps and the lazy-pages
-// daemon never do: a later freeze of the sandbox would freeze criu in the
-// middle of its work.
-func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
+// entered, so criu sees nothing foreign to dump. The lazy-pages daemon
+// stays out of the sandbox's cgroups, as dumps do (see startSwrk).
+func (r *Runner) wrapper(nsPID int) (string, error) {
 	env, args := r.hardening()
 	if nsPID == 0 {
 		return r.script("host", "#!/bin/sh\n"+env+"exec '"+r.Path+"'"+args+" \"$@\"\n")
@@ -118,9 +115,6 @@ func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 		return "", err
 	}
 	name := fmt.Sprintf("ns-%d-%s", nsPID, st)
-	if joinCgroups {
-		name += "-cg"
-	}
 	if p := filepath.Join(r.WrapDir, name); fileExists(p) {
 		return p, nil
 	}
@@ -130,15 +124,6 @@ func (r *Runner) wrapper(nsPID int, joinCgroups bool) (string, error) {
 	}
 	var b strings.Builder
 	b.WriteString("#!/bin/sh\n")
-	if joinCgroups {
-		files, err := cgroupProcsFiles(nsPID)
-		if err != nil {
-			return "", err
-		}
-		for _, f := range files {
-			fmt.Fprintf(&b, "echo $$ > '%s' || exit 97\n", f)
-		}
-	}
 	b.WriteString(env)
 	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- %s%s \"$@\"\n", nsenter, nsPID, r.libs.exec(), args)
 	return r.script(name, b.String())
@@ -288,7 +273,7 @@ func baseOpts(log string) *rpc.CriuOpts {
 		OrphanPtsMaster: ptr(false),
 		// Only for where CRIU keeps its cache (see hardening).
 		Unprivileged: ptr(true),
-		// criu already runs in the sandbox's cgroups (see wrapper).
+		// criu already runs in the sandbox's cgroups (see startSwrk).
 		ManageCgroupsMode: ptr(rpc.CriuCgMode_IGNORE),
 		// The sandbox's network namespace is private: nothing to lock,
 		// and an iptables lock left behind by a failed dump would cut
@@ -307,11 +292,7 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 		return fmt.Errorf("criu dump: %w", err)
 	}
 	defer dir.Close()
-	w, err := r.wrapper(o.NSInit, false)
-	if err != nil {
-		return fmt.Errorf("criu dump: %w", err)
-	}
-	c, run, done, err := r.criu(ctx, w, dir)
+	files, done, err := r.files(ctx, dir)
 	if err != nil {
 		return fmt.Errorf("criu dump: %w", err)
 	}
@@ -325,7 +306,15 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 	for k := range o.External {
 		opts.External = append(opts.External, k)
 	}
-	if err := runCtx(ctx, run, func() error { return c.Dump(opts, nil) }); err != nil {
+	s, err := r.startSwrk(o.NSInit, false, files)
+	if err != nil {
+		return fmt.Errorf("criu dump: %w", err)
+	}
+	err = s.call(ctx, rpc.CriuReqType_DUMP, opts, nil)
+	if cerr := s.close(); err == nil && cerr != nil {
+		err = cerr
+	}
+	if err != nil {
 		return &Error{Op: "dump", Log: filepath.Join(o.Dir, DumpLog), Err: err}
 	}
 	return nil
@@ -347,13 +336,6 @@ type RestoreOptions struct {
 	Inherit map[string]*os.File
 }
 
-type notify struct {
-	gocriu.NoNotify
-	pid int32
-}
-
-func (n *notify) PostRestore(pid int32) error { n.pid = pid; return nil }
-
 // Restore restores the images in o.Dir detached (the restored root becomes
 // a child of NSInit's PID 1) and returns its pid as criu reports it (in the
 // namespace of NSInit).
@@ -368,17 +350,13 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
 	defer dir.Close()
-	w, err := r.wrapper(o.NSInit, true)
-	if err != nil {
-		return 0, fmt.Errorf("criu restore: %w", err)
-	}
-	c, run, done, err := r.criu(ctx, w, dir)
+	files, done, err := r.files(ctx, dir)
 	if err != nil {
 		return 0, fmt.Errorf("criu restore: %w", err)
 	}
 	defer done()
 	for k, f := range o.Inherit {
-		c.AddInheritFd(k, f)
+		files[k] = f
 	}
 	if o.NSInit != 0 {
 		ext, err := openExternals(o.Dir, o.NSInit)
@@ -388,7 +366,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		for k, f := range ext {
 			defer f.Close()
 			if o.Inherit[k] == nil {
-				c.AddInheritFd(k, f)
+				files[k] = f
 			}
 		}
 	}
@@ -404,7 +382,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	opts := baseOpts(logName)
 	opts.RstSibling = ptr(false)
 	if o.Lazy {
-		lw, err := r.wrapper(o.NSInit, false)
+		lw, err := r.wrapper(o.NSInit)
 		if err != nil {
 			return 0, fmt.Errorf("criu restore: %w", err)
 		}
@@ -415,12 +393,25 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 		defer stop()
 		opts.LazyPages = ptr(true)
 	}
-	n := &notify{}
-	if err := runCtx(ctx, run, func() error { return c.Restore(opts, n) }); err != nil {
+	s, err := r.startSwrk(o.NSInit, true, files)
+	if err != nil {
+		return 0, fmt.Errorf("criu restore: %w", err)
+	}
+	var pid int32
+	err = s.call(ctx, rpc.CriuReqType_RESTORE, opts, func(script string, p int32) error {
+		if script == "post-restore" {
+			pid = p
+		}
+		return nil
+	})
+	if cerr := s.close(); err == nil && cerr != nil {
+		err = cerr
+	}
+	if err != nil {
 		return 0, &Error{Op: "restore", Log: logPath, Err: err}
 	}
 	_ = os.Rename(logPath, filepath.Join(o.Dir, RestoreLog))
-	return int(n.pid), nil
+	return int(pid), nil
 }
 
 // runLogName returns a log file name no other run uses: "restore-" and 12
@@ -485,61 +476,30 @@ func (r *Runner) startLazyPages(ctx context.Context, wrapper, dir string) (func(
 	return func() { go func() { <-done }() }, nil
 }
 
-// criu prepares a go-criu handle: the criu binary becomes fd 3, the image
-// dir fd 4, the host's loader and libraries 5 and on, and the run's private
-// directory (runDir) the next (go-criu passes inherited files as 3, 4, ...
-// in key order). done releases them once criu has exited.
-func (r *Runner) criu(ctx context.Context, wrapper string, dir *os.File) (c *gocriu.Criu, run *os.File, done func(), err error) {
+// files are what criu inherits for a run on image directory dir, by key
+// (startSwrk passes them as 3, 4, ... in key order): the criu binary fd 3,
+// the image dir fd 4, the host's loader and libraries 5 and on, and the
+// run's private directory (runDir) the next. done releases them once criu
+// has exited.
+func (r *Runner) files(ctx context.Context, dir *os.File) (files map[string]*os.File, done func(), err error) {
 	bin, err := os.Open(r.Path)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
 	run, runDone, err := r.runDir(ctx)
 	if err != nil {
 		bin.Close()
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
-	c = gocriu.MakeCriu()
-	c.SetCriuPath(wrapper)
-	c.AddInheritFd("00-criu-binary", bin)
-	c.AddInheritFd("01-images-dir", dir)
-	r.libs.addTo(c)
-	c.AddInheritFd("03-criu-run", run)
-	return c, run, func() { bin.Close(); run.Close(); runDone() }, nil
+	files = map[string]*os.File{"00-criu-binary": bin, "01-images-dir": dir, "03-criu-run": run}
+	for i, f := range r.libs.files() {
+		files[fmt.Sprintf("02-host-lib-%02d", i)] = f
+	}
+	return files, func() { bin.Close(); run.Close(); runDone() }, nil
 }
 
-// runCtx runs f, the go-criu call of run dir, killing criu if ctx ends
-// first (go-criu's own Cleanup then reaps it). It waits for f at most
-// killedWait after the kill: a criu whose wrapper died first has been
-// reparented to the sandbox's init, where killRun does not find it, and
-// go-criu would wait for it forever (seen once under a loaded test run);
-// such a criu is left to die with the sandbox.
-func runCtx(ctx context.Context, dir *os.File, f func() error) error {
-	done := make(chan error, 1)
-	go func() { done <- f() }()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-	}
-	t := time.NewTicker(10 * time.Millisecond)
-	defer t.Stop()
-	for !killRun(dir.Name()) {
-		select {
-		case <-done:
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
-	select {
-	case <-done:
-		return ctx.Err()
-	case <-time.After(killedWait):
-		return fmt.Errorf("%w (criu did not end %s after the kill; left to end with the sandbox)", ctx.Err(), killedWait)
-	}
-}
-
-// killedWait bounds how long runCtx waits for go-criu once criu is killed.
+// killedWait bounds how long a run waits for criu to exit once its session
+// ends, and then once it is killed (swrk.close).
 const killedWait = 10 * time.Second
 
 // cgroupProcsFiles returns the cgroup.procs files of every cgroup pid is in

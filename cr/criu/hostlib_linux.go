@@ -8,8 +8,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-
-	gocriu "github.com/checkpoint-restore/go-criu/v8"
 )
 
 // criu runs inside a sandbox's mount namespace, where every path is the
@@ -116,14 +114,6 @@ func (h *hostLibs) files() []*os.File {
 		return nil
 	}
 	return append([]*os.File{h.ld}, h.dirs...)
-}
-
-// addTo hands the files to a go-criu client (keys sort after the binary's
-// and the image directory's, before CRIU's own file keys).
-func (h *hostLibs) addTo(c *gocriu.Criu) {
-	for i, f := range h.files() {
-		c.AddInheritFd(fmt.Sprintf("02-host-lib-%02d", i), f)
-	}
 }
 
 // exec is the command line prefix that runs the binary at fd 3 with the

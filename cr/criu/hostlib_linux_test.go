@@ -68,7 +68,7 @@ func TestWrapperUsesHostLoader(t *testing.T) {
 	if out, err := exec.Command("nsenter", "-t", strconv.Itoa(nsInit), "-m", "--", "/bin/true").CombinedOutput(); err == nil {
 		t.Fatalf("a dynamic program ran with the junk loader in place: %s", out)
 	}
-	w, err := r.wrapper(nsInit, false)
+	w, err := r.wrapper(nsInit)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,13 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // criu runs inside a sandbox's mount namespace, where every path it opens
@@ -44,10 +40,6 @@ import (
 // A missing or stale cache now only costs a slow probe that finds no
 // programs to run; the sandbox's own /run/criu.kdat, whatever it is, is
 // never opened.
-
-// wrapperPidName is the file of a run directory where the wrapper script
-// writes its pid (see killRun).
-const wrapperPidName = "wrapper.pid"
 
 // kdatName is CRIU's cache file name.
 const kdatName = "criu.kdat"
@@ -170,47 +162,6 @@ func (r *Runner) hardening() (env, args string) {
 	run := "/proc/self/fd/" + strconv.Itoa(r.runFD())
 	env = "unset CRIU_CONFIG_FILE CRIU_LIBS_DIR\n" +
 		"export CRIU_FAULT=" + noBreakpoints + "\n" +
-		"echo $$ >" + run + "/" + wrapperPidName + " || exit 96\n" +
 		"export PATH=" + run + " HOME=" + run + " XDG_RUNTIME_DIR=" + run + "\n"
 	return env, " --no-default-config --unprivileged --libdir " + run
-}
-
-// killRun SIGKILLs the criu of the run whose directory is dir, and its
-// wrapper: the wrapper script execs nsenter (or criu), whose child is criu.
-// go-criu only closes its socket on cancellation and waits, which never
-// ends while criu is blocked (say, opening a FIFO of the sandbox). It
-// returns false if the wrapper has not written its pid yet.
-func killRun(dir string) bool {
-	b, err := os.ReadFile(filepath.Join(dir, wrapperPidName))
-	if err != nil {
-		return false
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pid <= 0 {
-		return false
-	}
-	// The wrapper is a child of this process that nobody has waited for
-	// (its pid cannot be reused). Its child, criu, cannot be reaped before
-	// it dies: one that is still listed after its pidfd is open is the
-	// same process.
-	children := func() []string {
-		c, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
-		return strings.Fields(string(c))
-	}
-	for _, k := range children() {
-		kid, err := strconv.Atoi(k)
-		if err != nil {
-			continue
-		}
-		fd, err := unix.PidfdOpen(kid, 0)
-		if err != nil {
-			continue
-		}
-		if slices.Contains(children(), k) {
-			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-		}
-		unix.Close(fd)
-	}
-	_ = unix.Kill(pid, unix.SIGKILL)
-	return true
 }

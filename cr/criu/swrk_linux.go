@@ -1,0 +1,281 @@
+package criu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/checkpoint-restore/go-criu/v8/rpc"
+	"golang.org/x/sys/unix"
+)
+
+// A swrk is one criu process in RPC ("swrk") mode, started by the daemon
+// itself inside a sandbox's namespaces and cgroups.
+//
+// go-criu starts criu with exec.Command(path, "swrk", fd): no argument can
+// precede "swrk" (criu needs --no-default-config there, or it reads the
+// sandbox's /etc/criu/default.conf), no environment of its own, and the
+// child is born in the caller's namespaces and cgroups. Dumps and restores
+// therefore used to go through a shell script that joined the sandbox's
+// cgroups and exec'd nsenter(1), which entered the namespaces and forked
+// criu: two more processes to start on every run, 11-16 ms of a 40-56 ms
+// restore on this project's VM. Here a locked OS thread enters the
+// namespaces (setns) and starts criu directly, with its arguments and
+// environment, into the sandbox's cgroup v2 (CLONE_INTO_CGROUP); the v1
+// hierarchies get its pid before it is sent the request. The request and
+// its notifications follow go-criu's protocol (its rpc types).
+type swrk struct {
+	cmd *exec.Cmd
+	sk  *os.File
+	// keys are the inherited files' keys in fd order (fd 3 on).
+	keys []string
+}
+
+// errNotify is a notification swrk.call's caller did not expect.
+var errNotify = errors.New("unexpected notify")
+
+// startSwrk starts criu for one request. files are the descriptors it
+// inherits, by key: in key order from fd 3 on, and each named to criu
+// under its key (InheritFd), as go-criu does. With nsPID, criu runs in
+// that process's IPC, UTS, network, PID and mount namespaces, and with
+// joinCgroups in its cgroups: restores join them (the restored processes
+// are then born in the sandbox's freezer, pids, memory and v2 cgroups);
+// dumps must not, or a later freeze of the sandbox would freeze criu in
+// the middle of its work.
+func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.File) (*swrk, error) {
+	keys := make([]string, 0, len(files))
+	for k := range files {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	extra := make([]*os.File, 0, len(keys)+1)
+	for _, k := range keys {
+		extra = append(extra, files[k])
+	}
+	fds, err := unix.Socketpair(unix.AF_LOCAL, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("criu socket: %w", err)
+	}
+	cln := os.NewFile(uintptr(fds[0]), "criu-swrk-client")
+	srv := os.NewFile(uintptr(fds[1]), "criu-swrk-server")
+	defer srv.Close()
+	extra = append(extra, srv)
+	srvFD := 3 + len(extra) - 1
+
+	// The standard streams are the host's /dev/null, opened here: after
+	// setns a path would resolve in the sandbox's mount namespace.
+	null, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		cln.Close()
+		return nil, err
+	}
+	defer null.Close()
+
+	run := "/proc/self/fd/" + strconv.Itoa(r.runFD())
+	argv := []string{"/proc/self/fd/3"}
+	if r.libs != nil {
+		argv = strings.Fields(r.libs.exec())
+	}
+	argv = append(argv, "--no-default-config", "--unprivileged", "--libdir", run, "swrk", strconv.Itoa(srvFD))
+	cmd := &exec.Cmd{
+		Path: argv[0],
+		Args: argv,
+		// CRIU_FAULT: see noBreakpoints; the rest keep criu's helpers,
+		// caches and user configuration in the run directory.
+		Env:        []string{"CRIU_FAULT=" + noBreakpoints, "PATH=" + run, "HOME=" + run, "XDG_RUNTIME_DIR=" + run},
+		Stdin:      null,
+		Stdout:     null,
+		Stderr:     null,
+		ExtraFiles: extra,
+	}
+	var v1 []string
+	if nsPID != 0 && joinCgroups {
+		cgs, err := cgroupProcsFiles(nsPID)
+		if err != nil {
+			cln.Close()
+			return nil, fmt.Errorf("cgroups of %d: %w", nsPID, err)
+		}
+		for _, f := range cgs {
+			dir := strings.TrimSuffix(f, "/cgroup.procs")
+			var st unix.Statfs_t
+			if unix.Statfs(dir, &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC && cmd.SysProcAttr == nil {
+				d, err := os.Open(dir)
+				if err != nil {
+					cln.Close()
+					return nil, fmt.Errorf("cgroup %s: %w", dir, err)
+				}
+				defer d.Close()
+				cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(d.Fd())}
+				continue
+			}
+			v1 = append(v1, f)
+		}
+	}
+	if err := startInNamespaces(nsPID, cmd); err != nil {
+		cln.Close()
+		return nil, fmt.Errorf("start criu: %w", err)
+	}
+	s := &swrk{cmd: cmd, sk: cln, keys: keys}
+	// criu waits for its request before it makes any process: it joins
+	// the v1 hierarchies first (pids, freezer, memory: the restored
+	// processes are born there).
+	pid := strconv.Itoa(cmd.Process.Pid)
+	for _, f := range v1 {
+		if err := os.WriteFile(f, []byte(pid), 0); err != nil {
+			s.kill()
+			return nil, fmt.Errorf("move criu into %s: %w", f, err)
+		}
+	}
+	return s, nil
+}
+
+// startInNamespaces starts cmd from a new OS thread that entered nsPID's
+// IPC, UTS, network, PID and mount namespaces (the child is born in them),
+// or from the caller's when nsPID is 0. The thread is never given back: it
+// ends with its goroutine (the runtime starts no thread from it).
+func startInNamespaces(nsPID int, cmd *exec.Cmd) error {
+	if nsPID == 0 {
+		return cmd.Start()
+	}
+	kinds := []struct {
+		name string
+		flag int
+	}{
+		{"ipc", unix.CLONE_NEWIPC}, {"uts", unix.CLONE_NEWUTS}, {"net", unix.CLONE_NEWNET},
+		{"pid", unix.CLONE_NEWPID}, {"mnt", unix.CLONE_NEWNS}, // mnt last: /proc is the sandbox's after it
+	}
+	var nsfd []int
+	defer func() {
+		for _, fd := range nsfd {
+			unix.Close(fd)
+		}
+	}()
+	for _, k := range kinds {
+		fd, err := unix.Open("/proc/"+strconv.Itoa(nsPID)+"/ns/"+k.name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("namespace %s of %d: %w", k.name, nsPID, err)
+		}
+		nsfd = append(nsfd, fd)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: see above
+		errc <- func() error {
+			// setns into a mount namespace needs a thread of its own
+			// file-system context (root, cwd), not the process's.
+			if err := unix.Unshare(unix.CLONE_FS); err != nil {
+				return fmt.Errorf("unshare fs: %w", err)
+			}
+			for i, k := range kinds {
+				if err := unix.Setns(nsfd[i], k.flag); err != nil {
+					return fmt.Errorf("enter namespace %s of %d: %w", k.name, nsPID, err)
+				}
+			}
+			return cmd.Start()
+		}()
+	}()
+	return <-errc
+}
+
+// call sends criu the request and answers its notifications (notify gets
+// the script name and pid of each; nil refuses them) until criu answers
+// the request itself. ctx ending kills criu.
+func (s *swrk) call(ctx context.Context, typ rpc.CriuReqType, opts *rpc.CriuOpts, notify func(script string, pid int32) error) error {
+	if len(opts.GetInheritFd()) == 0 {
+		for i, k := range s.keys {
+			opts.InheritFd = append(opts.InheritFd, &rpc.InheritFd{Key: ptr(k), Fd: ptr(int32(3 + i))})
+		}
+	}
+	if notify != nil {
+		opts.NotifyScripts = ptr(true)
+	}
+	stop := context.AfterFunc(ctx, s.kill)
+	defer stop()
+	req := &rpc.CriuReq{Type: &typ, Opts: opts}
+	buf := make([]byte, 2*4096)
+	for {
+		b, err := req.MarshalVT()
+		if err != nil {
+			return err
+		}
+		if _, err := s.sk.Write(b); err != nil {
+			return s.failed(ctx, fmt.Errorf("send to criu: %w", err))
+		}
+		n, err := s.sk.Read(buf)
+		if err != nil {
+			return s.failed(ctx, fmt.Errorf("read from criu: %w", err))
+		}
+		resp := &rpc.CriuResp{}
+		if err := resp.UnmarshalVT(buf[:n]); err != nil {
+			return fmt.Errorf("criu answer: %w", err)
+		}
+		if !resp.GetSuccess() {
+			return fmt.Errorf("operation failed (msg:%s err:%d)", resp.GetCrErrmsg(), resp.GetCrErrno())
+		}
+		rt := resp.GetType()
+		if rt != rpc.CriuReqType_NOTIFY {
+			if rt != typ {
+				return fmt.Errorf("criu answered %s to %s", rt, typ)
+			}
+			return nil
+		}
+		if notify == nil {
+			return errNotify
+		}
+		nt := resp.GetNotify()
+		if err := notify(nt.GetScript(), nt.GetPid()); err != nil {
+			return err
+		}
+		req = &rpc.CriuReq{Type: &rt, NotifySuccess: ptr(true)}
+	}
+}
+
+// failed is err, or ctx's error when the call failed because ctx ended
+// (criu was killed).
+func (s *swrk) failed(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}
+
+// kill ends criu at once.
+func (s *swrk) kill() { _ = s.cmd.Process.Kill() }
+
+// close ends the session and waits for criu to exit (it does once its
+// socket closes). A criu still running after killedWait is killed, and one
+// that has not ended killedWait after that (blocked where even SIGKILL
+// waits) is left to end with the sandbox: its exit is collected in the
+// background.
+func (s *swrk) close() error {
+	s.sk.Close()
+	done := make(chan error, 1)
+	go func() { done <- s.cmd.Wait() }()
+	wait := func() (error, bool) {
+		select {
+		case err := <-done:
+			return err, true
+		case <-time.After(killedWait):
+			return nil, false
+		}
+	}
+	err, ok := wait()
+	if !ok {
+		s.kill()
+		if err, ok = wait(); !ok {
+			return fmt.Errorf("criu %d did not end %s after the kill; left to end with the sandbox", s.cmd.Process.Pid, killedWait)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("criu swrk: %w", err)
+	}
+	return nil
+}

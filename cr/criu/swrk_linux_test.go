@@ -1,0 +1,87 @@
+package criu
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/checkpoint-restore/go-criu/v8/rpc"
+	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"golang.org/x/sys/unix"
+)
+
+// TestSwrkStartsInNamespacesAndCancels runs a stand-in for criu through
+// startSwrk: it gets the hardening arguments before "swrk" and only the
+// environment the runner gives it (not the caller's CRIU_CONFIG_FILE), is
+// started from a thread that entered the target's namespaces (here the
+// test's own, which setns accepts), and a call whose context ends kills it
+// however it is blocked: here in open(2) of a FIFO nobody writes.
+func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fake := filepath.Join(dir, "criu")
+	script := "#!/bin/sh\necho \"$@\" >" + dir + "/args\n/usr/bin/env >" + dir + "/env\nexec /bin/cat " + fifo + "\n"
+	if err := os.WriteFile(fake, []byte(script), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("CRIU_CONFIG_FILE", "/etc/evil.conf")
+	bin, err := os.Open(fake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bin.Close()
+	img, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	r := &Runner{Path: fake}
+	s, err := r.startSwrk(os.Getpid(), false, map[string]*os.File{"00-criu-binary": bin, "01-images-dir": img})
+	if err != nil {
+		t.Fatal(err)
+	}
+	read := func(name string) string {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			b, err := os.ReadFile(filepath.Join(dir, name))
+			if err == nil && len(b) > 0 {
+				return string(b)
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the stand-in wrote no %s: %v", name, err)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	if got, want := strings.TrimSpace(read("args")), "--no-default-config --unprivileged --libdir /proc/self/fd/5 swrk 5"; got != want {
+		t.Errorf("arguments %q, want %q", got, want)
+	}
+	env := read("env")
+	if !strings.Contains(env, "CRIU_FAULT="+noBreakpoints+"\n") || strings.Contains(env, "CRIU_CONFIG_FILE") {
+		t.Errorf("environment:\n%s", env)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err = s.call(ctx, rpc.CriuReqType_DUMP, baseOpts(DumpLog), nil)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("call: %v, want the context's deadline", err)
+	}
+	if err := s.close(); err == nil {
+		t.Error("close: nil error for a killed criu")
+	}
+	if d := time.Since(start); d > killedWait {
+		t.Errorf("cancel and close took %s", d)
+	}
+	if err := unix.Kill(s.cmd.Process.Pid, 0); err == nil {
+		t.Errorf("the stand-in %d still exists", s.cmd.Process.Pid)
+	}
+}
