@@ -68,16 +68,30 @@ func TestQuiet(t *testing.T) {
 					t.Fatal("quietAfter false for a process left asleep")
 				}
 				if tc.name == "asleep in read" {
-					// Woken by a line, it runs and sleeps again.
+					// Woken by a line, it runs and sleeps again. The
+					// line leaving the pipe proves it ran (a loaded
+					// machine may take a while to give it a CPU).
 					if _, err := stdin.Write([]byte("line\n")); err != nil {
 						t.Fatal(err)
 					}
-					deadline := time.Now().Add(5 * time.Second)
+					unread := func() int {
+						// FIONREAD (TIOCINQ) works on either end of a pipe.
+						n, err := unix.IoctlGetInt(int(stdin.(interface{ Fd() uintptr }).Fd()), unix.TIOCINQ)
+						if err != nil {
+							t.Fatalf("FIONREAD: %v", err)
+						}
+						return n
+					}
+					deadline := time.Now().Add(30 * time.Second)
+					for unread() > 0 && time.Now().Before(deadline) {
+						time.Sleep(time.Millisecond)
+					}
 					for quietAfter(q, pidfd) && time.Now().Before(deadline) {
 						time.Sleep(time.Millisecond)
 					}
 					if quietAfter(q, pidfd) {
-						t.Fatal("quietAfter true for a process that ran")
+						n, _ := schedCount(pid)
+						t.Fatalf("quietAfter true for a process that ran (%d bytes left unread; run count %d, %d at the probe)", unread(), n, q.pcount)
 					}
 				}
 			}
