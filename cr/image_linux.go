@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -189,7 +187,7 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	// the range keeps it clear of the low pids every sandbox's init and
 	// first processes take, so the image also restores into other
 	// sandboxes (fan-out, re-created sandboxes).
-	if err := setLastPID(init); err != nil {
+	if err := criu.RaiseLastPID(init); err != nil {
 		e.log.Debug("ns_last_pid", "err", err)
 	}
 	cp, err := tm.proc.Fork(true)
@@ -409,27 +407,3 @@ func (e *Engine) removeImage(c *ckpt) {
 
 var _ = inject.ErrMultiThreaded
 
-// setLastPID moves the next pid of init's PID namespace to a random value in
-// the upper half of pid_max, unless it is there already (ns_last_pid can
-// only be written from inside the namespace, hence nsenter). It never moves
-// the counter back: pids are then handed out in increasing order, so a pid
-// an image holds is not given to a later process of the sandbox (a later
-// template, spare or server), which would make the image unrestorable there.
-func setLastPID(init int) error {
-	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
-	if err != nil {
-		return err
-	}
-	pidMax, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pidMax < 1024 {
-		return fmt.Errorf("pid_max %q", b)
-	}
-	low := pidMax / 2
-	last := low + rand.IntN(pidMax/4)
-	script := fmt.Sprintf(`l=$(cat /proc/sys/kernel/ns_last_pid) && [ "$l" -ge %d ] || echo %d > /proc/sys/kernel/ns_last_pid`, low, last)
-	cmd := exec.Command("nsenter", "-t", strconv.Itoa(init), "-p", "--", "sh", "-c", script)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("set ns_last_pid: %v: %s", err, out)
-	}
-	return nil
-}

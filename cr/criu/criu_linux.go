@@ -22,7 +22,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
@@ -56,8 +55,8 @@ func Find(explicit string) (string, error) {
 type Runner struct {
 	// Path is the criu binary.
 	Path string
-	// WrapDir holds the generated namespace-entering wrappers.
-	WrapDir string
+	// RunRoot holds the runs' private directories (runDir).
+	RunRoot string
 	// libs are the host's loader and library directories criu runs with
 	// inside a sandbox (nil for a static criu).
 	libs *hostLibs
@@ -65,14 +64,12 @@ type Runner struct {
 	kdat kdatCache
 }
 
-// NewRunner finds criu (see Find) and prepares a private wrapper directory.
+// NewRunner finds criu (see Find) and prepares a private directory for its
+// runs.
 func NewRunner(explicit string) (*Runner, error) {
 	p, err := Find(explicit)
 	if err != nil {
 		return nil, err
-	}
-	if _, err := exec.LookPath("nsenter"); err != nil {
-		return nil, fmt.Errorf("criu runner: nsenter not found: %w", err)
 	}
 	libs, err := openHostLibs(p)
 	if err != nil {
@@ -83,91 +80,13 @@ func NewRunner(explicit string) (*Runner, error) {
 		libs.close()
 		return nil, err
 	}
-	return &Runner{Path: p, WrapDir: d, libs: libs}, nil
+	return &Runner{Path: p, RunRoot: d, libs: libs}, nil
 }
 
-// Close removes the wrapper directory.
+// Close removes the runs' directory.
 func (r *Runner) Close() error {
 	r.libs.close()
-	return os.RemoveAll(r.WrapDir)
-}
-
-// wrapper returns a script that execs criu inside the PID and mount
-// namespaces of nsPID (host pid), or criu itself when nsPID is 0: the way
-// into the sandbox of the lazy-pages daemon, a command go-criu does not
-// start. Dumps and restores start criu themselves (startSwrk).
-//
-// Inside the sandbox's mount namespace criu's path may not exist: it is
-// exec'd through the inherited descriptor 3, by the host's loader with the
-// host's libraries (descriptors 5 and on, see hostLibs): nothing it runs
-// comes from the sandbox's files. All namespaces but the user one are
-// entered, so criu sees nothing foreign to dump. The lazy-pages daemon
-// stays out of the sandbox's cgroups, as dumps do (see startSwrk).
-func (r *Runner) wrapper(nsPID int) (string, error) {
-	env, args := r.hardening()
-	if nsPID == 0 {
-		return r.script("host", "#!/bin/sh\n"+env+"exec '"+r.Path+"'"+args+" \"$@\"\n")
-	}
-	// Key by pid and start time: a pid reused by a later sandbox's init
-	// must not pick up a stale script.
-	st, err := startTime(nsPID)
-	if err != nil {
-		return "", err
-	}
-	name := fmt.Sprintf("ns-%d-%s", nsPID, st)
-	if p := filepath.Join(r.WrapDir, name); fileExists(p) {
-		return p, nil
-	}
-	nsenter, err := exec.LookPath("nsenter")
-	if err != nil {
-		return "", err
-	}
-	var b strings.Builder
-	b.WriteString("#!/bin/sh\n")
-	b.WriteString(env)
-	fmt.Fprintf(&b, "exec %s -t %d -p -m -n -u -i -- %s%s \"$@\"\n", nsenter, nsPID, r.libs.exec(), args)
-	return r.script(name, b.String())
-}
-
-func fileExists(p string) bool {
-	_, err := os.Stat(p)
-	return err == nil
-}
-
-// script writes an executable script into WrapDir (once).
-func (r *Runner) script(name, text string) (string, error) {
-	p := filepath.Join(r.WrapDir, name)
-	if fileExists(p) {
-		return p, nil
-	}
-	tmp := p + ".tmp"
-	// Hold ForkLock while the script is open for writing: a child forked
-	// meanwhile (any goroutine's os/exec) would inherit the write fd until
-	// its exec, and exec'ing the script then fails with ETXTBSY.
-	syscall.ForkLock.Lock()
-	err := os.WriteFile(tmp, []byte(text), 0o700)
-	syscall.ForkLock.Unlock()
-	if err != nil {
-		return "", err
-	}
-	return p, os.Rename(tmp, p)
-}
-
-// startTime returns field 22 of /proc/pid/stat (start time in ticks).
-func startTime(pid int) (string, error) {
-	b, err := procfs.ReadFile(procfs.PIDPath(pid, "stat"))
-	if err != nil {
-		return "", err
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return "", fmt.Errorf("bad stat of %d", pid)
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return "", fmt.Errorf("bad stat of %d", pid)
-	}
-	return f[19], nil
+	return os.RemoveAll(r.RunRoot)
 }
 
 // Error is a failed CRIU operation with the path of its log.
@@ -382,11 +301,7 @@ func (r *Runner) Restore(ctx context.Context, o RestoreOptions) (int, error) {
 	opts := baseOpts(logName)
 	opts.RstSibling = ptr(false)
 	if o.Lazy {
-		lw, err := r.wrapper(o.NSInit)
-		if err != nil {
-			return 0, fmt.Errorf("criu restore: %w", err)
-		}
-		stop, err := r.startLazyPages(ctx, lw, o.Dir)
+		stop, err := r.startLazyPages(ctx, o.NSInit, o.Dir)
 		if err != nil {
 			return 0, &Error{Op: "lazy-pages", Log: filepath.Join(o.Dir, LazyLog), Err: err}
 		}
@@ -430,7 +345,7 @@ func runLogName() (string, error) {
 // run as a command. The returned stop reaps the daemon in the background:
 // it exits by itself once every page is in, and must not be killed before
 // (the restored process would fault on missing pages).
-func (r *Runner) startLazyPages(ctx context.Context, wrapper, dir string) (func(), error) {
+func (r *Runner) startLazyPages(ctx context.Context, nsPID int, dir string) (func(), error) {
 	bin, err := os.Open(r.Path)
 	if err != nil {
 		return nil, err
@@ -448,9 +363,16 @@ func (r *Runner) startLazyPages(ctx context.Context, wrapper, dir string) (func(
 	defer run.Close()
 	sock := filepath.Join(dir, "lazy-pages.socket")
 	_ = os.Remove(sock)
-	cmd := exec.Command(wrapper, "lazy-pages", "--images-dir", "/proc/self/fd/4", "-o", LazyLog, "-v4")
+	null, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		runDone()
+		return nil, err
+	}
+	defer null.Close()
+	cmd := r.command("lazy-pages", "--images-dir", "/proc/self/fd/4", "-o", LazyLog, "-v4")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, null, null
 	cmd.ExtraFiles = append(append([]*os.File{bin, d}, r.libs.files()...), run)
-	if err := cmd.Start(); err != nil {
+	if err := startInNamespaces(nsPID, cmd); err != nil {
 		runDone()
 		return nil, err
 	}

@@ -116,15 +116,15 @@ func (h *hostLibs) files() []*os.File {
 	return append([]*os.File{h.ld}, h.dirs...)
 }
 
-// exec is the command line prefix that runs the binary at fd 3 with the
+// argv is the command line prefix that runs the binary at fd 3 with the
 // host's loader and libraries, as seen from inside any mount namespace.
-func (h *hostLibs) exec() string {
+func (h *hostLibs) argv() []string {
 	if h == nil {
-		return "/proc/self/fd/3"
+		return []string{"/proc/self/fd/3"}
 	}
 	paths := make([]string, len(h.dirs))
 	for i := range h.dirs {
 		paths[i] = "/proc/self/fd/" + strconv.Itoa(6+i)
 	}
-	return "/proc/self/fd/5 --inhibit-cache --library-path " + strings.Join(paths, ":") + " --argv0 criu /proc/self/fd/3"
+	return []string{"/proc/self/fd/5", "--inhibit-cache", "--library-path", strings.Join(paths, ":"), "--argv0", "criu", "/proc/self/fd/3"}
 }

@@ -16,10 +16,10 @@ import (
 )
 
 // A mount namespace whose program interpreter is junk (as a hostile sandbox
-// could make its own): criu run there through the runner's wrapper must
-// still start, with the host's loader and libraries (a dynamic criu) or
-// with none (a static one, as scripts/deps.sh builds).
-func TestWrapperUsesHostLoader(t *testing.T) {
+// could make its own): criu started there by the runner (command,
+// startInNamespaces) must still start, with the host's loader and libraries
+// (a dynamic criu) or with none (a static one, as scripts/deps.sh builds).
+func TestCommandUsesHostLoader(t *testing.T) {
 	testenv.RequireRoot(t)
 	r, err := NewRunner("")
 	testenv.RequireNoErr(t, err, "criu")
@@ -68,10 +68,6 @@ func TestWrapperUsesHostLoader(t *testing.T) {
 	if out, err := exec.Command("nsenter", "-t", strconv.Itoa(nsInit), "-m", "--", "/bin/true").CombinedOutput(); err == nil {
 		t.Fatalf("a dynamic program ran with the junk loader in place: %s", out)
 	}
-	w, err := r.wrapper(nsInit)
-	if err != nil {
-		t.Fatal(err)
-	}
 	bin, err := os.Open(r.Path)
 	if err != nil {
 		t.Fatal(err)
@@ -88,12 +84,12 @@ func TestWrapperUsesHostLoader(t *testing.T) {
 	}
 	defer runDone()
 	defer run.Close()
-	cmd := exec.Command(w, "--version")
+	cmd := r.command("--version")
 	cmd.ExtraFiles = append(append([]*os.File{bin, dir}, r.libs.files()...), run)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	done := make(chan error, 1)
-	if err := cmd.Start(); err != nil {
+	if err := startInNamespaces(nsInit, cmd); err != nil {
 		t.Fatal(err)
 	}
 	go func() { done <- cmd.Wait() }()
@@ -101,9 +97,9 @@ func TestWrapperUsesHostLoader(t *testing.T) {
 	case err = <-done:
 	case <-time.After(time.Minute):
 		_ = cmd.Process.Kill()
-		t.Fatal("criu --version through the wrapper hangs")
+		t.Fatal("criu --version in the namespace hangs")
 	}
 	if err != nil || !strings.Contains(out.String(), "Version:") {
-		t.Fatalf("criu through the wrapper: %v: %s", err, out.String())
+		t.Fatalf("criu in the namespace: %v: %s", err, out.String())
 	}
 }

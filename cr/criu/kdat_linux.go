@@ -115,7 +115,7 @@ func (l *limitedWriter) Write(p []byte) (int, error) {
 // has exited.
 func (r *Runner) runDir(ctx context.Context) (*os.File, func(), error) {
 	data, _ := r.Kdat(ctx) // without a cache criu probes (see above)
-	d, err := os.MkdirTemp(r.WrapDir, "run-")
+	d, err := os.MkdirTemp(r.RunRoot, "run-")
 	if err != nil {
 		return nil, nil, fmt.Errorf("criu run directory: %w", err)
 	}
@@ -156,12 +156,28 @@ const noBreakpoints = "130"
 // host (a baseline's own criu, say): CRIU_FAULT=130, see noBreakpoints.
 func Env() []string { return []string{"CRIU_FAULT=" + noBreakpoints} }
 
-// hardening is the part of the wrapper script that sets criu's environment
-// and the command line prefix that follows the binary (see above).
-func (r *Runner) hardening() (env, args string) {
+// command is criu run with args, as the runner runs it in a sandbox
+// (startInNamespaces). Inside the sandbox's mount namespace criu's path may
+// not exist: it is exec'd through the inherited descriptor 3, by the host's
+// loader with the host's libraries (descriptors 5 and on, see hostLibs), so
+// nothing it runs comes from the sandbox's files. The arguments before args
+// and the environment, which is nothing of the caller's, are the hardening
+// described above: no configuration file is read, helpers and caches live
+// in the run's private directory (runFD), and CRIU_FAULT is set (see
+// noBreakpoints). The caller sets the standard streams and ExtraFiles (fd
+// 3 the binary, 4 the image directory, then hostLibs' files and the run
+// directory).
+func (r *Runner) command(args ...string) *exec.Cmd {
 	run := "/proc/self/fd/" + strconv.Itoa(r.runFD())
-	env = "unset CRIU_CONFIG_FILE CRIU_LIBS_DIR\n" +
-		"export CRIU_FAULT=" + noBreakpoints + "\n" +
-		"export PATH=" + run + " HOME=" + run + " XDG_RUNTIME_DIR=" + run + "\n"
-	return env, " --no-default-config --unprivileged --libdir " + run
+	argv := []string{"/proc/self/fd/3"}
+	if r.libs != nil {
+		argv = r.libs.argv()
+	}
+	argv = append(argv, "--no-default-config", "--unprivileged", "--libdir", run)
+	argv = append(argv, args...)
+	return &exec.Cmd{
+		Path: argv[0],
+		Args: argv,
+		Env:  []string{"CRIU_FAULT=" + noBreakpoints, "PATH=" + run, "HOME=" + run, "XDG_RUNTIME_DIR=" + run},
+	}
 }
