@@ -406,4 +406,3 @@ func (e *Engine) removeImage(c *ckpt) {
 }
 
 var _ = inject.ErrMultiThreaded
-
