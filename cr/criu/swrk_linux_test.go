@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -85,60 +83,5 @@ func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
 	}
 	if err := unix.Kill(s.cmd.Process.Pid, 0); err == nil {
 		t.Errorf("the stand-in %d still exists", s.cmd.Process.Pid)
-	}
-}
-
-// TestRaiseLastPID: a new PID namespace's counter goes to the upper half of
-// pid_max, and stays where it is on a second call.
-func TestRaiseLastPID(t *testing.T) {
-	testenv.RequireRoot(t)
-	target := exec.Command("unshare", "--pid", "--fork", "sleep", "60")
-	if err := target.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = target.Process.Kill(); _ = target.Wait() })
-	var nsInit int
-	deadline := time.Now().Add(10 * time.Second)
-	for nsInit == 0 && time.Now().Before(deadline) {
-		b, _ := os.ReadFile("/proc/" + strconv.Itoa(target.Process.Pid) + "/task/" + strconv.Itoa(target.Process.Pid) + "/children")
-		nsInit, _ = strconv.Atoi(strings.TrimSpace(string(b)))
-		time.Sleep(5 * time.Millisecond)
-	}
-	if nsInit == 0 {
-		t.Fatal("no namespace init")
-	}
-	lastPID := func() int {
-		t.Helper()
-		out, err := exec.Command("nsenter", "-t", strconv.Itoa(nsInit), "-p", "--", "cat", "/proc/sys/kernel/ns_last_pid").Output()
-		if err != nil {
-			t.Fatal(err)
-		}
-		n, err := strconv.Atoi(strings.TrimSpace(string(out)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
-	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
-	if err != nil {
-		t.Fatal(err)
-	}
-	pidMax, _ := strconv.Atoi(strings.TrimSpace(string(b)))
-	if l := lastPID(); l >= pidMax/2 {
-		t.Fatalf("a new namespace's counter is %d already", l)
-	}
-	if err := RaiseLastPID(nsInit); err != nil {
-		t.Fatal(err)
-	}
-	first := lastPID()
-	if first < pidMax/2 || first >= pidMax*3/4+1 {
-		t.Fatalf("counter %d, want within [%d, %d]", first, pidMax/2, pidMax*3/4)
-	}
-	if err := RaiseLastPID(nsInit); err != nil {
-		t.Fatal(err)
-	}
-	// Each read takes a pid (a cat): the test's and the second call's.
-	if got := lastPID(); got != first+2 {
-		t.Fatalf("counter %d after a second call, want %d (moved only by the two reads)", got, first+2)
 	}
 }

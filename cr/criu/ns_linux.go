@@ -1,0 +1,127 @@
+package criu
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"runtime"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// nsKind is a namespace a thread can enter.
+type nsKind struct {
+	name string
+	flag int
+}
+
+// sandboxNS are the namespaces criu runs in: all of a sandbox's but the
+// user one, so criu sees nothing foreign to dump. mnt is last: /proc is
+// the sandbox's after it.
+var sandboxNS = []nsKind{
+	{"ipc", unix.CLONE_NEWIPC}, {"uts", unix.CLONE_NEWUTS}, {"net", unix.CLONE_NEWNET},
+	{"pid", unix.CLONE_NEWPID}, {"mnt", unix.CLONE_NEWNS},
+}
+
+// startInNamespaces starts cmd from a new OS thread that entered nsPID's
+// IPC, UTS, network, PID and mount namespaces (the child is born in them),
+// or from the caller's when nsPID is 0.
+func startInNamespaces(nsPID int, cmd *exec.Cmd) error {
+	if nsPID == 0 {
+		return cmd.Start()
+	}
+	return startIn(nsPID, sandboxNS, cmd)
+}
+
+// startIn starts cmd from a new OS thread that entered the namespaces
+// kinds of nsPID. The thread is never given back: it ends with its
+// goroutine (the runtime starts no thread from it).
+func startIn(nsPID int, kinds []nsKind, cmd *exec.Cmd) error {
+	var nsfd []int
+	defer func() {
+		for _, fd := range nsfd {
+			unix.Close(fd)
+		}
+	}()
+	for _, k := range kinds {
+		fd, err := unix.Open("/proc/"+strconv.Itoa(nsPID)+"/ns/"+k.name, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("namespace %s of %d: %w", k.name, nsPID, err)
+		}
+		nsfd = append(nsfd, fd)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: see above
+		errc <- func() error {
+			// setns into a mount namespace needs a thread of its own
+			// file-system context (root, cwd), not the process's.
+			if err := unix.Unshare(unix.CLONE_FS); err != nil {
+				return fmt.Errorf("unshare fs: %w", err)
+			}
+			for i, k := range kinds {
+				if err := unix.Setns(nsfd[i], k.flag); err != nil {
+					return fmt.Errorf("enter namespace %s of %d: %w", k.name, nsPID, err)
+				}
+			}
+			return cmd.Start()
+		}()
+	}()
+	return <-errc
+}
+
+// RaiseLastPID moves the next pid of nsInit's PID namespace to a random
+// value in the upper half of pid_max, unless it is there already. It never
+// moves the counter back: pids are then handed out in increasing order, so
+// a pid an image holds is not given to a later process of the sandbox (a
+// later template, spare or server), which would make the image
+// unrestorable there. ns_last_pid is that of the namespace of the process
+// that reads or writes it, so the host's cat reads it from inside that PID
+// namespace (only: it is the host's program, on the host's /proc), and a
+// shell writes it there when it is low (once per sandbox, and after the
+// counter wraps); it used to take nsenter, a shell and cat every time. A
+// shell's read builtin cannot read it: it reads a byte at a time, and a
+// sysctl file answers a read past its start with end of file.
+func RaiseLastPID(nsInit int) error {
+	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		return err
+	}
+	pidMax, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pidMax < 1024 {
+		return fmt.Errorf("pid_max %q", b)
+	}
+	const f = "/proc/sys/kernel/ns_last_pid"
+	pidNS := []nsKind{{"pid", unix.CLONE_NEWPID}}
+	run := func(cmd *exec.Cmd) (string, error) {
+		var out, errb strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, &errb
+		if err := startIn(nsInit, pidNS, cmd); err != nil {
+			return "", err
+		}
+		if err := cmd.Wait(); err != nil {
+			return "", fmt.Errorf("%v: %s", err, errb.String())
+		}
+		return out.String(), nil
+	}
+	out, err := run(exec.Command("/bin/cat", f))
+	if err != nil {
+		return fmt.Errorf("read ns_last_pid: %w", err)
+	}
+	cur, err := strconv.Atoi(strings.TrimSpace(out))
+	if err != nil {
+		return fmt.Errorf("read ns_last_pid: %q", out)
+	}
+	low := pidMax / 2
+	if cur >= low {
+		return nil
+	}
+	last := low + rand.IntN(pidMax/4)
+	if _, err := run(exec.Command("/bin/sh", "-c", fmt.Sprintf("echo %d >%s", last, f))); err != nil {
+		return fmt.Errorf("set ns_last_pid: %w", err)
+	}
+	return nil
+}
