@@ -174,6 +174,31 @@ const dumpTimeout = 5 * time.Minute
 // criu to seize. The pid is registered so restores never mistake it for a
 // live process.
 func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
+	// CRIU restores the copy's exact pid. A pid from the upper half of
+	// the range keeps it clear of the low pids every sandbox's init and
+	// first processes take, so the image also restores into other
+	// sandboxes (fan-out, re-created sandboxes). The counter only grows,
+	// so it is raised before the sandbox's lock is taken: the fork below
+	// gets a pid above it all the same, and restores do not wait for the
+	// process it takes to read (and maybe write) it.
+	if err := criu.RaiseLastPID(init); err != nil {
+		e.log.Debug("ns_last_pid", "err", err)
+	}
+	cp, err := e.forkDumpCopy(tm)
+	if err != nil {
+		return 0, err
+	}
+	// Stopped, detached and a helper (aux): the lock is not needed for
+	// the wait.
+	if !waitUntil(context.Background(), 10*time.Second, func() bool { st, _ := procState(cp); return st == 'T' }) {
+		return cp, fmt.Errorf("dump copy %d did not stop", cp)
+	}
+	return cp, nil
+}
+
+// forkDumpCopy is dumpCopy's part under the sandbox's lock: the fork of the
+// copy and its set-up, until it is detached in a SIGSTOP stop.
+func (e *Engine) forkDumpCopy(tm *template) (int, error) {
 	l := e.sandboxLock(tm.sandbox)
 	l.Lock()
 	defer l.Unlock()
@@ -182,13 +207,6 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	e.mu.Unlock()
 	if dropped {
 		return 0, errDropped
-	}
-	// CRIU restores the copy's exact pid. A pid from the upper half of
-	// the range keeps it clear of the low pids every sandbox's init and
-	// first processes take, so the image also restores into other
-	// sandboxes (fan-out, re-created sandboxes).
-	if err := criu.RaiseLastPID(init); err != nil {
-		e.log.Debug("ns_last_pid", "err", err)
 	}
 	cp, err := tm.proc.Fork(true)
 	if err != nil {
@@ -214,9 +232,6 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 		_ = cp.Kill()
 		e.forgetAux(tm, cp.Pid())
 		return 0, err
-	}
-	if !waitUntil(context.Background(), 10*time.Second, func() bool { st, _ := procState(cp.Pid()); return st == 'T' }) {
-		return cp.Pid(), fmt.Errorf("dump copy %d did not stop", cp.Pid())
 	}
 	return cp.Pid(), nil
 }
