@@ -105,6 +105,8 @@ type Engine struct {
 	// processes cannot leave their cgroup on their own (no cgroup file
 	// system, no CAP_SYS_ADMIN).
 	strays map[string]bool
+	// lastPIDMu serialises the dumps' raises of PID counters (dumpCopy).
+	lastPIDMu sync.Mutex
 	// dumps tracks background image dumps; life ends when Close starts,
 	// which cancels them (criu is killed) and waits for them, so no dump
 	// outlives the runner whose wrapper scripts it runs.

@@ -180,8 +180,13 @@ func (e *Engine) dumpCopy(tm *template, init int) (int, error) {
 	// sandboxes (fan-out, re-created sandboxes). The counter only grows,
 	// so it is raised before the sandbox's lock is taken: the fork below
 	// gets a pid above it all the same, and restores do not wait for the
-	// process it takes to read (and maybe write) it.
-	if err := criu.RaiseLastPID(init); err != nil {
+	// process it takes to read (and maybe write) it. Raises are serialised
+	// among themselves: two that both read a low counter would each write
+	// one, and the second could move it back below pids handed out since.
+	e.lastPIDMu.Lock()
+	err := criu.RaiseLastPID(init)
+	e.lastPIDMu.Unlock()
+	if err != nil {
 		e.log.Debug("ns_last_pid", "err", err)
 	}
 	cp, err := e.forkDumpCopy(tm)
