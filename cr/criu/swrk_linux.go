@@ -8,8 +8,6 @@ import (
 	"os/exec"
 	"sort"
 	"strconv"
-	"strings"
-	"syscall"
 	"time"
 
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
@@ -28,8 +26,8 @@ import (
 // criu: two more processes to start on every run, 11-16 ms of a 40-56 ms
 // restore on this project's VM. Here a locked OS thread enters the
 // namespaces (setns) and starts criu directly, with its arguments and
-// environment, into the sandbox's cgroup v2 (CLONE_INTO_CGROUP); the v1
-// hierarchies get its pid before it is sent the request. The request and
+// environment; the sandbox's cgroups (v1 and v2) get its pid before it is
+// sent the request. The request and
 // its notifications follow go-criu's protocol (its rpc types).
 type swrk struct {
 	cmd *exec.Cmd
@@ -81,27 +79,11 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 	cmd := r.command("swrk", strconv.Itoa(srvFD))
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, null, null
 	cmd.ExtraFiles = extra
-	var v1 []string
+	var cgs []string
 	if nsPID != 0 && joinCgroups {
-		cgs, err := cgroupProcsFiles(nsPID)
-		if err != nil {
+		if cgs, err = cgroupProcsFiles(nsPID); err != nil {
 			cln.Close()
 			return nil, fmt.Errorf("cgroups of %d: %w", nsPID, err)
-		}
-		for _, f := range cgs {
-			dir := strings.TrimSuffix(f, "/cgroup.procs")
-			var st unix.Statfs_t
-			if unix.Statfs(dir, &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC && cmd.SysProcAttr == nil {
-				d, err := os.Open(dir)
-				if err != nil {
-					cln.Close()
-					return nil, fmt.Errorf("cgroup %s: %w", dir, err)
-				}
-				defer d.Close()
-				cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(d.Fd())}
-				continue
-			}
-			v1 = append(v1, f)
 		}
 	}
 	if err := startInNamespaces(nsPID, cmd); err != nil {
@@ -110,10 +92,12 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 	}
 	s := &swrk{cmd: cmd, sk: cln, keys: keys}
 	// criu waits for its request before it makes any process: it joins
-	// the v1 hierarchies first (pids, freezer, memory: the restored
-	// processes are born there).
+	// the sandbox's cgroups first, v1 and v2 alike (pids, freezer,
+	// memory: the restored processes are born there). By pid rather than
+	// CLONE_INTO_CGROUP at the fork: that needs Linux 5.7 and covers v2
+	// only.
 	pid := strconv.Itoa(cmd.Process.Pid)
-	for _, f := range v1 {
+	for _, f := range cgs {
 		if err := os.WriteFile(f, []byte(pid), 0); err != nil {
 			s.kill()
 			return nil, fmt.Errorf("move criu into %s: %w", f, err)
