@@ -339,8 +339,9 @@ func runLogName() (string, error) {
 	return "restore-" + hex.EncodeToString(b[:]) + ".log", nil
 }
 
-// startLazyPages starts `criu lazy-pages` for dir (through the same
-// namespace wrapper, with the binary as fd 3 and the image dir as fd 4) and
+// startLazyPages starts `criu lazy-pages` for dir (in the sandbox's
+// namespaces, as command and startInNamespaces start criu, with the binary
+// as fd 3 and the image dir as fd 4; not in its cgroups) and
 // waits for its socket. go-criu has no request for this daemon, so it is
 // run as a command. The returned stop reaps the daemon in the background:
 // it exits by itself once every page is in, and must not be killed before
