@@ -905,33 +905,11 @@ func (b *procBackend) cachedDigest(ck string, orig int) (string, bool) {
 // live shell. The live shell is then recorded as to's process, so later
 // checkpoints can share to's part (Unchanged). Any doubt is a "no".
 func (p *procSandbox) AdoptPart(ctx context.Context, from, to *state.ProcPart) (bool, string) {
-	one := func(part *state.ProcPart) (ck string, pr cr.Proc, sid string, why string) {
-		ck = part.Data["cr"]
-		if part.Data["mode"] != string(cr.ModeTemplate) || ck == "" {
-			return "", pr, "", "a part has no templates"
-		}
-		rec, err := p.b.eng.Record(ck)
-		if err != nil {
-			return "", pr, "", err.Error()
-		}
-		if len(rec.Procs) != 1 {
-			return "", pr, "", fmt.Sprintf("a part holds %d processes", len(rec.Procs))
-		}
-		var sessions map[string]string
-		if err := json.Unmarshal([]byte(part.Data["sessions"]), &sessions); err != nil {
-			return "", pr, "", "a part has no session map"
-		}
-		sid = sessions[strconv.Itoa(rec.Procs[0].PID)]
-		if sid == "" {
-			return "", pr, "", "a part's process is no session's"
-		}
-		return ck, rec.Procs[0], sid, ""
-	}
-	fck, fp, fsid, why := one(from)
+	fck, fp, fsid, why := p.shellPart(from)
 	if why != "" {
 		return false, why
 	}
-	tck, tp, tsid, why := one(to)
+	tck, tp, tsid, why := p.shellPart(to)
 	if why != "" {
 		return false, why
 	}
@@ -1125,32 +1103,46 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	return part, nil
 }
 
+// shellPart returns the cr checkpoint, the one process and the session of
+// a template part of one process that serves a session (a shell the live
+// one can be compared with), or why part is not one.
+func (p *procSandbox) shellPart(part *state.ProcPart) (ck string, pr cr.Proc, sid string, why string) {
+	ck = part.Data["cr"]
+	if part.Data["mode"] != string(cr.ModeTemplate) || ck == "" {
+		return "", pr, "", "a part has no templates"
+	}
+	rec, err := p.b.eng.Record(ck)
+	if err != nil {
+		return "", pr, "", err.Error()
+	}
+	if len(rec.Procs) != 1 {
+		return "", pr, "", fmt.Sprintf("a part holds %d processes", len(rec.Procs))
+	}
+	var sessions map[string]string
+	if err := json.Unmarshal([]byte(part.Data["sessions"]), &sessions); err != nil {
+		return "", pr, "", "a part has no session map"
+	}
+	sid = sessions[strconv.Itoa(rec.Procs[0].PID)]
+	if sid == "" {
+		return "", pr, "", "a part's process is no session's"
+	}
+	return ck, rec.Procs[0], sid, ""
+}
+
 // templateDigestTimeout bounds a template digest taken ahead (Persist).
 const templateDigestTimeout = 2 * time.Second
 
-// shellTemplate reports whether part is a template part of one process that
-// serves a session (the shells AdoptPart can keep), and that process's pid.
+// shellTemplate reports whether part is a shell's (shellPart) whose
+// template digest is not known yet, and that process's pid.
 func (p *procSandbox) shellTemplate(part *state.ProcPart) (int, bool) {
-	ck := part.Data["cr"]
-	if part.Data["mode"] != string(cr.ModeTemplate) || ck == "" || part.Processes != 1 {
+	ck, pr, _, why := p.shellPart(part)
+	if why != "" {
 		return 0, false
 	}
-	rec, err := p.b.eng.Record(ck)
-	if err != nil || len(rec.Procs) != 1 {
+	if _, ok := p.b.cachedDigest(ck, pr.PID); ok {
 		return 0, false
 	}
-	var sessions map[string]string
-	if json.Unmarshal([]byte(part.Data["sessions"]), &sessions) != nil {
-		return 0, false
-	}
-	orig := rec.Procs[0].PID
-	if sessions[strconv.Itoa(orig)] == "" {
-		return 0, false
-	}
-	if _, ok := p.b.cachedDigest(ck, orig); ok {
-		return 0, false
-	}
-	return orig, true
+	return pr.PID, true
 }
 
 func (p *procSandbox) fillParts(part *state.ProcPart) {

@@ -347,38 +347,32 @@ func runLogName() (string, error) {
 // it exits by itself once every page is in, and must not be killed before
 // (the restored process would fault on missing pages).
 func (r *Runner) startLazyPages(ctx context.Context, nsPID int, dir string) (func(), error) {
-	bin, err := os.Open(r.Path)
-	if err != nil {
-		return nil, err
-	}
-	defer bin.Close()
 	d, err := os.Open(dir)
 	if err != nil {
 		return nil, err
 	}
 	defer d.Close()
-	run, runDone, err := r.runDir(ctx)
+	files, filesDone, err := r.files(ctx, d)
 	if err != nil {
 		return nil, err
 	}
-	defer run.Close()
 	sock := filepath.Join(dir, "lazy-pages.socket")
 	_ = os.Remove(sock)
 	null, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
 	if err != nil {
-		runDone()
+		filesDone()
 		return nil, err
 	}
 	defer null.Close()
 	cmd := r.command("lazy-pages", "--images-dir", "/proc/self/fd/4", "-o", LazyLog, "-v4")
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, null, null
-	cmd.ExtraFiles = append(append([]*os.File{bin, d}, r.libs.files()...), run)
+	_, cmd.ExtraFiles = inOrder(files)
 	if err := startInNamespaces(nsPID, cmd); err != nil {
-		runDone()
+		filesDone()
 		return nil, err
 	}
 	done := make(chan error, 1)
-	go func() { done <- cmd.Wait(); runDone() }()
+	go func() { done <- cmd.Wait(); filesDone() }()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := os.Stat(sock); err == nil {

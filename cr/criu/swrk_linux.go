@@ -48,15 +48,7 @@ var errNotify = errors.New("unexpected notify")
 // dumps must not, or a later freeze of the sandbox would freeze criu in
 // the middle of its work.
 func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.File) (*swrk, error) {
-	keys := make([]string, 0, len(files))
-	for k := range files {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	extra := make([]*os.File, 0, len(keys)+1)
-	for _, k := range keys {
-		extra = append(extra, files[k])
-	}
+	keys, extra := inOrder(files)
 	fds, err := unix.Socketpair(unix.AF_LOCAL, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("criu socket: %w", err)
@@ -104,6 +96,21 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 		}
 	}
 	return s, nil
+}
+
+// inOrder returns files' keys sorted and the files in that order: criu
+// inherits them as descriptors 3, 4, ...
+func inOrder(files map[string]*os.File) ([]string, []*os.File) {
+	keys := make([]string, 0, len(files))
+	for k := range files {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	out := make([]*os.File, 0, len(keys)+1)
+	for _, k := range keys {
+		out = append(out, files[k])
+	}
+	return keys, out
 }
 
 // call sends criu the request and answers its notifications (notify gets
