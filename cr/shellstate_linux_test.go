@@ -74,6 +74,9 @@ func (r *shellRig) settle() {
 
 func (r *shellRig) digest() *ShellState {
 	r.t.Helper()
+	// A digest right after another finds the shell restarting the read
+	// the last one interrupted (ErrShellBusy): wait for it to sleep there.
+	r.settle()
 	st, err := r.e.ShellDigest(r.ctx, r.sb, r.ss.PID())
 	if err != nil {
 		r.t.Fatalf("ShellDigest: %v", err)
