@@ -9,6 +9,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -868,8 +869,17 @@ func walkTouched(l *layerDir, t map[string]bool) error {
 
 // invalidate drops the kernel's cached entries and attributes for the
 // given view paths. It must be called without f.mu held.
+//
+// A directory whose entry is dropped and that the new view no longer has
+// takes its subtree with it: the kernel prunes the dentries below it
+// (d_invalidate), and the node leaves the tree, so a later lookup of the
+// name gets a new node rather than splicing the old dentry (and whatever
+// is still held below it) back in. The paths below it need no
+// notification of their own. A tree search switching away from a branch
+// that installed a package skipped hundreds that way.
 func (f *FS) invalidate(paths map[string]bool) {
 	type inval struct {
+		path    string
 		parent  *gofs.Inode
 		name    string
 		child   *gofs.Inode
@@ -888,11 +898,18 @@ func (f *FS) invalidate(paths map[string]bool) {
 		if parent == nil {
 			continue
 		}
-		list = append(list, inval{parent, name, parent.GetChild(name), special})
+		list = append(list, inval{p, parent, name, parent.GetChild(name), special})
 	}
+	// A directory before what it holds: a path sorts before every path
+	// it is a prefix of.
+	slices.SortFunc(list, func(a, b inval) int { return strings.Compare(a.path, b.path) })
+	gone := map[string]bool{} // dropped directories the new view lacks
 	// The root's attributes (mtime, nlink) may differ too.
 	_ = rootIn.NotifyContent(0, 0)
 	for _, iv := range list {
+		if len(gone) > 0 && underAny(iv.path, gone) {
+			continue
+		}
 		var cn *node
 		if iv.child != nil {
 			cn, _ = iv.child.Operations().(*node)
@@ -913,7 +930,31 @@ func (f *FS) invalidate(paths map[string]bool) {
 		if iv.child != nil {
 			_ = iv.child.NotifyContent(0, 0)
 		}
+		if cn != nil && iv.child.IsDir() && f.goneFromView(cn) {
+			iv.parent.RmChild(iv.name)
+			gone[iv.path] = true
+		}
 	}
+}
+
+// underAny reports whether a directory above path p is in dirs.
+func underAny(p string, dirs map[string]bool) bool {
+	for i := strings.LastIndexByte(p, '/'); i > 0; i = strings.LastIndexByte(p[:i], '/') {
+		if dirs[p[:i]] {
+			return true
+		}
+	}
+	return false
+}
+
+// goneFromView reports whether node n has no entry in the current view
+// (or one of another type).
+func (f *FS) goneFromView(n *node) bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	f.ns.RLock()
+	defer f.ns.RUnlock()
+	return n.resolve(f.st, f.gen.Load()) != 0
 }
 
 // stillDir reports whether directory node in resolves to a plain directory

@@ -263,3 +263,85 @@ func TestDirHandleAcrossSwitch(t *testing.T) {
 		}
 	}
 }
+
+// TestSwitchAwayFromSubtree: a switch to a view without a directory drops
+// the directory's entry only (the kernel prunes what lies below it), so
+// nothing below it may be served after the directory comes back in a
+// later view without it - also while descriptors keep the old file and
+// directory inodes alive, whose dentries the kernel could splice back in
+// with the old directory's.
+func TestSwitchAwayFromSubtree(t *testing.T) {
+	cases := []struct {
+		name string
+		hold bool
+	}{
+		{"nothing held", false},
+		{"file and directory held open", true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			fx := mountT(t, nil, Options{})
+			empty := fx.checkpoint(t)
+			mustWrite(t, fx.p("d/sub/x"), "old")
+			mustWrite(t, fx.p("d/y"), "y")
+			with := fx.checkpoint(t)
+			fx.restore(t, empty)
+			// Another branch: d/sub again, from a layer of its own,
+			// without x or y.
+			if err := os.MkdirAll(fx.p("d/sub"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			mustWrite(t, fx.p("d/z"), "z")
+			other := fx.checkpoint(t)
+			for round := 0; round < 3; round++ {
+				fx.restore(t, with)
+				if got := mustRead(t, fx.p("d/sub/x")); got != "old" {
+					t.Fatalf("round %d: d/sub/x = %q, want old", round, got)
+				}
+				var fds []int
+				if tc.hold {
+					for _, p := range []struct {
+						path  string
+						flags int
+					}{{"d/sub/x", unix.O_RDONLY}, {"d/sub", unix.O_RDONLY | unix.O_DIRECTORY}} {
+						fd, err := unix.Open(fx.p(p.path), p.flags|unix.O_CLOEXEC, 0)
+						if err != nil {
+							t.Fatal(err)
+						}
+						fds = append(fds, fd)
+					}
+				}
+				fx.restore(t, empty)
+				var s unix.Stat_t
+				for _, p := range []string{"d", "d/sub", "d/sub/x", "d/y"} {
+					if err := unix.Lstat(fx.p(p), &s); err != unix.ENOENT {
+						t.Fatalf("round %d: lstat %s in the empty view: %v, want ENOENT", round, p, err)
+					}
+				}
+				fx.restore(t, other)
+				for _, p := range []string{"d/sub/x", "d/y"} {
+					if err := unix.Lstat(fx.p(p), &s); err != unix.ENOENT {
+						t.Fatalf("round %d: lstat %s in the other branch: %v, want ENOENT", round, p, err)
+					}
+				}
+				if got, want := readNames(t, fx.p("d/sub")), []string{".", ".."}; !slices.Equal(got, want) {
+					t.Fatalf("round %d: d/sub lists %q in the other branch, want %q", round, got, want)
+				}
+				if got, want := readNames(t, fx.p("d")), []string{".", "..", "sub", "z"}; !slices.Equal(got, want) {
+					t.Fatalf("round %d: d lists %q in the other branch, want %q", round, got, want)
+				}
+				if tc.hold {
+					// The descriptor still reads the file it opened.
+					buf := make([]byte, 8)
+					n, err := unix.Pread(fds[0], buf, 0)
+					if err != nil || string(buf[:n]) != "old" {
+						t.Fatalf("round %d: the held descriptor reads %q, %v; want old", round, buf[:n], err)
+					}
+					for _, fd := range fds {
+						unix.Close(fd)
+					}
+				}
+			}
+		})
+	}
+}
