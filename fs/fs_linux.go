@@ -688,6 +688,11 @@ func (f *FS) Checkpoint() (string, error) {
 			f.pendMu.Unlock()
 		}
 		f.saveMountBG()
+		if pushed {
+			// The layer just frozen is walked now, not by the first
+			// switch into or out of it (a tree search's next restore).
+			_, _ = old.upper.touchedPaths()
+		}
 	}
 	return id, nil
 }
@@ -835,18 +840,30 @@ func touchedPaths(upper *layerDir, frozen []*layerDir) (map[string]bool, error) 
 		}
 	}
 	for _, l := range frozen {
-		l.touchedOnce.Do(func() {
-			l.touched = map[string]bool{}
-			l.touchedErr = walkTouched(l, l.touched)
-		})
-		if l.touchedErr != nil {
-			return nil, l.touchedErr
+		lt, err := l.touchedPaths()
+		if err != nil {
+			return nil, err
 		}
-		for p, special := range l.touched {
+		for p, special := range lt {
 			t[p] = t[p] || special
 		}
 	}
 	return t, nil
+}
+
+// touchedPaths returns the paths frozen layer l holds, walked on first use
+// (a failed walk is tried again next time). The map is shared: read only.
+func (l *layerDir) touchedPaths() (map[string]bool, error) {
+	l.touchedMu.Lock()
+	defer l.touchedMu.Unlock()
+	if l.touched == nil {
+		t := map[string]bool{}
+		if err := walkTouched(l, t); err != nil {
+			return nil, err
+		}
+		l.touched = t
+	}
+	return l.touched, nil
 }
 
 // walkTouched adds the paths layer l holds to t, each marked special when

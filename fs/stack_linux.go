@@ -27,11 +27,12 @@ type layerDir struct {
 	idx   map[string]map[string]bool // dir path -> names (frozen layers only)
 	ents  map[string]*layerEnt       // path -> entry (frozen layers only)
 
-	// The paths a frozen layer holds (see walkTouched), walked once: a
-	// switch invalidates the paths of the layers it leaves and enters.
-	touchedOnce sync.Once
-	touched     map[string]bool
-	touchedErr  error
+	// The paths a frozen layer holds (see walkTouched), walked once (in
+	// the background after the checkpoint that froze it, or by the first
+	// switch that needs them): a switch invalidates the paths of the
+	// layers it leaves and enters.
+	touchedMu sync.Mutex
+	touched   map[string]bool
 
 	// The root attributes of a frozen store layer, read once
 	// (inheritRootMeta), and, for an upper, the layer whose root
