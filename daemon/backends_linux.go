@@ -1365,6 +1365,20 @@ func procStateOf(pid int) (byte, error) {
 	return st.state, err
 }
 
+// prefetchLimit bounds what PrefetchMapped reads per sandbox: a shell's
+// program and libraries are a few megabytes; a sandbox's process mapping
+// a huge file must not make the daemon read all of it.
+const prefetchLimit = 64 << 20
+
+// PrefetchMapped implements state.MappedPrefetcher.
+func (p *procSandbox) PrefetchMapped(ctx context.Context) error {
+	got, err := p.sb.PrefetchMapped(ctx, prefetchLimit)
+	if err == nil && p.b.log.Enabled(ctx, slog.LevelDebug) {
+		p.b.log.Debug("prefetched mapped files", "sandbox", p.sb.ID(), "files", got.Files, "bytes", got.Bytes)
+	}
+	return err
+}
+
 func (p *procSandbox) Close() error {
 	p.mu.Lock()
 	ids := make([]string, 0, len(p.ckpts))

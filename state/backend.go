@@ -84,6 +84,15 @@ type PartAdopter interface {
 	AdoptPart(ctx context.Context, from, to *ProcPart) (bool, string)
 }
 
+// MappedPrefetcher is implemented by process sandboxes that can read the
+// files their processes map into their file system's cache ahead of use
+// (Sandbox.PrefetchMapped in package sandbox). The manager asks a
+// prepared fork child to, before handing it out: its first command then
+// faults no program page in through its file system.
+type MappedPrefetcher interface {
+	PrefetchMapped(ctx context.Context) error
+}
+
 // FSKindResolver is implemented by FS back ends that resolve the fs kind
 // "auto" to the backend they use on this host ("fuse" or "kernel"): the
 // manager records the resolved kind in the sandbox record, so a sandbox

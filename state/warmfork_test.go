@@ -46,6 +46,11 @@ func TestForkPrepared(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.waitWarm(c.ID, 3)
+	// Each prepared child read its processes' mapped files ahead, the
+	// children forked on demand did not (that would delay the fork).
+	if n := e.b.Proc.Prefetches.Load(); n != 3 {
+		t.Fatalf("%d mapped-file prefetches with 3 children prepared, want 3", n)
+	}
 	// Prepared children are not sandboxes yet.
 	if n := len(e.m.List()); n != 4 {
 		t.Fatalf("%d sandboxes listed with 3 children prepared, want 4", n)

@@ -261,13 +261,16 @@ func (m *Mount) Unmount() error {
 type Proc struct {
 	Disk   *Disk
 	Faults *Faults
-	mu     sync.Mutex
-	tpls   map[string]map[string]string
+	// Prefetches counts the sandboxes' PrefetchMapped calls.
+	Prefetches atomic.Int64
+	mu         sync.Mutex
+	tpls       map[string]map[string]string
 }
 
 var (
-	_ state.ProcBackend = (*Proc)(nil)
-	_ state.ProcMeter   = (*Proc)(nil)
+	_ state.ProcBackend      = (*Proc)(nil)
+	_ state.ProcMeter        = (*Proc)(nil)
+	_ state.MappedPrefetcher = (*Sandbox)(nil)
 )
 
 // Sandbox is a fake live sandbox.
@@ -357,6 +360,12 @@ func (p *Proc) TemplateUsage(parts []*state.ProcPart) (int, int64) {
 func (p *Proc) Cleanup(context.Context, string) error { return nil }
 
 // Exec implements state.ProcSandbox.
+// PrefetchMapped implements state.MappedPrefetcher: it counts the call.
+func (s *Sandbox) PrefetchMapped(context.Context) error {
+	s.p.Prefetches.Add(1)
+	return nil
+}
+
 func (s *Sandbox) Exec(ctx context.Context, req state.ExecRequest) (int, error) {
 	out, code := s.run(ctx, req.Argv)
 	if req.Stdout != nil {
