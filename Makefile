@@ -13,6 +13,7 @@ all: build
 
 build:
 	$(GO) build -trimpath -o $(BIN) ./cmd/rewind
+	$(GO) build -trimpath -o bin/rewind-init ./cmd/rewind-init
 
 # Debian packages and CRIU >= 4 (built from source into /opt/rewind/criu when needed).
 deps:

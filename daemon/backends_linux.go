@@ -80,9 +80,17 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return fail(fmt.Errorf("cr: %w", err))
 	}
 	closers = append(closers, func() { eng.Close() })
-	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb}
+	initPath, why, err := resolveInit(cfg.InitPath)
+	if err != nil {
+		return fail(err)
+	}
+	if why != "" {
+		log.Warn("sandbox init: "+InitName+" beside the daemon is not used; the daemon's own binary is", "why", why)
+	}
+	log.Info("sandbox init", "path", initPath)
+	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb, initPath: initPath}
 	if cfg.SpareInits > 0 {
-		pb.spares = sandbox.NewSpares(cfg.SpareInits, "", "spare-", log)
+		pb.spares = sandbox.NewSpares(cfg.SpareInits, initPath, "spare-", log)
 		closers = append(closers, pb.spares.Close)
 	}
 	// Checkpoints whose CRIU images survived the previous daemon (or host)
@@ -653,6 +661,8 @@ type procBackend struct {
 	images map[string]bool // cr checkpoints re-registered from disk at start
 	fsb    *fsBackend      // for the stock-kernel native mounts (nil in tests)
 	spares *sandbox.Spares // inits started ahead (nil: none)
+	// initPath is the sandboxes' init binary ("": the daemon's own).
+	initPath string
 
 	digestMu sync.Mutex
 	digests  map[tmplKey]string // shell digests of templates (see templateDigest)
@@ -665,7 +675,7 @@ type tmplKey struct {
 }
 
 func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
-	cfg := sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log}
+	cfg := sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath}
 	var sb *sandbox.Sandbox
 	var err error
 	if b.spares != nil {

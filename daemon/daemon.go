@@ -63,6 +63,12 @@ type Config struct {
 	// ahead of time (sandbox.Spares): a new sandbox or fork child on one
 	// skips the init's exec and runtime start. 0 keeps none.
 	SpareInits int
+	// InitPath is the binary every sandbox runs as its init. Empty means
+	// InitName (cmd/rewind-init) beside the daemon's executable when it is
+	// there and from the same build, else the daemon's own binary; the
+	// small one starts faster (every new sandbox and fork child waits for
+	// its init's start).
+	InitPath string
 	// StoreConfig is the store config `rewind init-store` writes ("" =
 	// kernelpath.DefaultStoreConfig). If it names this daemon's state dir,
 	// the real backend mounts its image there before using the state dir
@@ -74,6 +80,10 @@ type Config struct {
 	// Ready, if set, is called once the socket accepts connections.
 	Ready func()
 }
+
+// InitName is the sandbox init binary the daemon looks for beside its own
+// (cmd/rewind-init; `make build` puts both in bin/).
+const InitName = "rewind-init"
 
 // DefaultCompactDepth is Config.CompactDepth's default: deep enough that
 // compaction is rare (a tree search of 100 expansions triggers it about

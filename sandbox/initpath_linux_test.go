@@ -23,8 +23,8 @@ func TestInitPaths(t *testing.T) {
 	}
 	goTool, err := exec.LookPath("go")
 	testenv.Require(t, err == nil, "the go tool (to build a cgo-free init)")
-	bin := filepath.Join(t.TempDir(), "initbin")
-	build := exec.Command(goTool, "build", "-o", bin, "./internal/initbin")
+	bin := filepath.Join(t.TempDir(), "rewind-init")
+	build := exec.Command(goTool, "build", "-o", bin, "../cmd/rewind-init")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build cgo-free init: %v\n%s", err, out)

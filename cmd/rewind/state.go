@@ -760,6 +760,7 @@ func newDaemonCmd() *cobra.Command {
 	cmd.Flags().IntVar(&cfg.CompactDepth, "compact-depth", daemon.DefaultCompactDepth, "merge a sandbox's frozen layers in the background once its stack is this deep (-1: never)")
 	cmd.Flags().IntVar(&cfg.WarmForks, "warm-forks", 64, "fork children to prepare ahead of a repeated fork of a checkpoint (0: none)")
 	cmd.Flags().IntVar(&cfg.SpareInits, "spare-inits", 2, "sandbox inits to keep started ahead, so that a new sandbox or fork child skips the init's start (0: none)")
+	cmd.Flags().StringVar(&cfg.InitPath, "init", "", "binary every sandbox runs as its init (default: "+daemon.InitName+" beside this binary when it is from the same build, else this binary)")
 	cmd.Flags().StringVar(&cfg.StoreConfig, "store-config", "", "store config written by rewind init-store, whose image is mounted on the state dir at start (default "+kernelpath.DefaultStoreConfig+")")
 	cmd.Flags().StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	return cmd
