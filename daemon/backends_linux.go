@@ -67,7 +67,8 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 	// reflink state dir whose measured turn beats FUSE's), FUSE otherwise.
 	choice := compat.ChooseFS(st.Dir())
 	log.Info("fs backend for --fs auto", "backend", choice.Backend, "reason", choice.Reason)
-	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log, compactDepth: cfg.CompactDepth, auto: choice.Backend}
+	fsb := &fsBackend{st: st, mnt: filepath.Join(dir, "mnt"), hostRoot: hostRoot, log: log, compactDepth: cfg.CompactDepth, auto: choice.Backend,
+		lowerCache: fs.NewLowerCache()}
 	if fsb.compactDepth == 0 {
 		fsb.compactDepth = DefaultCompactDepth
 	}
@@ -208,6 +209,9 @@ type fsBackend struct {
 	// auto is the backend --fs auto means on this host ("fuse" or
 	// "kernel", from compat.ChooseFS at daemon start).
 	auto string
+	// lowerCache is shared by every FUSE mount: they have the host's
+	// root (read-only) and the base images as lowers in common.
+	lowerCache *fs.LowerCache
 
 	mu    sync.Mutex
 	dirty bool
@@ -243,7 +247,7 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMo
 	// A sandbox's mount is unmounted once its processes are dead: what
 	// still holds the connection then is a copy of the mount in a mount
 	// namespace made elsewhere on the host meanwhile.
-	opts := fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), NoOpen: true, Logger: b.log, UnmountGrace: sandboxUnmountGrace}
+	opts := fs.Options{MountID: id, From: from, Lowers: b.lowers(spec), LowerCache: b.lowerCache, NoOpen: true, Logger: b.log, UnmountGrace: sandboxUnmountGrace}
 	if from != "" {
 		opts.MaxIO = forkMaxIO
 	}

@@ -38,6 +38,11 @@ type Options struct {
 	// overlayfs's lowerdir). Ignored when From is set (the checkpoint
 	// records its lowers).
 	Lowers []string
+	// LowerCache, if set, is shared with other mounts over the same
+	// lowers: what one learns of a lower directory (listings, entries)
+	// serves them all. Lowers must not change while any mount uses them
+	// (a mount assumes that of its own lowers too).
+	LowerCache *LowerCache
 	// CacheTimeout is the kernel entry/attr/negative cache timeout; 0 means
 	// one hour (correctness comes from explicit invalidation).
 	CacheTimeout time.Duration
@@ -224,7 +229,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 	}
 	f := &FS{
 		store: store, id: opts.MountID, mountpoint: mp, opts: opts, log: lg,
-		reg:     layers{byID: map[string]*layerDir{}},
+		reg:     layers{byID: map[string]*layerDir{}, lowers: opts.LowerCache},
 		inos:    map[inoKey]uint64{},
 		nextIno: 2,
 		nodes:   map[uint64]*node{},

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -22,10 +23,11 @@ type layerDir struct {
 
 	// Frozen layers never change: their directory listings and the
 	// entries looked up in them are cached, so a lookup through hundreds
-	// of layers costs map lookups, not system calls.
-	idxMu sync.Mutex
-	idx   map[string]map[string]bool // dir path -> names (frozen layers only)
-	ents  map[string]*layerEnt       // path -> entry (frozen layers only)
+	// of layers costs map lookups, not system calls. An external lower's
+	// listings may be shared by every mount over it (Options.LowerCache).
+	cache  *dirCache
+	entsMu sync.Mutex
+	ents   map[string]*layerEnt // path -> entry
 
 	// The paths a frozen layer holds (see walkTouched), walked once (in
 	// the background after the checkpoint that froze it, or by the first
@@ -51,15 +53,81 @@ type layerEnt struct {
 	redirect string
 }
 
+// dirCache holds a frozen layer's directory listings. A listing is never
+// changed once stored, only replaced.
+type dirCache struct {
+	mu  sync.Mutex
+	idx map[string]listing // dir path -> names
+	// shared: the cache serves several mounts, which may start long
+	// after a listing was read; each use checks the directory's ctime.
+	shared bool
+}
+
+// listing is the names of a directory and, in a shared cache, the
+// directory's ctime when they were read.
+type listing struct {
+	names map[string]bool
+	ctime unix.Timespec
+}
+
+// LowerCache shares the directory listings of the external lower
+// directories mounts have in common (Options.Lowers, such as a read-only
+// base image or the host's root): one listing of a large system directory
+// serves every sandbox over it, instead of one read per mount. Each use
+// of a listing checks that the directory has not changed since (its
+// ctime), so a mount made after the host's packages changed sees them.
+// Safe for concurrent use; create it with NewLowerCache.
+type LowerCache struct {
+	mu   sync.Mutex
+	dirs map[lowerKey]*dirCache
+}
+
+// lowerKey identifies a lower directory: its device and inode.
+type lowerKey struct{ dev, ino uint64 }
+
+// NewLowerCache returns an empty LowerCache.
+func NewLowerCache() *LowerCache {
+	return &LowerCache{dirs: map[lowerKey]*dirCache{}}
+}
+
+// maxSharedLowers bounds a LowerCache: past it, new lowers get caches of
+// their own.
+const maxSharedLowers = 64
+
+// forDir returns the cache of the lower directory open as fd.
+func (c *LowerCache) forDir(fd int) *dirCache {
+	var st unix.Stat_t
+	if c == nil || unix.Fstat(fd, &st) != nil {
+		return &dirCache{}
+	}
+	k := lowerKey{st.Dev, st.Ino}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	d := c.dirs[k]
+	if d == nil {
+		if len(c.dirs) >= maxSharedLowers {
+			return &dirCache{}
+		}
+		d = &dirCache{shared: true}
+		c.dirs[k] = d
+	}
+	return d
+}
+
+// racyListing is how recently a directory may have changed for its
+// listing to stay out of a shared cache: a change within the same tick of
+// the file system's coarse clock would leave the ctime as it was.
+const racyListing = time.Second
+
 // stat returns the entry at p in l; cached when l is frozen.
 func (l *layerDir) stat(p string, frozen bool) *layerEnt {
 	if frozen {
-		l.idxMu.Lock()
+		l.entsMu.Lock()
 		if e, ok := l.ents[p]; ok {
-			l.idxMu.Unlock()
+			l.entsMu.Unlock()
 			return e
 		}
-		l.idxMu.Unlock()
+		l.entsMu.Unlock()
 	}
 	e := &layerEnt{}
 	e.err = unix.Fstatat(l.fd, p, &e.st, unix.AT_SYMLINK_NOFOLLOW)
@@ -69,12 +137,12 @@ func (l *layerDir) stat(p string, frozen bool) *layerEnt {
 		e.redirect = layer.Redirect(hp)
 	}
 	if frozen {
-		l.idxMu.Lock()
+		l.entsMu.Lock()
 		if l.ents == nil || len(l.ents) > 1<<17 {
 			l.ents = map[string]*layerEnt{} // bound memory
 		}
 		l.ents[p] = e
-		l.idxMu.Unlock()
+		l.entsMu.Unlock()
 	}
 	return e
 }
@@ -120,6 +188,8 @@ func (s *stack) lowerPaths() []string {
 type layers struct {
 	mu   sync.Mutex
 	byID map[string]*layerDir
+	// lowers, if set, holds the caches of external lowers.
+	lowers *LowerCache
 }
 
 func (r *layers) open(id, p string) (*layerDir, error) {
@@ -136,7 +206,10 @@ func (r *layers) open(id, p string) (*layerDir, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open layer %s: %w", p, err)
 	}
-	l := &layerDir{id: id, path: p, fd: fd}
+	l := &layerDir{id: id, path: p, fd: fd, cache: &dirCache{}}
+	if id == "" {
+		l.cache = r.lowers.forDir(fd)
+	}
 	r.byID[key] = l
 	return l, nil
 }
@@ -193,33 +266,56 @@ func join(dir, name string) string {
 // hasName reports whether frozen layer l may hold dir/name, using a cached
 // listing of dir. It returns true when unsure.
 func (l *layerDir) hasName(dir, name string) bool {
-	l.idxMu.Lock()
-	defer l.idxMu.Unlock()
-	if l.idx == nil {
-		l.idx = map[string]map[string]bool{}
+	c := l.cache
+	var st unix.Stat_t
+	if c.shared {
+		// The directory as it is now; a missing one is looked up as
+		// before (the listing says so).
+		if unix.Fstatat(l.fd, dir, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+			st = unix.Stat_t{}
+		}
 	}
-	names, ok := l.idx[dir]
-	if !ok {
-		if len(l.idx) > 65536 {
-			clear(l.idx) // bound memory; rebuilt on demand
-		}
-		names = map[string]bool{}
-		fd, err := openBeneath(l.fd, dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-		if err != nil {
-			l.idx[dir] = names
-			return !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ENOTDIR)
-		}
-		ents, err := readDirNames(fd)
-		unix.Close(fd)
-		if err != nil {
-			return true
-		}
-		for _, n := range ents {
-			names[n] = true
-		}
-		l.idx[dir] = names
+	c.mu.Lock()
+	li, ok := c.idx[dir]
+	c.mu.Unlock()
+	if ok && (!c.shared || li.ctime == st.Ctim) {
+		return li.names[name]
 	}
-	return names[name]
+	// Read without the lock: the cache may serve many mounts, and a
+	// large directory takes a while.
+	li = listing{names: map[string]bool{}, ctime: st.Ctim}
+	fd, err := openBeneath(l.fd, dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) {
+			c.put(dir, li)
+			return false
+		}
+		return true
+	}
+	ents, err := readDirNames(fd)
+	unix.Close(fd)
+	if err != nil {
+		return true
+	}
+	for _, n := range ents {
+		li.names[n] = true
+	}
+	c.put(dir, li)
+	return li.names[name]
+}
+
+// put stores the listing of dir, unless the cache is shared and dir
+// changed too recently to tell a later change by its ctime.
+func (c *dirCache) put(dir string, li listing) {
+	if c.shared && time.Since(time.Unix(li.ctime.Unix())) < racyListing {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.idx == nil || len(c.idx) > 65536 {
+		c.idx = map[string]listing{} // bound memory; rebuilt on demand
+	}
+	c.idx[dir] = li
 }
 
 // lookupEntry resolves name in the directory whose sources are psrcs (a
