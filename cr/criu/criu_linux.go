@@ -135,12 +135,23 @@ func lastErrorLine(log string) string {
 	if err != nil {
 		return ""
 	}
-	// The first error is the cause; the last one is "Dumping FAILED".
-	for _, l := range strings.Split(string(b), "\n") {
+	return firstError(string(b))
+}
+
+// firstError returns the first error line of a criu log (the cause; the
+// last one is "Dumping FAILED"), after the line logged before it: what
+// criu was doing when, say, its timeout fired.
+func firstError(log string) string {
+	lines := strings.Split(log, "\n")
+	for i, l := range lines {
 		// Skip the errors CRIU logs on every run here: no CAP_SYS_RESOURCE
 		// (RLIMIT_NOFILE) and no /dev/net/tun in the sandbox (feature probe).
 		if strings.Contains(l, "Error") && !strings.Contains(l, "RLIMIT_NOFILE") && !strings.Contains(l, "tun: Unable to create tun") {
-			return "; " + strings.TrimSpace(l)
+			out := "; " + strings.TrimSpace(l)
+			if i > 0 && strings.TrimSpace(lines[i-1]) != "" {
+				out = "; after " + strings.TrimSpace(lines[i-1]) + out
+			}
+			return out
 		}
 	}
 	return ""
