@@ -11,8 +11,9 @@ import (
 
 // TestLowerCacheShared: mounts over the same lower share its directory
 // listings through a LowerCache, and a listing is read again once the
-// directory changed (a host's package upgrade under its root), for a
-// mount made afterwards and for the one that cached it alike.
+// directory changed (a host's package upgrade under its root), within
+// lowerRecheck, for a mount made afterwards and for the one that cached
+// it alike.
 func TestLowerCacheShared(t *testing.T) {
 	lc := NewLowerCache()
 	fx := mountT(t, func(lower string) {
@@ -59,8 +60,10 @@ func TestLowerCacheShared(t *testing.T) {
 		t.Fatalf("%d lowers in the cache, want 1", n)
 	}
 
-	// The host adds a file under the lower.
+	// The host adds a file under the lower: lookups see it once the
+	// listing is due for its check.
 	mustWrite(t, filepath.Join(fx.lower, "d/y"), "y")
+	time.Sleep(lowerRecheck + 100*time.Millisecond)
 	b2 := mountB()
 	for _, mp := range []string{b2, fx.mp} {
 		if got := mustRead(t, filepath.Join(mp, "d/y")); got != "y" {

@@ -68,15 +68,25 @@ type dirCache struct {
 type listing struct {
 	names map[string]bool
 	ctime unix.Timespec
+	// checked is when the ctime was last found unchanged (shared
+	// caches): within lowerRecheck of it the listing is used unchecked.
+	checked time.Time
 }
+
+// lowerRecheck is how long a shared listing is used without a look at
+// its directory's ctime: a burst of lookups (a program starting, which
+// searches a dozen library directories) checks each directory once, and a
+// change of the host's packages shows in new lookups within this time.
+const lowerRecheck = time.Second
 
 // LowerCache shares the directory listings of the external lower
 // directories mounts have in common (Options.Lowers, such as a read-only
 // base image or the host's root): one listing of a large system directory
-// serves every sandbox over it, instead of one read per mount. Each use
-// of a listing checks that the directory has not changed since (its
-// ctime), so a mount made after the host's packages changed sees them.
-// Safe for concurrent use; create it with NewLowerCache.
+// serves every sandbox over it, instead of one read per mount. A listing
+// is checked against its directory's ctime at most once a second
+// (lowerRecheck), so lookups see a change of the host's packages within a
+// second (a mount that owned its listings never saw one). Safe for
+// concurrent use; create it with NewLowerCache.
 type LowerCache struct {
 	mu   sync.Mutex
 	dirs map[lowerKey]*dirCache
@@ -267,6 +277,12 @@ func join(dir, name string) string {
 // listing of dir. It returns true when unsure.
 func (l *layerDir) hasName(dir, name string) bool {
 	c := l.cache
+	c.mu.Lock()
+	li, ok := c.idx[dir]
+	c.mu.Unlock()
+	if ok && (!c.shared || time.Since(li.checked) < lowerRecheck) {
+		return li.names[name]
+	}
 	var st unix.Stat_t
 	if c.shared {
 		// The directory as it is now; a missing one is looked up as
@@ -274,16 +290,14 @@ func (l *layerDir) hasName(dir, name string) bool {
 		if unix.Fstatat(l.fd, dir, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
 			st = unix.Stat_t{}
 		}
-	}
-	c.mu.Lock()
-	li, ok := c.idx[dir]
-	c.mu.Unlock()
-	if ok && (!c.shared || li.ctime == st.Ctim) {
-		return li.names[name]
+		if ok && li.ctime == st.Ctim {
+			c.recheck(dir, li)
+			return li.names[name]
+		}
 	}
 	// Read without the lock: the cache may serve many mounts, and a
 	// large directory takes a while.
-	li = listing{names: map[string]bool{}, ctime: st.Ctim}
+	li = listing{names: map[string]bool{}, ctime: st.Ctim, checked: time.Now()}
 	fd, err := openBeneath(l.fd, dir, unix.O_RDONLY|unix.O_DIRECTORY, 0)
 	if err != nil {
 		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) {
@@ -302,6 +316,16 @@ func (l *layerDir) hasName(dir, name string) bool {
 	}
 	c.put(dir, li)
 	return li.names[name]
+}
+
+// recheck notes that listing li of dir was found current now.
+func (c *dirCache) recheck(dir string, li listing) {
+	li.checked = time.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if cur, ok := c.idx[dir]; ok && cur.ctime == li.ctime {
+		c.idx[dir] = li
+	}
 }
 
 // put stores the listing of dir, unless the cache is shared and dir
