@@ -59,7 +59,8 @@ type dirCache struct {
 	mu  sync.Mutex
 	idx map[string]listing // dir path -> names
 	// shared: the cache serves several mounts, which may start long
-	// after a listing was read; each use checks the directory's ctime.
+	// after a listing was read; a listing is checked against its
+	// directory's ctime (at most every lowerRecheck).
 	shared bool
 }
 
