@@ -39,9 +39,9 @@ type Options struct {
 	// records its lowers).
 	Lowers []string
 	// LowerCache, if set, is shared with other mounts over the same
-	// lowers: what one learns of a lower directory (listings, entries)
-	// serves them all. Lowers must not change while any mount uses them
-	// (a mount assumes that of its own lowers too).
+	// lowers: the directory listings one reads serve them all, each
+	// checked against its directory's ctime at most once a second (see
+	// LowerCache). Entry stats stay the mount's own, as before.
 	LowerCache *LowerCache
 	// CacheTimeout is the kernel entry/attr/negative cache timeout; 0 means
 	// one hour (correctness comes from explicit invalidation).
