@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -38,7 +39,12 @@ func startInNamespaces(nsPID int, cmd *exec.Cmd) error {
 
 // startIn starts cmd from a new OS thread that entered the namespaces
 // kinds of nsPID. The thread is never given back: it ends with its
-// goroutine (the runtime starts no thread from it).
+// goroutine (the runtime starts no thread from it). It is never the
+// process's main thread: that one does not end with a goroutine locked
+// to it, it stays (parked) in the namespaces it entered, and
+// /proc/PID/ns shows the main thread's: the next startIn into the
+// process's own namespaces would have entered those (a sandbox's, even
+// after the sandbox is gone, whose mounts it would keep).
 func startIn(nsPID int, kinds []nsKind, cmd *exec.Cmd) error {
 	var nsfd []int
 	defer func() {
@@ -55,7 +61,11 @@ func startIn(nsPID int, kinds []nsKind, cmd *exec.Cmd) error {
 	}
 	errc := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread() // never unlocked: see above
+		if err := lockNonMainThread(); err != nil {
+			errc <- err
+			return
+		}
+		// Never unlocked: see above.
 		errc <- func() error {
 			// setns into a mount namespace needs a thread of its own
 			// file-system context (root, cwd), not the process's.
@@ -71,6 +81,24 @@ func startIn(nsPID int, kinds []nsKind, cmd *exec.Cmd) error {
 		}()
 	}()
 	return <-errc
+}
+
+// lockNonMainThread locks the calling goroutine to an OS thread other
+// than the process's main one, which it leaves as it found it.
+func lockNonMainThread() error {
+	for i := 0; i < 1000; i++ {
+		runtime.LockOSThread()
+		if unix.Gettid() != unix.Getpid() {
+			return nil
+		}
+		runtime.UnlockOSThread()
+		// Let the scheduler put this goroutine on another thread.
+		runtime.Gosched()
+		if i > 10 {
+			time.Sleep(10 * time.Microsecond)
+		}
+	}
+	return fmt.Errorf("no thread but the main one to enter namespaces from")
 }
 
 // RaiseLastPID moves the next pid of nsInit's PID namespace to a random
