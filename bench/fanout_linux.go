@@ -12,6 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/rewind-sandbox/rewind/api"
 	"github.com/rewind-sandbox/rewind/client"
 )
@@ -47,10 +49,19 @@ type FanoutRow struct {
 	TrainerWait float64 `json:"trainer_wait"`
 	GPUUtil     float64 `json:"gpu_util"`
 	// MemDeltaBytes is the drop in MemAvailable while the copies exist.
-	MemDeltaBytes int64  `json:"mem_delta_bytes"`
-	DiskBytes     int64  `json:"disk_bytes"`
-	Error         string `json:"error,omitempty"`
+	MemDeltaBytes int64 `json:"mem_delta_bytes"`
+	DiskBytes     int64 `json:"disk_bytes"`
+	// OverFloorMS is ReadyMS less the shell-floor row's at the same N:
+	// what the system adds to running the first command itself (set when
+	// both rows exist).
+	OverFloorMS float64 `json:"over_floor_ms,omitempty"`
+	Error       string  `json:"error,omitempty"`
 }
+
+// floorName is the row of N shells that are already running the
+// repository's copy and only run the first command: the machine's floor
+// under every system's ReadyMS.
+const floorName = "shell-floor"
 
 func memAvailable() int64 {
 	b, err := os.ReadFile("/proc/meminfo")
@@ -124,7 +135,83 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 	for _, n := range o.Counts {
 		rows = append(rows, finishRow(fanoutCopy(ctx, o.Parent, setup, n)))
 	}
+	for _, n := range o.Counts {
+		rows = append(rows, finishRow(fanoutFloor(ctx, o.Parent, setup, n)))
+	}
+	setOverFloor(rows)
 	return rows, nil
+}
+
+// setOverFloor sets every row's OverFloorMS from the shell-floor row of
+// the same width.
+func setOverFloor(rows []FanoutRow) {
+	floor := map[int]float64{}
+	for _, r := range rows {
+		if r.Name == floorName && r.Error == "" {
+			floor[r.N] = r.ReadyMS
+		}
+	}
+	for i, r := range rows {
+		if f, ok := floor[r.N]; ok && r.Name != floorName && r.Error == "" {
+			rows[i].OverFloorMS = r.ReadyMS - f
+		}
+	}
+}
+
+// fanoutFloor is the floor under every fan-out row: n shells on the host,
+// started (untimed) in one copy of the repository, run the first command
+// all at once. Nothing is copied or forked, so ReadyMS is what the first
+// command alone costs n shells on this machine; a system's OverFloorMS is
+// what it adds.
+func fanoutFloor(ctx context.Context, parent string, setup []string, n int) FanoutRow {
+	row := FanoutRow{Name: floorName, N: n}
+	b := &copyBaseline{dirBase: dirBase{name: "fanout-floor"}, mode: "cp", parent: parent}
+	if err := b.Start(ctx, setup); err != nil {
+		row.Error = err.Error()
+		return row
+	}
+	defer b.Close()
+	shells := make([]*shell, 0, n)
+	defer func() {
+		for _, s := range shells {
+			s.kill()
+		}
+	}()
+	for i := 0; i < n; i++ {
+		s, err := startShell(b.repo, b.repo)
+		if err == nil {
+			shells = append(shells, s)
+			// The shell is up and has read its start-up once this answers.
+			_, _, err = s.run(ctx, "true")
+		}
+		if err != nil {
+			row.Error = err.Error()
+			return row
+		}
+	}
+	// The copy rows before it leave dirty pages: their writeback is not
+	// the floor's.
+	unix.Sync()
+	mem0 := memAvailable()
+	start := time.Now()
+	errs := make(chan error, n)
+	for _, s := range shells {
+		go func() {
+			_, code, err := s.run(ctx, firstCmd)
+			if err == nil && code != 0 {
+				err = fmt.Errorf("first command exited %d", code)
+			}
+			errs <- err
+		}()
+	}
+	for range shells {
+		if err := <-errs; err != nil && row.Error == "" {
+			row.Error = err.Error()
+		}
+	}
+	row.ReadyMS = ms(time.Since(start))
+	row.MemDeltaBytes = mem0 - memAvailable()
+	return row
 }
 
 func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) FanoutRow {

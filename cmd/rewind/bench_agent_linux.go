@@ -155,6 +155,9 @@ func newBenchFanoutCmd() *cobra.Command {
 bash, forks it into N live sandboxes (each with its own namespaces and upper layer
 over the shared frozen layers) and waits until every copy has run a first command.
 The baseline copies the repository N times with cp -a and starts a shell in each.
+The shell-floor row is the floor under both: N shells already running in one copy
+run the first command at once (nothing copied or forked); "over floor" is what a
+system adds to it at the same N.
 With a simulated trainer step, it prints the fraction of time a trainer would wait
 for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms.`,
 		Example: "  rewind bench fanout -n 16,32,64\n  rewind bench fanout -n 64 --trainer-step-ms 2000 --json",
@@ -172,13 +175,17 @@ for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms
 				return printJSON(cmd.OutOrStdout(), map[string]any{"trainer_step_ms": step, "rows": rows})
 			}
 			w := cmd.OutOrStdout()
-			fmt.Fprintf(w, "| system | n | ready ms | fork/copy ms | trainer wait | GPU util | mem MiB | disk MiB |\n|---|---|---|---|---|---|---|---|\n")
+			fmt.Fprintf(w, "| system | n | ready ms | over floor ms | fork/copy ms | trainer wait | GPU util | mem MiB | disk MiB |\n|---|---|---|---|---|---|---|---|---|\n")
 			for _, r := range rows {
 				if r.Error != "" {
-					fmt.Fprintf(w, "| %s | %d | error: %s | | | | | |\n", r.Name, r.N, r.Error)
+					fmt.Fprintf(w, "| %s | %d | error: %s | | | | | | |\n", r.Name, r.N, r.Error)
 					continue
 				}
-				fmt.Fprintf(w, "| %s | %d | %.1f | %.1f | %.1f%% | %.1f%% | %.1f | %.1f |\n", r.Name, r.N, r.ReadyMS, r.ForkMS,
+				over := ""
+				if r.OverFloorMS != 0 {
+					over = fmt.Sprintf("%.1f", r.OverFloorMS)
+				}
+				fmt.Fprintf(w, "| %s | %d | %.1f | %s | %.1f | %.1f%% | %.1f%% | %.1f | %.1f |\n", r.Name, r.N, r.ReadyMS, over, r.ForkMS,
 					100*r.TrainerWait, 100*r.GPUUtil, float64(r.MemDeltaBytes)/(1<<20), float64(r.DiskBytes)/(1<<20))
 			}
 			return nil
