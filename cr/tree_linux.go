@@ -1,6 +1,7 @@
 package cr
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"time"
 
 	"github.com/rewind-sandbox/rewind/cr/criu"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -50,10 +52,9 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 		}
 	}
 	for _, pid := range stopped {
-		if !waitUntil(ctx, 10*time.Second, func() bool {
-			st, err := procState(pid)
-			return err != nil || st == 'T' || st == 'Z' || st == 'X'
-		}) {
+		// Every thread, not only the main one: criu must not seize a
+		// process whose group stop is still under way (see groupStopped).
+		if !waitUntil(ctx, 10*time.Second, func() bool { return groupStopped(pid) }) {
 			return fmt.Errorf("process %d did not stop", pid)
 		}
 	}
@@ -214,4 +215,36 @@ func openInSandbox(init int, path string, flags int) (*os.File, error) {
 		return nil, fmt.Errorf("open %s in the sandbox: %w", path, err)
 	}
 	return os.NewFile(uintptr(fd), path), nil
+}
+
+// groupStopped reports whether every thread of process pid has entered
+// the group stop a SIGSTOP started (or exited; a process gone counts as
+// stopped). The main thread stops first while another thread may still be
+// in a system call that waits for a FUSE answer (a write to the sandbox's
+// own mount); criu seizing the process then sees that thread's stop arrive
+// as its seize trap, resumes it once to skip the stop (compel's
+// skip_sigstop), and the thread runs on and restarts its write instead of
+// trapping: criu waits for it until its timeout (ten seconds, "Timeout
+// reached") and the dump fails.
+func groupStopped(pid int) bool {
+	ents, err := os.ReadDir(procfs.PIDPath(pid, "task"))
+	if err != nil {
+		return true // gone
+	}
+	for _, e := range ents {
+		b, err := procfs.ReadFile(procfs.PIDPath(pid, "task/"+e.Name()+"/stat"))
+		if err != nil {
+			continue // the thread exited
+		}
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 || i+2 >= len(b) {
+			return false
+		}
+		switch b[i+2] {
+		case 'T', 'Z', 'X':
+		default:
+			return false
+		}
+	}
+	return true
 }
