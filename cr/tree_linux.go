@@ -1,7 +1,6 @@
 package cr
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -232,17 +231,15 @@ func groupStopped(pid int) bool {
 		return true // gone
 	}
 	for _, e := range ents {
-		b, err := procfs.ReadFile(procfs.PIDPath(pid, "task/"+e.Name()+"/stat"))
+		tid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		st, err := procState(tid) // a thread's own /proc/TID/stat
 		if err != nil {
 			continue // the thread exited
 		}
-		i := bytes.LastIndexByte(b, ')')
-		if i < 0 || i+2 >= len(b) {
-			return false
-		}
-		switch b[i+2] {
-		case 'T', 'Z', 'X':
-		default:
+		if st != 'T' && st != 'Z' && st != 'X' {
 			return false
 		}
 	}
