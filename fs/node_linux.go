@@ -242,7 +242,11 @@ func (n *node) child(ctx context.Context, name string, e *entry, gen uint64, fre
 	f.inoMu.Lock()
 	// A node the kernel has forgotten may still be in the table: go-fuse
 	// detaches it before it calls OnForget. It holds nothing open, so it
-	// does not keep its number from this name.
+	// does not keep its number from this name. (Forgotten is deprecated
+	// in favour of OnForget, which comes too late for this window: a
+	// node handed out here would be revived, and then dropped from the
+	// table by its pending OnForget.)
+	//lint:ignore SA1019 no other way to see the window before OnForget
 	if cn := f.nodes[ino]; cn != nil && !fresh && !cn.Forgotten() {
 		// Another name of a live node: a hard link of the same inode is
 		// shared; anything else is a stale key (a reused backing inode
