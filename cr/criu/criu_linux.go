@@ -22,6 +22,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
@@ -62,6 +63,9 @@ type Runner struct {
 	libs *hostLibs
 	// kdat is CRIU's kernel-feature cache (see Kdat).
 	kdat kdatCache
+	// cgMounts caches the cgroup hierarchies' mount points (cgroupMounts).
+	cgMu     sync.Mutex
+	cgMounts map[string]string
 }
 
 // NewRunner finds criu (see Find) and prepares a private directory for its
@@ -430,15 +434,31 @@ func (r *Runner) files(ctx context.Context, dir *os.File) (files map[string]*os.
 // ends, and then once it is killed (swrk.close).
 const killedWait = 10 * time.Second
 
-// cgroupProcsFiles returns the cgroup.procs files of every cgroup pid is in
-// (v1 hierarchies and cgroup2), as paths in this mount namespace.
-func cgroupProcsFiles(pid int) ([]string, error) {
+// cgroupMounts returns the mount points of the cgroup hierarchies in this
+// mount namespace (see parseCgroupMounts), read once and kept: every criu
+// start needs them, and /proc/self/mountinfo grows with the daemon's
+// sandboxes (its parse cost a first fork of 32 about 1 ms a child). With
+// refresh it reads them again.
+func (r *Runner) cgroupMounts(refresh bool) (map[string]string, error) {
+	r.cgMu.Lock()
+	defer r.cgMu.Unlock()
+	if r.cgMounts != nil && !refresh {
+		return r.cgMounts, nil
+	}
 	mi, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		return nil, err
 	}
-	mounts := map[string]string{} // controllers ("" for cgroup2) -> mount point
-	for _, l := range strings.Split(string(mi), "\n") {
+	r.cgMounts = parseCgroupMounts(mi)
+	return r.cgMounts, nil
+}
+
+// parseCgroupMounts maps each cgroup hierarchy of mountinfo, by its
+// controllers ("" for cgroup2, "cpu,cpuacct" for a v1 one), to the first
+// mount point of its root.
+func parseCgroupMounts(mountinfo []byte) map[string]string {
+	mounts := map[string]string{}
+	for _, l := range strings.Split(string(mountinfo), "\n") {
 		pre, post, ok := strings.Cut(l, " - ")
 		if !ok {
 			continue
@@ -470,21 +490,48 @@ func cgroupProcsFiles(pid int) ([]string, error) {
 			}
 		}
 	}
+	return mounts
+}
+
+// cgroupProcsFiles returns the cgroup.procs files of every cgroup pid is
+// in (v1 hierarchies and cgroup2), as paths in this mount namespace. A
+// hierarchy of pid's that the cached mounts lack makes it read them again.
+func (r *Runner) cgroupProcsFiles(pid int, refresh bool) ([]string, error) {
+	mounts, err := r.cgroupMounts(refresh)
+	if err != nil {
+		return nil, err
+	}
 	cg, err := procfs.ReadFile(procfs.PIDPath(pid, "cgroup"))
 	if err != nil {
 		return nil, err
 	}
-	var out []string
+	out, missing := cgroupFilesOf(cg, mounts)
+	if missing && !refresh {
+		if mounts, err = r.cgroupMounts(true); err != nil {
+			return nil, err
+		}
+		out, _ = cgroupFilesOf(cg, mounts)
+	}
+	return out, nil
+}
+
+// cgroupFilesOf maps the lines of a /proc/PID/cgroup to cgroup.procs paths
+// under mounts; missing reports a hierarchy with no mount in mounts.
+func cgroupFilesOf(cg []byte, mounts map[string]string) (out []string, missing bool) {
 	for _, l := range strings.Split(strings.TrimSpace(string(cg)), "\n") {
 		parts := strings.SplitN(l, ":", 3)
 		if len(parts) != 3 {
 			continue
 		}
 		mnt, ok := mounts[parts[1]]
-		if !ok || strings.ContainsAny(parts[2], "'\n") {
+		if !ok {
+			missing = true
+			continue
+		}
+		if strings.ContainsAny(parts[2], "'\n") {
 			continue
 		}
 		out = append(out, filepath.Join(mnt, parts[2], "cgroup.procs"))
 	}
-	return out, nil
+	return out, missing
 }

@@ -1,6 +1,11 @@
 package criu
 
-import "testing"
+import (
+	"os"
+	"reflect"
+	"strings"
+	"testing"
+)
 
 func TestFirstError(t *testing.T) {
 	tests := []struct{ log, want string }{
@@ -14,5 +19,86 @@ func TestFirstError(t *testing.T) {
 		if got := firstError(tc.log); got != tc.want {
 			t.Errorf("firstError(%q) = %q, want %q", tc.log, got, tc.want)
 		}
+	}
+}
+
+// TestCgroupMountsParse: each hierarchy maps to the first mount of its
+// root (a bind mount of a subdirectory and a second mount are ignored),
+// and a process's cgroup lines map to cgroup.procs files under them.
+func TestCgroupMountsParse(t *testing.T) {
+	mi, err := os.ReadFile("testdata/mountinfo-hybrid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := parseCgroupMounts(mi)
+	want := map[string]string{
+		"":             "/sys/fs/cgroup/unified",
+		"name=systemd": "/sys/fs/cgroup/systemd",
+		"cpu,cpuacct":  "/sys/fs/cgroup/cpu,cpuacct",
+		"pids":         "/sys/fs/cgroup/pids",
+		"freezer":      "/sys/fs/cgroup/freezer",
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("parseCgroupMounts = %v, want %v", got, want)
+	}
+	for _, tc := range []struct {
+		name    string
+		cgroup  string
+		files   []string
+		missing bool
+	}{
+		{"v2 only", "0::/sb/x\n", []string{"/sys/fs/cgroup/unified/sb/x/cgroup.procs"}, false},
+		{"hybrid", "5:pids:/sb\n3:cpu,cpuacct:/sb\n0::/sb\n",
+			[]string{"/sys/fs/cgroup/pids/sb/cgroup.procs", "/sys/fs/cgroup/cpu,cpuacct/sb/cgroup.procs", "/sys/fs/cgroup/unified/sb/cgroup.procs"}, false},
+		{"unknown hierarchy", "7:memory:/sb\n0::/sb\n", []string{"/sys/fs/cgroup/unified/sb/cgroup.procs"}, true},
+		{"quote in path", "0::/sb'x\n", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			files, missing := cgroupFilesOf([]byte(tc.cgroup), got)
+			if !reflect.DeepEqual(files, tc.files) || missing != tc.missing {
+				t.Errorf("cgroupFilesOf = %v, %v; want %v, %v", files, missing, tc.files, tc.missing)
+			}
+		})
+	}
+}
+
+// TestCgroupMountsCached: the runner reads the mount table once; a
+// process in a hierarchy the cached table lacks makes it read it again.
+func TestCgroupMountsCached(t *testing.T) {
+	r := &Runner{}
+	fresh, err := r.cgroupMounts(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := r.cgroupProcsFiles(os.Getpid(), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(want) == 0 {
+		t.Fatal("this process is in no mounted cgroup hierarchy")
+	}
+	// A cached table is used as it is, even a wrong one...
+	stale := map[string]string{}
+	for k := range fresh {
+		stale[k] = "/nonexistent"
+	}
+	r.cgMounts = stale
+	got, err := r.cgroupProcsFiles(os.Getpid(), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range got {
+		if !strings.HasPrefix(f, "/nonexistent/") {
+			t.Fatalf("cached table not used: %v", got)
+		}
+	}
+	// ...but one that lacks a hierarchy of the process is read again.
+	r.cgMounts = map[string]string{"no-such-hierarchy": "/x"}
+	got, err = r.cgroupProcsFiles(os.Getpid(), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("after a missing hierarchy: %v, want %v", got, want)
 	}
 }

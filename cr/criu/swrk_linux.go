@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"sort"
@@ -73,7 +74,7 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 	cmd.ExtraFiles = extra
 	var cgs []string
 	if nsPID != 0 && joinCgroups {
-		if cgs, err = cgroupProcsFiles(nsPID); err != nil {
+		if cgs, err = r.cgroupProcsFiles(nsPID, false); err != nil {
 			cln.Close()
 			return nil, fmt.Errorf("cgroups of %d: %w", nsPID, err)
 		}
@@ -89,13 +90,30 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 	// CLONE_INTO_CGROUP at the fork: that needs Linux 5.7 and covers v2
 	// only.
 	pid := strconv.Itoa(cmd.Process.Pid)
-	for _, f := range cgs {
-		if err := os.WriteFile(f, []byte(pid), 0); err != nil {
-			s.kill()
-			return nil, fmt.Errorf("move criu into %s: %w", f, err)
+	err = joinCgroupFiles(cgs, pid)
+	if errors.Is(err, fs.ErrNotExist) {
+		// A hierarchy mounted elsewhere since its mount was cached:
+		// read the mounts again and join once more.
+		var again []string
+		if again, err = r.cgroupProcsFiles(nsPID, true); err == nil {
+			err = joinCgroupFiles(again, pid)
 		}
 	}
+	if err != nil {
+		s.kill()
+		return nil, err
+	}
 	return s, nil
+}
+
+// joinCgroupFiles writes pid into each cgroup.procs file of files.
+func joinCgroupFiles(files []string, pid string) error {
+	for _, f := range files {
+		if err := os.WriteFile(f, []byte(pid), 0); err != nil {
+			return fmt.Errorf("move criu into %s: %w", f, err)
+		}
+	}
+	return nil
 }
 
 // inOrder returns files' keys sorted and the files in that order: criu
