@@ -132,6 +132,17 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	if head == nil && mode != ModeFull {
 		mode, reason = ModeFull, reason+"; no earlier checkpoint, so full"
 	}
+	if mode == ModeSkip && rep != nil {
+		if rep.FSChanged() {
+			s.fsAccepted = true
+		} else if rep.FS.UpperNonEmpty && !s.fsAccepted {
+			// The writable layer holds data no window reported: a write
+			// the probe did not see (one made between windows, by a
+			// process a restore or checkpoint had just resumed). The
+			// head lacks it, so the turn cannot hand out the head's id.
+			mode, reason = ModeFS, reason+"; but the writable layer changed unseen, so fs"
+		}
+	}
 	if mode == ModeFS && head != nil && head.rec.Status == CkptReady && !head.rec.Restorable {
 		mode, reason = ModeFull, reason+"; the parent's processes are not restorable, so full"
 	}
@@ -399,6 +410,7 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 	c.rec.Status, c.rec.Restorable = CkptReady, true
 	if s.rec.Head == c.rec.ID {
 		s.dirty = false // later operations are ordered after this point
+		s.fsAccepted = false
 		if mode == ModeFull || converted {
 			s.procsDiverged = false
 		}
@@ -722,6 +734,9 @@ func (m *Manager) cleanHead(s *sbox, rep *effect.Report) (h cleanState, why stri
 	defer m.mu.Unlock()
 	head := m.ckpts[s.rec.Head]
 	switch {
+	case rep.FS.UpperNonEmpty && !s.fsAccepted:
+		// See Turn: a write no window reported.
+		return h, "the writable layer changed unseen"
 	case s.dirty:
 		return h, "an operation ran since the head"
 	case s.procsDiverged:
@@ -960,7 +975,7 @@ func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph Re
 		s.rec.EpochLimit = s.rec.Epoch + epochReserve
 	}
 	s.rec.Head = c.rec.ID
-	s.dirty = false
+	s.dirty, s.fsAccepted = false, false
 	if path != "fs" {
 		s.procsDiverged = false // the processes are the target's
 	}

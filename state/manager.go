@@ -106,7 +106,12 @@ type sbox struct {
 	// a requested mode). Cleared by a checkpoint with its own or a proven
 	// process part and by a restore of the processes (m.mu).
 	procsDiverged bool
-	turnMu        sync.Mutex // serializes the synchronous part of turns
+	// fsAccepted: a skip turn kept the head although its window reported
+	// file changes (a policy that ignores some paths), so the live upper
+	// may hold data the head lacks by the policy's choice. Cleared by any
+	// checkpoint or restore (m.mu).
+	fsAccepted bool
+	turnMu     sync.Mutex // serializes the synchronous part of turns
 	policy        Policy
 	removed       bool
 	reports       reportRing // recent turn reports (m.mu)

@@ -849,3 +849,98 @@ func TestNotDurableWhenFSUnwritten(t *testing.T) {
 		t.Fatalf("checkpoint durable although its fs part was not written: %+v", bad)
 	}
 }
+
+// writeUnseen writes a file into sandbox name's view that no operation
+// made and no probe window sees (see statefake.Disk.WriteUnseen).
+func (e *env) writeUnseen(name, path, data string) {
+	e.t.Helper()
+	sb, err := e.m.Get(name)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if !e.b.Disk.WriteUnseen(sb.ID, path, data) {
+		e.t.Fatalf("sandbox %s has no mount", name)
+	}
+}
+
+// TestSkipRefusesUnseenWrite: an auto turn whose window saw nothing, while
+// the writable layer holds a write no window reported (one made between
+// windows), is not a skip: the head lacks that write. A write the policy
+// chose to skip (seen, ignored) keeps later turns skipping until the next
+// checkpoint.
+func TestSkipRefusesUnseenWrite(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "set", "x", "1")
+	first := e.turn("a", state.ModeAuto, true)
+	e.run("a", "echo", "nothing")
+	if r := e.turn("a", state.ModeAuto, true); r.Decision != state.ModeSkip || r.ID != first.ID {
+		t.Fatalf("idle turn: %+v", r)
+	}
+	e.writeUnseen("a", "/late", "data")
+	r := e.turn("a", state.ModeAuto, true)
+	if r.Decision != state.ModeFS || r.ID == first.ID || !strings.Contains(r.Reason, "unseen") {
+		t.Fatalf("turn after an unseen write: %+v", r)
+	}
+	// The write is in the turn's checkpoint, not in the earlier one.
+	e.run("a", "write", "/late", "overwritten")
+	e.turn("a", state.ModeAuto, true)
+	e.restore("a", r.ID)
+	if got := e.run("a", "cat", "/late"); got != "data" {
+		t.Fatalf("/late after restoring the turn's checkpoint = %q", got)
+	}
+	e.restore("a", first.ID)
+	if got, _ := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"cat", "/late"}}); got == 0 {
+		t.Fatalf("/late exists in the checkpoint before the write")
+	}
+	// After a restore the writable layer is the checkpoint's: no unseen
+	// write, the next idle turn skips.
+	if r := e.turn("a", state.ModeAuto, true); r.Decision != state.ModeSkip {
+		t.Fatalf("idle turn after a restore: %+v", r)
+	}
+
+	// A policy that skips seen file changes keeps skipping on them.
+	if _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b", Policy: "ignore-fs"}); err != nil {
+		t.Fatal(err)
+	}
+	e.run("b", "set", "x", "1")
+	bf := e.turn("b", state.ModeAuto, true)
+	e.run("b", "write", "/cache", "c1")
+	if r := e.turn("b", state.ModeAuto, true); r.Decision != state.ModeSkip || r.ID != bf.ID {
+		t.Fatalf("ignored write: %+v", r)
+	}
+	if r := e.turn("b", state.ModeAuto, true); r.Decision != state.ModeSkip || r.ID != bf.ID {
+		t.Fatalf("idle turn after an ignored write: %+v", r)
+	}
+	// Until a checkpoint: then an unseen write is refused again.
+	e.turn("b", state.ModeFS, true)
+	e.writeUnseen("b", "/late", "x")
+	if r := e.turn("b", state.ModeAuto, true); r.Decision != state.ModeFS {
+		t.Fatalf("unseen write after a checkpoint: %+v", r)
+	}
+}
+
+// TestRestoreUndoSeesUnseenWrite: a restore that fails goes back to where
+// the sandbox was, including a write no window reported (its undo point is
+// a checkpoint, not the head that lacks the write).
+func TestRestoreUndoSeesUnseenWrite(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.run("a", "set", "x", "1")
+	first := e.turn("a", state.ModeAuto, true)
+	e.run("a", "set", "x", "2")
+	if r := e.turn("a", state.ModeAuto, true); r.Decision != state.ModeFull {
+		t.Fatalf("process-changing turn: %+v", r)
+	}
+	e.writeUnseen("a", "/late", "data")
+	e.b.Faults.FailRestore.Store(1)
+	if _, err := e.m.Restore(e.ctx, "a", first.ID, 0); err == nil {
+		t.Fatal("restore with an injected failure succeeded")
+	}
+	if got := e.run("a", "get", "x"); got != "2" {
+		t.Fatalf("x after the failed restore = %q", got)
+	}
+	if got := e.run("a", "cat", "/late"); got != "data" {
+		t.Fatalf("/late after the failed restore = %q", got)
+	}
+}

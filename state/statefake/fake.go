@@ -181,6 +181,21 @@ func (f *FS) Lost(_ context.Context, ckpt string) bool {
 	return !ok
 }
 
+// WriteUnseen writes a file into the view of the sandbox with id sbID
+// behind the state manager's back: no operation runs and the probe does
+// not see it, as with a write a background process makes between two
+// probe windows. It reports whether the sandbox has a mount.
+func (d *Disk) WriteUnseen(sbID, path, data string) bool {
+	d.mu.Lock()
+	m := d.mounts["fake:"+sbID]
+	d.mu.Unlock()
+	if m == nil {
+		return false
+	}
+	m.write(path, data)
+	return true
+}
+
 // LoseCheckpoint forgets fs checkpoint ckpt as a crash before its layer
 // was written would (tests of recovery).
 func (d *Disk) LoseCheckpoint(ckpt string) {
@@ -226,14 +241,21 @@ func (m *Mount) Switch(_ context.Context, ckpt string) error {
 	m.mu.Lock()
 	m.files = maps.Clone(l)
 	m.mu.Unlock()
+	m.dirty.Store(0) // the view is the checkpoint's again
 	return nil
 }
 
 func (m *Mount) write(path, data string) {
+	m.writeQuiet(path, data)
+	m.dirty.Add(int64(len(data)))
+}
+
+// writeQuiet writes a file outside what checkpoints account (the real
+// sandboxes' /run/rewind is a tmpfs of their own).
+func (m *Mount) writeQuiet(path, data string) {
 	m.mu.Lock()
 	m.files[path] = data
 	m.mu.Unlock()
-	m.dirty.Add(int64(len(data)))
 }
 
 // Read returns a file's content.
@@ -462,7 +484,7 @@ func (s *Sandbox) Send(ctx context.Context, req state.SendRequest) (string, erro
 // WriteRunFile implements state.ProcSandbox (the fake keeps it in the
 // mount, under /run/rewind).
 func (s *Sandbox) WriteRunFile(name string, data []byte) error {
-	s.mount.write("/run/rewind/"+name, string(data))
+	s.mount.writeQuiet("/run/rewind/"+name, string(data))
 	return nil
 }
 
@@ -613,6 +635,7 @@ func (w *window) End(context.Context) (*effect.Report, error) {
 	w.turn++
 	r := &effect.Report{Version: effect.Version, Sandbox: w.name, Turn: w.turn, Backend: "fake"}
 	r.FS.Modified = uint64(fsOps)
+	r.FS.UpperNonEmpty = w.s.mount.dirty.Load() > 0
 	r.Mem.PagesWritten = uint64(procOps)
 	return r, nil
 }
@@ -628,25 +651,29 @@ func (w *window) Begin(context.Context) error {
 func (w *window) Close() error { return nil }
 
 // Policy is a fake policy: skip when nothing changed, fs when only files
-// changed, full otherwise.
-type Policy struct{}
+// changed, full otherwise. With IgnoreFS it skips file changes too (as a
+// policy that ignores a cache directory would).
+type Policy struct{ IgnoreFS bool }
 
 // Decide implements state.Policy.
-func (Policy) Decide(_ context.Context, r *effect.Report) (state.Decision, error) {
+func (p Policy) Decide(_ context.Context, r *effect.Report) (state.Decision, error) {
 	switch {
 	case r.ProcChanged():
 		return state.Decision{Mode: state.ModeFull, Reason: "process state changed"}, nil
-	case r.FSChanged():
+	case r.FSChanged() && !p.IgnoreFS:
 		return state.Decision{Mode: state.ModeFS, Reason: "files changed"}, nil
 	}
 	return state.Decision{Mode: state.ModeSkip, Reason: "no effect"}, nil
 }
 
-// Policies loads the fake policy under any name.
+// Policies loads the fake policy under any name; "ignore-fs" loads it
+// with IgnoreFS.
 type Policies struct{}
 
 // Load implements state.PolicyLoader.
-func (Policies) Load(context.Context, string) (state.Policy, error) { return Policy{}, nil }
+func (Policies) Load(_ context.Context, name string) (state.Policy, error) {
+	return Policy{IgnoreFS: name == "ignore-fs"}, nil
+}
 
 // Backends bundles a fake FS and Proc over one Disk.
 type Backends struct {
