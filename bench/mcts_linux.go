@@ -1,12 +1,14 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/rewind-sandbox/rewind/client"
@@ -27,7 +29,12 @@ type MCTSOptions struct {
 	Parent string
 	// CrashChecks per trace and system (default 10).
 	CrashChecks int
-	Progress    io.Writer
+	// Repeat runs every system this many times (default 1), the systems'
+	// order rotated by one each round (a system run right after the copy
+	// baselines finds the page cache and the disk busier); each row is the
+	// run with the median state time (see MedianRuns).
+	Repeat   int
+	Progress io.Writer
 }
 
 // RunMCTS replays every trace with every system and aggregates the rows.
@@ -47,39 +54,86 @@ func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
 	for _, t := range o.Traces {
 		rep.Traces = append(rep.Traces, fmt.Sprintf("%s (%d nodes, %d rollbacks)", t.Name, len(t.Nodes), t.Rollbacks()))
 	}
+	if o.Repeat < 1 {
+		o.Repeat = 1
+	}
 	var xfsDir string
-	for _, name := range o.Systems {
-		var agg *Result
-		for _, t := range o.Traces {
-			m, cleanup, err := newSystem(name, o.Client, parent, &xfsDir)
-			var r *Result
-			if err != nil {
-				r = &Result{Name: name, Trace: t.Name, Error: err.Error()}
-			} else {
-				r, _ = Replay(ctx, t, m, ReplayOptions{CrashChecks: o.CrashChecks, Progress: o.Progress})
-				cleanup()
-			}
-			if o.Progress != nil {
-				fmt.Fprintf(o.Progress, "%s on %s: state %.0f ms, overhead %.3fx %s\n", name, t.Name, r.StateMS, r.OverheadRatio, r.Error)
-			}
-			if agg == nil {
-				agg = r
-				finish(agg)
-			} else {
-				merge(agg, r)
-			}
-			if ctx.Err() != nil {
-				return rep, ctx.Err()
-			}
+	defer func() {
+		if xfsDir != "" {
+			_ = unix.Unmount(xfsDir, unix.MNT_DETACH)
+			_ = os.RemoveAll(filepath.Dir(xfsDir))
 		}
-		rep.Systems = append(rep.Systems, agg)
+	}()
+	runs := map[string][]*Result{}
+	for round := 0; round < o.Repeat; round++ {
+		n := len(o.Systems)
+		for i := range n {
+			name := o.Systems[(i+round)%n]
+			var agg *Result
+			for _, t := range o.Traces {
+				m, cleanup, err := newSystem(name, o.Client, parent, &xfsDir)
+				var r *Result
+				if err != nil {
+					r = &Result{Name: name, Trace: t.Name, Error: err.Error()}
+				} else {
+					r, _ = Replay(ctx, t, m, ReplayOptions{CrashChecks: o.CrashChecks, Progress: o.Progress})
+					cleanup()
+				}
+				if o.Progress != nil {
+					fmt.Fprintf(o.Progress, "%s on %s (run %d of %d): state %.0f ms, overhead %.3fx %s\n", name, t.Name, round+1, o.Repeat, r.StateMS, r.OverheadRatio, r.Error)
+				}
+				if agg == nil {
+					agg = r
+					finish(agg)
+				} else {
+					merge(agg, r)
+				}
+				if ctx.Err() != nil {
+					rep.Systems = MedianRuns(o.Systems, runs)
+					return rep, ctx.Err()
+				}
+			}
+			runs[name] = append(runs[name], agg)
+		}
 	}
-	if xfsDir != "" {
-		_ = unix.Unmount(xfsDir, unix.MNT_DETACH)
-		_ = os.RemoveAll(filepath.Dir(xfsDir))
-	}
+	rep.Systems = MedianRuns(o.Systems, runs)
 	rep.compare()
 	return rep, nil
+}
+
+// MedianRuns returns one row per system of order that has runs: the run
+// with the median state time (the lower of the two middle ones for an even
+// count; runs that failed count as slowest), with StateMSRuns listing the
+// state times of every run that did not fail, when there was more than one
+// run.
+func MedianRuns(order []string, runs map[string][]*Result) []*Result {
+	var out []*Result
+	for _, name := range order {
+		rs := slices.Clone(runs[name])
+		if len(rs) == 0 {
+			continue
+		}
+		slices.SortStableFunc(rs, func(a, b *Result) int {
+			if (a.Error != "") != (b.Error != "") {
+				if a.Error != "" {
+					return 1
+				}
+				return -1
+			}
+			return cmp.Compare(a.StateMS, b.StateMS)
+		})
+		row := rs[(len(rs)-1)/2]
+		if len(rs) > 1 {
+			row.StateMSRuns = nil
+			for _, r := range rs {
+				if r.Error == "" {
+					row.StateMSRuns = append(row.StateMSRuns, r.StateMS)
+				}
+			}
+		}
+		out = append(out, row)
+	}
+	return out
 }
 
 func newSystem(name string, c *client.Client, parent string, xfsDir *string) (Manager, func(), error) {

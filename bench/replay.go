@@ -158,7 +158,11 @@ type Result struct {
 	CrashCorrect int `json:"crash_correct"`
 	// RecoveryCorrectness is CrashCorrect/CrashChecks (1 when no checks).
 	RecoveryCorrectness float64 `json:"recovery_correctness"`
-	Error               string  `json:"error,omitempty"`
+	// StateMSRuns are the state times of every run of the system, sorted,
+	// when the benchmark ran it more than once (MCTSOptions.Repeat); the
+	// row's other fields are those of the run with the median state time.
+	StateMSRuns []float64 `json:"state_ms_runs,omitempty"`
+	Error       string    `json:"error,omitempty"`
 }
 
 // Latency summarizes a set of call latencies.

@@ -130,6 +130,21 @@ func (rep *Report) Markdown(w io.Writer) {
 			s.Name, s.OverheadRatio, s.OverheadRatioZeroLLM, s.StateMS, s.P50MS, s.P99MS, s.Restore.P50MS, s.FrozenMS,
 			mb(s.Usage.DiskBytes), mb(s.Usage.MemBytes), s.Decisions["skip"], s.Decisions["fs"], s.Decisions["full"], s.CrashCorrect, s.CrashChecks)
 	}
+	var spread []string
+	runs := 0
+	for _, s := range rep.Systems {
+		if len(s.StateMSRuns) > 1 {
+			runs = max(runs, len(s.StateMSRuns))
+			var v []string
+			for _, x := range s.StateMSRuns {
+				v = append(v, fmt.Sprintf("%.0f", x))
+			}
+			spread = append(spread, s.Name+" "+strings.Join(v, " / "))
+		}
+	}
+	if len(spread) > 0 {
+		fmt.Fprintf(w, "\nEach row is the run with the median state time of up to %d runs per system (the systems' order rotated every run); state ms of every run: %s.\n", runs, strings.Join(spread, "; "))
+	}
 	switch {
 	case rep.BestBaseline != "" && rep.Speedup >= 1:
 		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s).\n", rep.Speedup, rep.BestBaseline)

@@ -24,6 +24,7 @@ func newBenchMCTSCmd() *cobra.Command {
 		outDir     string
 		writeTrace string
 		crash      int
+		repeat     int
 		exclude    []string
 	)
 	cmd := &cobra.Command{
@@ -39,7 +40,7 @@ per-call latency p50/p99, frozen time, disk, rewind's decision mix, and recovery
 correctness (crashes injected at random turns, recovery from the latest checkpoint).
 
 --quick replays one generated trace of 100 expansions (minutes); --full five.`,
-		Example: "  rewind bench mcts --quick\n  rewind bench mcts --full --out bench-results\n  rewind bench mcts --trace my.jsonl --systems rewind-effects,cp-a --json",
+		Example: "  rewind bench mcts --quick\n  rewind bench mcts --quick --repeat 3 --out bench-results\n  rewind bench mcts --full --out bench-results\n  rewind bench mcts --trace my.jsonl --systems rewind-effects,cp-a --json",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var ts []*bench.Trace
@@ -83,7 +84,10 @@ correctness (crashes injected at random turns, recovery from the latest checkpoi
 			for _, s := range sys {
 				needRewind = needRewind || strings.HasPrefix(s, "rewind-")
 			}
-			opts := bench.MCTSOptions{Traces: ts, Systems: sys, CrashChecks: crash, Progress: cmd.ErrOrStderr()}
+			if repeat < 1 {
+				return fmt.Errorf("--repeat %d: want 1 or more", repeat)
+			}
+			opts := bench.MCTSOptions{Traces: ts, Systems: sys, CrashChecks: crash, Repeat: repeat, Progress: cmd.ErrOrStderr()}
 			if needRewind {
 				c, err := o.connect(cmd)
 				if err != nil {
@@ -118,6 +122,7 @@ correctness (crashes injected at random turns, recovery from the latest checkpoi
 	cmd.Flags().StringVar(&outDir, "out", "", "write results.json, results.md and chart.svg into this directory")
 	cmd.Flags().StringVar(&writeTrace, "write-trace", "", "also write the traces replayed to this JSON Lines file")
 	cmd.Flags().IntVar(&crash, "crash-checks", 10, "crash-recovery checks per trace and system")
+	cmd.Flags().IntVar(&repeat, "repeat", 1, "run every system this many times, the systems' order rotated each time; each row is the median run")
 	cmd.Flags().StringSliceVar(&exclude, "exclude-kinds", nil, "action kinds the generator leaves out (read, edit, test, cd, env, install, server, kill)")
 	o.add(cmd)
 	return cmd
