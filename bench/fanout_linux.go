@@ -1,12 +1,14 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -31,7 +33,12 @@ type FanoutOptions struct {
 	Parent string
 	// FS is the file-system backend of the forked sandbox ("" or "auto",
 	// "fuse", "kernel"); its fork children get the same.
-	FS       string
+	FS string
+	// Repeat runs the whole benchmark this many times (default 1), the
+	// order of its three parts (rewind's forks, the copies, the floor)
+	// rotated by one each round; each row is the median run of its system
+	// and width (see medianFanout).
+	Repeat   int
 	Progress io.Writer
 }
 
@@ -55,7 +62,10 @@ type FanoutRow struct {
 	// what the system adds to running the first command itself (set when
 	// both rows exist).
 	OverFloorMS float64 `json:"over_floor_ms,omitempty"`
-	Error       string  `json:"error,omitempty"`
+	// ReadyMSRuns are the ready times of every run that did not fail,
+	// sorted, when the benchmark ran more than once (FanoutOptions.Repeat).
+	ReadyMSRuns []float64 `json:"ready_ms_runs,omitempty"`
+	Error       string    `json:"error,omitempty"`
 }
 
 // floorName is the row of N shells that are already running the
@@ -87,8 +97,10 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 	if o.TrainerStepMS <= 0 {
 		o.TrainerStepMS = 5000
 	}
+	if o.Repeat < 1 {
+		o.Repeat = 1
+	}
 	setup := setupCommands()
-	var rows []FanoutRow
 	finishRow := func(r FanoutRow) FanoutRow {
 		r.TrainerWait = r.ReadyMS / (r.ReadyMS + o.TrainerStepMS)
 		r.GPUUtil = 1 - r.TrainerWait
@@ -97,7 +109,11 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 		}
 		return r
 	}
-	if o.Client != nil {
+	rewindPart := func() ([]FanoutRow, error) {
+		if o.Client == nil {
+			return nil, nil
+		}
+		var rows []FanoutRow
 		m := &rewindManager{c: o.Client, policy: "always", fs: o.FS}
 		if err := m.Start(ctx, setup); err != nil {
 			return nil, fmt.Errorf("rewind: %w", err)
@@ -131,15 +147,96 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 			}
 			rows = append(rows, finishRow(r))
 		}
+		return rows, nil
 	}
-	for _, n := range o.Counts {
-		rows = append(rows, finishRow(fanoutCopy(ctx, o.Parent, setup, n)))
+	copyPart := func() ([]FanoutRow, error) {
+		var rows []FanoutRow
+		for _, n := range o.Counts {
+			rows = append(rows, finishRow(fanoutCopy(ctx, o.Parent, setup, n)))
+		}
+		return rows, nil
 	}
-	for _, n := range o.Counts {
-		rows = append(rows, finishRow(fanoutFloor(ctx, o.Parent, setup, n)))
+	floorPart := func() ([]FanoutRow, error) {
+		var rows []FanoutRow
+		for _, n := range o.Counts {
+			rows = append(rows, finishRow(fanoutFloor(ctx, o.Parent, setup, n)))
+		}
+		return rows, nil
 	}
+	parts := []func() ([]FanoutRow, error){rewindPart, copyPart, floorPart}
+	var runs [][]FanoutRow
+	for round := 0; round < o.Repeat; round++ {
+		// Each part's rows keep their place in the output (rewind's,
+		// then the copies', then the floor's), whatever order they ran in.
+		got := make([][]FanoutRow, len(parts))
+		for i := range parts {
+			k := (i + round) % len(parts)
+			rows, err := parts[k]()
+			if err != nil {
+				return nil, err
+			}
+			got[k] = rows
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+		}
+		var rows []FanoutRow
+		for _, g := range got {
+			rows = append(rows, g...)
+		}
+		runs = append(runs, rows)
+	}
+	rows := medianFanout(runs)
 	setOverFloor(rows)
 	return rows, nil
+}
+
+// medianFanout returns, for each system and width in the order of the
+// first run, the run with the median ready time (the lower middle one for
+// an even count; failed runs count as slowest), with ReadyMSRuns listing
+// every successful run's ready time when there was more than one run.
+func medianFanout(runs [][]FanoutRow) []FanoutRow {
+	if len(runs) == 0 {
+		return nil
+	}
+	type key struct {
+		name string
+		n    int
+	}
+	byKey := map[key][]FanoutRow{}
+	var order []key
+	for _, rows := range runs {
+		for _, r := range rows {
+			k := key{r.Name, r.N}
+			if _, seen := byKey[k]; !seen {
+				order = append(order, k)
+			}
+			byKey[k] = append(byKey[k], r)
+		}
+	}
+	out := make([]FanoutRow, 0, len(order))
+	for _, k := range order {
+		rs := byKey[k]
+		slices.SortStableFunc(rs, func(a, b FanoutRow) int {
+			if (a.Error != "") != (b.Error != "") {
+				if a.Error != "" {
+					return 1
+				}
+				return -1
+			}
+			return cmp.Compare(a.ReadyMS, b.ReadyMS)
+		})
+		row := rs[(len(rs)-1)/2]
+		if len(runs) > 1 {
+			for _, r := range rs {
+				if r.Error == "" {
+					row.ReadyMSRuns = append(row.ReadyMSRuns, r.ReadyMS)
+				}
+			}
+		}
+		out = append(out, row)
+	}
+	return out
 }
 
 // setOverFloor sets every row's OverFloorMS from the shell-floor row of

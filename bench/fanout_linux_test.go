@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"reflect"
 	"strconv"
 	"testing"
 
@@ -44,7 +45,7 @@ func TestFanoutFloor(t *testing.T) {
 // rows and the floor rows, with each copy row's cost over the floor.
 func TestRunFanoutBaselinesOnly(t *testing.T) {
 	testenv.RequireRoot(t)
-	rows, err := RunFanout(context.Background(), FanoutOptions{Counts: []int{2, 3}, Parent: t.TempDir()})
+	rows, err := RunFanout(context.Background(), FanoutOptions{Counts: []int{2, 3}, Parent: t.TempDir(), Repeat: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,5 +68,35 @@ func TestRunFanoutBaselinesOnly(t *testing.T) {
 		if cp.DiskBytes <= 0 {
 			t.Errorf("n=%s: cp-a copies take no disk", n)
 		}
+		if len(cp.ReadyMSRuns) != 2 || cp.ReadyMS != cp.ReadyMSRuns[0] {
+			t.Errorf("n=%s: cp-a runs %v, row %.2f: want 2 runs and the lower median", n, cp.ReadyMSRuns, cp.ReadyMS)
+		}
+	}
+	if len(rows) != 4 {
+		t.Errorf("%d rows for 2 systems at 2 widths over 2 runs: %v", len(rows), rows)
+	}
+}
+
+// TestMedianFanout: one row per system and width, in first-seen order,
+// the median run's (failed runs last), with every successful run's time.
+func TestMedianFanout(t *testing.T) {
+	row := func(name string, n int, ms float64, errText string) FanoutRow {
+		return FanoutRow{Name: name, N: n, ReadyMS: ms, ForkMS: ms / 2, Error: errText}
+	}
+	runs := [][]FanoutRow{
+		{row("rewind-fork", 16, 700, ""), row("cp-a", 16, 400, "")},
+		{row("rewind-fork", 16, 500, ""), row("cp-a", 16, 0, "copy failed")},
+		{row("rewind-fork", 16, 600, ""), row("cp-a", 16, 300, "")},
+	}
+	got := medianFanout(runs)
+	want := []FanoutRow{
+		{Name: "rewind-fork", N: 16, ReadyMS: 600, ForkMS: 300, ReadyMSRuns: []float64{500, 600, 700}},
+		{Name: "cp-a", N: 16, ReadyMS: 400, ForkMS: 200, ReadyMSRuns: []float64{300, 400}},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("medianFanout = %+v\nwant %+v", got, want)
+	}
+	if one := medianFanout(runs[:1]); one[0].ReadyMSRuns != nil || one[0].ReadyMS != 700 {
+		t.Fatalf("one run: %+v", one)
 	}
 }

@@ -152,6 +152,7 @@ func newBenchFanoutCmd() *cobra.Command {
 		counts []int
 		step   float64
 		fsKind string
+		repeat int
 	)
 	cmd := &cobra.Command{
 		Use:   "fanout",
@@ -165,14 +166,17 @@ run the first command at once (nothing copied or forked); "over floor" is what a
 system adds to it at the same N.
 With a simulated trainer step, it prints the fraction of time a trainer would wait
 for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms.`,
-		Example: "  rewind bench fanout -n 16,32,64\n  rewind bench fanout -n 64 --trainer-step-ms 2000 --json",
+		Example: "  rewind bench fanout -n 16,32,64\n  rewind bench fanout -n 16,32,64 --repeat 3\n  rewind bench fanout -n 64 --trainer-step-ms 2000 --json",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			c, err := o.connect(cmd)
 			if err != nil {
 				return err
 			}
-			rows, err := bench.RunFanout(cmd.Context(), bench.FanoutOptions{Counts: counts, Client: c, TrainerStepMS: step, FS: fsKind, Progress: cmd.ErrOrStderr()})
+			if repeat < 1 {
+				return fmt.Errorf("--repeat %d: want 1 or more", repeat)
+			}
+			rows, err := bench.RunFanout(cmd.Context(), bench.FanoutOptions{Counts: counts, Client: c, TrainerStepMS: step, FS: fsKind, Repeat: repeat, Progress: cmd.ErrOrStderr()})
 			if err != nil {
 				return err
 			}
@@ -193,12 +197,23 @@ for its rollouts and the resulting "GPU utilisation". Target: 64 forks <= 250 ms
 				fmt.Fprintf(w, "| %s | %d | %.1f | %s | %.1f | %.1f%% | %.1f%% | %.1f | %.1f |\n", r.Name, r.N, r.ReadyMS, over, r.ForkMS,
 					100*r.TrainerWait, 100*r.GPUUtil, float64(r.MemDeltaBytes)/(1<<20), float64(r.DiskBytes)/(1<<20))
 			}
+			if repeat > 1 {
+				fmt.Fprintf(w, "\nEach row is the median of %d runs (the parts' order rotated every run); ready ms of every run:\n", repeat)
+				for _, r := range rows {
+					var v []string
+					for _, x := range r.ReadyMSRuns {
+						v = append(v, fmt.Sprintf("%.0f", x))
+					}
+					fmt.Fprintf(w, "- %s n=%d: %s\n", r.Name, r.N, strings.Join(v, " / "))
+				}
+			}
 			return nil
 		},
 	}
 	cmd.Flags().IntSliceVarP(&counts, "n", "n", []int{16, 32, 64}, "fan-out widths")
 	cmd.Flags().Float64Var(&step, "trainer-step-ms", 5000, "simulated trainer step the rollouts feed")
 	cmd.Flags().StringVar(&fsKind, "fs", "", "file-system backend of the forked sandbox and its children: auto, fuse or kernel (native overlayfs: needs the daemon's state dir on its own file system, see rewind init-store; default: the daemon's)")
+	cmd.Flags().IntVar(&repeat, "repeat", 1, "run the whole benchmark this many times, its parts' order rotated each time; each row is the median run")
 	o.add(cmd)
 	return cmd
 }
