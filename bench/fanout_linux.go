@@ -1,14 +1,12 @@
 package bench
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -216,24 +214,8 @@ func medianFanout(runs [][]FanoutRow) []FanoutRow {
 	}
 	out := make([]FanoutRow, 0, len(order))
 	for _, k := range order {
-		rs := byKey[k]
-		slices.SortStableFunc(rs, func(a, b FanoutRow) int {
-			if (a.Error != "") != (b.Error != "") {
-				if a.Error != "" {
-					return 1
-				}
-				return -1
-			}
-			return cmp.Compare(a.ReadyMS, b.ReadyMS)
-		})
-		row := rs[(len(rs)-1)/2]
-		if len(runs) > 1 {
-			for _, r := range rs {
-				if r.Error == "" {
-					row.ReadyMSRuns = append(row.ReadyMSRuns, r.ReadyMS)
-				}
-			}
-		}
+		row, ready := medianRun(byKey[k], func(r FanoutRow) bool { return r.Error != "" }, func(r FanoutRow) float64 { return r.ReadyMS })
+		row.ReadyMSRuns = ready
 		out = append(out, row)
 	}
 	return out

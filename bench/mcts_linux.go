@@ -1,14 +1,12 @@
 package bench
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 
 	"github.com/rewind-sandbox/rewind/client"
@@ -109,28 +107,11 @@ func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
 func MedianRuns(order []string, runs map[string][]*Result) []*Result {
 	var out []*Result
 	for _, name := range order {
-		rs := slices.Clone(runs[name])
-		if len(rs) == 0 {
+		if len(runs[name]) == 0 {
 			continue
 		}
-		slices.SortStableFunc(rs, func(a, b *Result) int {
-			if (a.Error != "") != (b.Error != "") {
-				if a.Error != "" {
-					return 1
-				}
-				return -1
-			}
-			return cmp.Compare(a.StateMS, b.StateMS)
-		})
-		row := rs[(len(rs)-1)/2]
-		if len(rs) > 1 {
-			row.StateMSRuns = nil
-			for _, r := range rs {
-				if r.Error == "" {
-					row.StateMSRuns = append(row.StateMSRuns, r.StateMS)
-				}
-			}
-		}
+		row, states := medianRun(runs[name], func(r *Result) bool { return r.Error != "" }, func(r *Result) float64 { return r.StateMS })
+		row.StateMSRuns = states
 		out = append(out, row)
 	}
 	return out
