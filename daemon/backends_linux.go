@@ -781,8 +781,9 @@ type procSandbox struct {
 	ckpts map[string]bool // cr checkpoints taken here
 	// restored, when restoredOK, are the pids of the processes the last
 	// template restore left alive (every one of the agent's: it killed
-	// the rest), for the probe window opened next (takeRestored). A
-	// probe window's End and Watch forget them.
+	// the rest), or that the last template checkpoint took, for the probe
+	// window opened next (takeRestored). A probe window's End and Watch
+	// forget them.
 	restored   []int
 	restoredOK bool
 	// origin maps each live process the daemon knows the origin of to
@@ -1100,6 +1101,18 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	}
 	p.mu.Lock()
 	p.ckpts[id] = true
+	if ck.Mode == cr.ModeTemplate && !undo {
+		// Every process of the agent's has its template, so these are
+		// all of them, as checkpointed: the next probe window starts
+		// from them (takeRestored) rather than from a listing of the
+		// cgroup, so a process one of them started after it resumed is
+		// new in that window instead of hiding in its first snapshot.
+		live := make([]int, 0, len(ck.Procs))
+		for _, pr := range ck.Procs {
+			live = append(live, pr.PID)
+		}
+		p.restored, p.restoredOK = live, true
+	}
 	p.mu.Unlock()
 	if !undo {
 		pairs := make([][2]int, 0, len(ck.Procs))

@@ -5,6 +5,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/rewind-sandbox/rewind/cr"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 	"github.com/rewind-sandbox/rewind/probe"
 )
@@ -87,5 +88,70 @@ func TestRestoreOpensTheProbeWindowOnItsCopies(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// TestCheckpointOpensTheProbeWindowOnItsProcesses: a template checkpoint
+// hands the next probe window the processes it took, so a process one of
+// them starts after the checkpoint resumed them and before the window
+// opens is new in that window; with a window on a fresh listing of the
+// cgroup it would hide in the first snapshot.
+func TestCheckpointOpensTheProbeWindowOnItsProcesses(t *testing.T) {
+	ps, send := parkSandbox(t)
+	ctx := context.Background()
+	p, err := probe.OpenEBPF(probe.Options{})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer p.Close()
+	pw, err := (&probeAdapter{p: p, eng: ps.b.eng}).Watch(ctx, "ckpt-known", nil, ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := pw.(*probeWindow)
+	defer w.Close()
+	if _, err := w.End(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ps.Checkpoint(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	live, err := ps.b.eng.Processes(ps.sb)
+	if err != nil || len(live) != 1 {
+		t.Fatalf("live processes %+v %v", live, err)
+	}
+	w.ps.mu.Lock()
+	got := slices.Clone(w.ps.restored)
+	w.ps.mu.Unlock()
+	if !slices.Equal(got, []int{live[0].PID}) {
+		t.Fatalf("checkpoint hands over %v, live %v", got, live)
+	}
+	// Between the checkpoint and the window: a lasting background job.
+	send("sleep 1000 & true")
+	if err := w.Begin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := w.End(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Proc.NewLongLived != 1 || r.Proc.Alive != 2 {
+		t.Fatalf("report %+v: the job started before the window opened is not new in it", r.Proc)
+	}
+	// An undo checkpoint (a restore's) hands nothing over: the restore does.
+	send("kill %1; wait")
+	if err := w.Begin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.End(ctx); err != nil {
+		t.Fatal(err)
+	}
+	part, err := ps.checkpoint(ctx, nil, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if part.Data["mode"] != string(cr.ModeTemplate) {
+		t.Fatalf("undo checkpoint of a lone shell: mode %q", part.Data["mode"])
+	}
+	if _, ok := ps.takeRestored(); ok {
+		t.Fatal("an undo checkpoint hands its processes over")
 	}
 }
