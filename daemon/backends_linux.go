@@ -1101,12 +1101,13 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	}
 	p.mu.Lock()
 	p.ckpts[id] = true
-	if ck.Mode == cr.ModeTemplate && !undo {
-		// Every process of the agent's has its template, so these are
-		// all of them, as checkpointed: the next probe window starts
-		// from them (takeRestored) rather than from a listing of the
-		// cgroup, so a process one of them started after it resumed is
-		// new in that window instead of hiding in its first snapshot.
+	if ck.Mode != cr.ModeParked && !undo {
+		// These are all of the agent's processes, as checkpointed
+		// (templates of each, or a CRIU dump of every tree, or none):
+		// the next probe window starts from them (takeRestored) rather
+		// than from a listing of the cgroup, so a process one of them
+		// started after it resumed is new in that window instead of
+		// hiding in its first snapshot. Parked processes stay stopped.
 		live := make([]int, 0, len(ck.Procs))
 		for _, pr := range ck.Procs {
 			live = append(live, pr.PID)

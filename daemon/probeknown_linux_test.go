@@ -91,11 +91,12 @@ func TestRestoreOpensTheProbeWindowOnItsCopies(t *testing.T) {
 	}
 }
 
-// TestCheckpointOpensTheProbeWindowOnItsProcesses: a template checkpoint
-// hands the next probe window the processes it took, so a process one of
-// them starts after the checkpoint resumed them and before the window
-// opens is new in that window; with a window on a fresh listing of the
-// cgroup it would hide in the first snapshot.
+// TestCheckpointOpensTheProbeWindowOnItsProcesses: a checkpoint (template
+// or CRIU) hands the next probe window the processes it took, so a process
+// one of them starts after the checkpoint resumed them and before the
+// window opens is new in that window; with a window on a fresh listing of
+// the cgroup it would hide in the first snapshot. An undo checkpoint hands
+// nothing over (its restore does).
 func TestCheckpointOpensTheProbeWindowOnItsProcesses(t *testing.T) {
 	ps, send := parkSandbox(t)
 	ctx := context.Background()
@@ -136,6 +137,31 @@ func TestCheckpointOpensTheProbeWindowOnItsProcesses(t *testing.T) {
 	if r.Proc.NewLongLived != 1 || r.Proc.Alive != 2 {
 		t.Fatalf("report %+v: the job started before the window opened is not new in it", r.Proc)
 	}
+	// The same after a CRIU checkpoint (the shell and its job: a tree).
+	if err := w.Begin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.End(ctx); err != nil {
+		t.Fatal(err)
+	}
+	part, err := ps.Checkpoint(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if part.Data["mode"] != string(cr.ModeCRIU) {
+		t.Fatalf("checkpoint of a shell with a job: mode %q", part.Data["mode"])
+	}
+	send("sleep 1001 & true")
+	if err := w.Begin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r, err = w.End(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r.Proc.NewLongLived != 1 || r.Proc.Alive != 3 {
+		t.Fatalf("report %+v after a CRIU checkpoint: want the second job new", r.Proc)
+	}
+	send("kill %2; wait %2")
 	// An undo checkpoint (a restore's) hands nothing over: the restore does.
 	send("kill %1; wait")
 	if err := w.Begin(ctx); err != nil {
@@ -144,7 +170,7 @@ func TestCheckpointOpensTheProbeWindowOnItsProcesses(t *testing.T) {
 	if _, err := w.End(ctx); err != nil {
 		t.Fatal(err)
 	}
-	part, err := ps.checkpoint(ctx, nil, true, false)
+	part, err = ps.checkpoint(ctx, nil, true, false)
 	if err != nil {
 		t.Fatal(err)
 	}
