@@ -173,3 +173,46 @@ func TestRealKernelPathStockSwitch(t *testing.T) {
 	}
 	check("parent after its forks wrote", "three", "new", "2", "/", "ab")
 }
+
+// TestRealKernelPathIdleTurnsSkip: on the kernel path an idle auto turn
+// skips after a checkpoint and after a restore (its writable layer then
+// equals the checkpoint's: state's unseen-write guard must not fire), and
+// a turn that ran a command does not.
+func TestRealKernelPathIdleTurnsSkip(t *testing.T) {
+	d := startKernelDaemon(t)
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: "kernel", Policy: "effects"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "k", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
+		t.Fatal(err)
+	}
+	run := func(cmd string) string { return send(t, c, "k", "b", cmd+"\necho @@done@@") }
+	turn := func(when string, want state.Mode) *api.TurnResult {
+		t.Helper()
+		r, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "auto", Wait: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if state.Mode(r.Decision) != want {
+			t.Fatalf("%s: decision %s (%s), want %s", when, r.Decision, r.Reason, want)
+		}
+		return r
+	}
+	run("mkdir -p /work && echo one > /work/f")
+	t1, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	turn("idle turn after a checkpoint", state.ModeSkip)
+	run("echo two > /work/f")
+	turn("a turn that wrote a file (the shell ran: memory written)", state.ModeFull)
+	turn("idle turn after that", state.ModeSkip)
+	if _, err := c.Restore(ctx, "k", t1.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	turn("idle turn after a restore", state.ModeSkip)
+	if got := run("cat /work/f"); got != "one" {
+		t.Fatalf("/work/f after the restore: %q", got)
+	}
+}
