@@ -174,14 +174,27 @@ func TestRealKernelPathStockSwitch(t *testing.T) {
 	check("parent after its forks wrote", "three", "new", "2", "/", "ab")
 }
 
-// TestRealKernelPathIdleTurnsSkip: on the kernel path an idle auto turn
-// skips after a checkpoint and after a restore (its writable layer then
-// equals the checkpoint's: state's unseen-write guard must not fire), and
-// a turn that ran a command does not.
-func TestRealKernelPathIdleTurnsSkip(t *testing.T) {
-	d := startKernelDaemon(t)
+// TestRealIdleTurnsSkip: on either fs path an idle auto turn skips after
+// a checkpoint and after a restore (the writable layer then equals the
+// checkpoint's: state's unseen-write guard must not fire), and a turn that
+// ran a command does not.
+func TestRealIdleTurnsSkip(t *testing.T) {
+	for _, fsKind := range []string{"fuse", "kernel"} {
+		t.Run(fsKind, func(t *testing.T) {
+			var d *realDaemon
+			if fsKind == "kernel" {
+				d = startKernelDaemon(t)
+			} else {
+				d = startReal(t, t.TempDir())
+			}
+			idleTurnsSkip(t, d, fsKind)
+		})
+	}
+}
+
+func idleTurnsSkip(t *testing.T, d *realDaemon, fsKind string) {
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: "kernel", Policy: "effects"}); err != nil {
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: fsKind, Policy: "effects"}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.StartSession(ctx, "k", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
