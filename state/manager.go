@@ -112,9 +112,9 @@ type sbox struct {
 	// checkpoint or restore (m.mu).
 	fsAccepted bool
 	turnMu     sync.Mutex // serializes the synchronous part of turns
-	policy        Policy
-	removed       bool
-	reports       reportRing // recent turn reports (m.mu)
+	policy     Policy
+	removed    bool
+	reports    reportRing // recent turn reports (m.mu)
 }
 
 type ckpt struct {
