@@ -781,9 +781,9 @@ type procSandbox struct {
 	ckpts map[string]bool // cr checkpoints taken here
 	// restored, when restoredOK, are the pids of the processes the last
 	// template restore left alive (every one of the agent's: it killed
-	// the rest), or that the last template checkpoint took, for the probe
-	// window opened next (takeRestored). A probe window's End and Watch
-	// forget them.
+	// the rest), or that the last checkpoint took (not an undo point or a
+	// parked one), for the probe window opened next (takeRestored). A
+	// probe window's End and Watch forget them.
 	restored   []int
 	restoredOK bool
 	// origin maps each live process the daemon knows the origin of to
