@@ -22,7 +22,7 @@ trap cleanup EXIT
 
 echo "== go test -bench (package benchmarks, one iteration each)"
 pkgs=()
-for p in fs layer kernelpath cr sandbox probe/probebench policy; do
+for p in fs layer kernelpath cr cr/criu sandbox probe/probebench policy; do
 	[[ -d $p ]] && pkgs+=("./$p/")
 done
 REWIND_BENCH=1 go test -run '^$' -bench . -benchtime "${BENCHTIME:-1x}" -timeout 30m "${pkgs[@]}" | tee "$out/go-bench.txt"
