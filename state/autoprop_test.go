@@ -26,7 +26,8 @@ func (s autoState) equal(o autoState) bool {
 	return maps.Equal(s.files, o.files) && maps.Equal(s.mem, o.mem)
 }
 
-// TestAutoTurnsProperty drives random agent turns in auto mode — seen file
+// TestAutoTurnsProperty drives random agent turns in auto mode (half of
+// them deferred) — seen file
 // writes and deletes, memory changes, writes no probe window sees (made
 // between windows), idle turns, requested full turns, restores to any
 // checkpoint handed out — against a model of the sandbox's files and
@@ -78,10 +79,16 @@ func autoProperty(t *testing.T, seed uint64, steps int) {
 	}
 	turn := func(mode state.Mode) {
 		t.Helper()
-		r := e.turn("a", mode, true)
+		// Half the auto turns are deferred (the harness's fast path: the
+		// id at once, the decision with the checkpoint).
+		defer_ := mode == state.ModeAuto && rng.IntN(2) == 0
+		r, err := e.m.Turn(e.ctx, "a", state.TurnRequest{Mode: mode, Wait: true, Defer: defer_})
+		if err != nil {
+			t.Fatalf("turn %s: %v", mode, err)
+		}
 		if prev, seen := ids[r.ID]; seen {
 			if !prev.equal(cur) {
-				t.Fatalf("step turn %s: handed out %s again (%s: %s), whose state %v differs from the sandbox's %v", mode, r.ID, r.Decision, r.Reason, prev, cur)
+				t.Fatalf("turn %s (deferred %v): handed out %s again (%s: %s), whose state %v differs from the sandbox's %v", mode, defer_, r.ID, r.Decision, r.Reason, prev, cur)
 			}
 			return
 		}
