@@ -27,11 +27,10 @@ func (s autoState) equal(o autoState) bool {
 }
 
 // TestAutoTurnsProperty drives random agent turns in auto mode (half of
-// them deferred) — seen file
-// writes and deletes, memory changes, writes no probe window sees (made
-// between windows), idle turns, requested full turns, restores to any
-// checkpoint handed out — against a model of the sandbox's files and
-// memory. The property a skip must keep: whatever id a turn hands out, the
+// them deferred) — seen file writes and deletes, memory changes, writes no
+// probe window sees (made between windows), idle turns, requested full
+// turns, restores to any checkpoint handed out — against a model of the
+// sandbox's files and memory. The property a skip must keep: whatever id a turn hands out, the
 // sandbox held exactly that id's state when it did (a skip hands out an id
 // handed out before: its state must equal the current one), and restoring
 // an id gives that state back, files and memory.
