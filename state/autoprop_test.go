@@ -29,11 +29,11 @@ func (s autoState) equal(o autoState) bool {
 // TestAutoTurnsProperty drives random agent turns in auto mode (half of
 // them deferred) — seen file writes and deletes, memory changes, writes no
 // probe window sees (made between windows), idle turns, requested full
-// turns, restores to any checkpoint handed out — against a model of the
-// sandbox's files and memory. The property a skip must keep: whatever id a turn hands out, the
+// turns, restores to and forks of any checkpoint handed out — against a
+// model of the sandbox's files and memory. The property a skip must keep: whatever id a turn hands out, the
 // sandbox held exactly that id's state when it did (a skip hands out an id
 // handed out before: its state must equal the current one), and restoring
-// an id gives that state back, files and memory.
+// or forking an id gives that state back, files and memory.
 func TestAutoTurnsProperty(t *testing.T) {
 	for _, seed := range []uint64{1, 2, 3, 4} {
 		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) { autoProperty(t, seed, 400) })
@@ -50,9 +50,9 @@ func autoProperty(t *testing.T, seed uint64, steps int) {
 	paths := []string{"/p0", "/p1", "/p2", "/d/p3"}
 	// read reads path through the sandbox: its content and whether it
 	// exists (the fake's cat fails for a missing file).
-	read := func(path string) (string, bool) {
+	read := func(name, path string) (string, bool) {
 		var out bytes.Buffer
-		code, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"cat", path}, Stdout: &out})
+		code, err := e.m.Exec(e.ctx, name, 0, state.ExecRequest{Argv: []string{"cat", path}, Stdout: &out})
 		if err != nil {
 			t.Fatalf("cat %s: %v", path, err)
 		}
@@ -61,17 +61,17 @@ func autoProperty(t *testing.T, seed uint64, steps int) {
 		}
 		return string(bytes.TrimSuffix(out.Bytes(), []byte("\n"))), true
 	}
-	check := func(when string, want autoState) {
+	check := func(name, when string, want autoState) {
 		t.Helper()
 		for _, p := range paths {
-			got, ok := read(p)
+			got, ok := read(name, p)
 			w, wok := want.files[p]
 			if ok != wok || got != w {
 				t.Fatalf("%s: %s = %q (exists %v), want %q (exists %v)", when, p, got, ok, w, wok)
 			}
 		}
 		for _, k := range []string{"x", "y"} {
-			if got := e.run("a", "get", k); got != want.mem[k] {
+			if got := e.run(name, "get", k); got != want.mem[k] {
 				t.Fatalf("%s: variable %s = %q, want %q", when, k, got, want.mem[k])
 			}
 		}
@@ -126,14 +126,22 @@ func autoProperty(t *testing.T, seed uint64, steps int) {
 			id := order[rng.IntN(len(order))]
 			e.restore("a", id)
 			cur = ids[id].clone()
-			check(fmt.Sprintf("step %d, after restoring %s", step, id), cur)
+			check("a", fmt.Sprintf("step %d, after restoring %s", step, id), cur)
+		case r < 97:
+			// A fork child starts in the checkpoint's state.
+			id := order[rng.IntN(len(order))]
+			kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: id, Count: 1, Prefix: fmt.Sprintf("k%d-", step)})
+			if err != nil {
+				t.Fatalf("step %d: fork %s: %v", step, id, err)
+			}
+			check(kids[0].Name, fmt.Sprintf("step %d, fork of %s", step, id), ids[id])
 		default:
-			check(fmt.Sprintf("step %d", step), cur)
+			check("a", fmt.Sprintf("step %d", step), cur)
 		}
 	}
 	// Every id handed out still restores to its state.
 	for _, id := range slices.Sorted(maps.Keys(ids)) {
 		e.restore("a", id)
-		check("final restore of "+id, ids[id])
+		check("a", "final restore of "+id, ids[id])
 	}
 }
