@@ -52,23 +52,38 @@ func probeScript(paths []string) string {
 	return b.String()
 }
 
-// TestRealAutoTurnsProperty drives a real sandbox (FUSE, eBPF probe, the
-// effects policy) with random agent actions in a persistent bash — file
+// TestRealAutoTurnsProperty drives a real sandbox (FUSE or the kernel path,
+// the eBPF probe, the effects policy) with random agent actions in a persistent bash — file
 // writes and deletes, a variable, cd, read-only commands — and auto turns
 // (half deferred), restores to and forks of any checkpoint handed out,
 // against a model of its files, variable and working directory. Whatever
 // the policy decides, every id a turn hands out must give back the state
 // the sandbox had at that turn.
 func TestRealAutoTurnsProperty(t *testing.T) {
-	for _, seed := range []uint64{7, 8, 9} {
-		t.Run(fmt.Sprint("seed", seed), func(t *testing.T) { realAutoProperty(t, seed) })
+	for _, tc := range []struct {
+		fs    string
+		seeds []uint64
+	}{
+		{"fuse", []uint64{7, 8, 9}},
+		{"kernel", []uint64{10, 11}},
+	} {
+		for _, seed := range tc.seeds {
+			t.Run(fmt.Sprintf("%s/seed%d", tc.fs, seed), func(t *testing.T) {
+				var d *realDaemon
+				if tc.fs == "kernel" {
+					d = startKernelDaemon(t)
+				} else {
+					d = startReal(t, t.TempDir())
+				}
+				realAutoProperty(t, d, tc.fs, seed)
+			})
+		}
 	}
 }
 
-func realAutoProperty(t *testing.T, seed uint64) {
-	d := startReal(t, t.TempDir())
+func realAutoProperty(t *testing.T, d *realDaemon, fsKind string, seed uint64) {
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "a", Policy: "effects"}); err != nil {
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "a", Policy: "effects", FS: fsKind}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := c.StartSession(ctx, "a", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
