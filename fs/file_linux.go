@@ -4,10 +4,13 @@ import (
 	"context"
 	"sync"
 	"syscall"
+	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/internal/pause"
 )
 
 // handle is an open file. Its host fd lives in layer l; a write through a
@@ -54,6 +57,9 @@ func wantsWrite(flags uint32) bool {
 // Open opens a regular file; opening for writing copies it up first.
 func (n *node) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	write := wantsWrite(flags)
+	if write && n.f.opts.Passthrough {
+		n.awaitPassthroughRelease(ctx)
+	}
 	st, done, errno := n.begin(write)
 	if errno != 0 {
 		return nil, 0, errno
@@ -167,6 +173,46 @@ func (n *node) openHandle(st *stack, flags uint32, write bool) (*handle, int, sy
 type ptHandle struct {
 	*handle
 	write bool
+}
+
+// ptReleaseWait bounds how long a write open of a setuid or setgid file
+// waits for the RELEASE of the node's last passthrough handle.
+const ptReleaseWait = 200 * time.Millisecond
+
+// awaitPassthroughRelease is called before a write open. A setuid or
+// setgid file opened for writing by a caller whose write must drop those
+// bits is served by the daemon, not passed through: a passthrough write
+// never reaches the daemon, and with FUSE_HANDLE_KILLPRIV_V2 the kernel
+// leaves the dropping to it. But while the node still counts an open
+// passthrough handle, the open has to share it (the kernel takes one io
+// mode per inode). The kernel sends a closed file's RELEASE only after
+// close(2) has returned, so a handle closed just before the open (the
+// file was created, then chmod +s) can still be counted: wait for that
+// RELEASE, for at most ptReleaseWait. A passthrough handle that really is
+// still open keeps its bits on such a write (a documented gap of
+// passthrough mode), as they would through the open handle itself.
+func (n *node) awaitPassthroughRelease(ctx context.Context) {
+	n.mu.Lock()
+	busy := n.ptOpen > 0 && n.ptLower == nil
+	n.mu.Unlock()
+	if !busy {
+		return
+	}
+	var s unix.Stat_t
+	if n.statTop(&s) != 0 || dropBits(ctx, &s) == 0 {
+		return
+	}
+	deadline := time.Now().Add(ptReleaseWait)
+	for delay := 20 * time.Microsecond; ; {
+		n.mu.Lock()
+		idle := n.ptOpen == 0 && n.releasing == 0
+		n.mu.Unlock()
+		if idle || time.Now().After(deadline) || ctx.Err() != nil {
+			return
+		}
+		pause.For(delay)
+		delay = min(2*delay, time.Millisecond)
+	}
 }
 
 var _ gofs.FilePassthroughFder = (*ptHandle)(nil)

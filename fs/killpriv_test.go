@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -203,5 +204,59 @@ func TestKillPrivAfterRestore(t *testing.T) {
 				t.Errorf("content %q, want %q", got, "ad")
 			}
 		})
+	}
+}
+
+// TestKillPrivWithPassthroughReleasePending: a setuid/setgid file whose
+// last passthrough handle is being closed while a user opens it for
+// writing. The kernel sends the RELEASE after close(2) returns, so the
+// open can find the node still counting that handle; the write must drop
+// the bits all the same, as it does natively.
+func TestKillPrivWithPassthroughReleasePending(t *testing.T) {
+	fx := mountT(t, nil, Options{Passthrough: true})
+	for d := filepath.Dir(fx.mp); d != "/" && d != os.TempDir(); d = filepath.Dir(d) {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, mode := range []os.FileMode{0o777 | os.ModeSetuid, 0o767 | os.ModeSetgid} {
+		p := fx.p(fmt.Sprintf("f%o", mode))
+		w, err := os.OpenFile(p, os.O_CREATE|os.O_WRONLY, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.WriteString("data"); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(p, mode); err != nil {
+			t.Fatal(err)
+		}
+		// Close the creating handle while the user's open is under way
+		// (the open waits for its RELEASE).
+		closed := make(chan error, 1)
+		go func() {
+			time.Sleep(30 * time.Millisecond)
+			closed <- w.Close()
+		}()
+		cmd := exec.Command("sh", "-c", "printf x >> "+p)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1000, Gid: 1000}}
+		out, err := cmd.CombinedOutput()
+		if cerr := <-closed; cerr != nil {
+			t.Fatal(cerr)
+		}
+		if err != nil {
+			t.Fatalf("write as uid 1000: %v %s", err, out)
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, want := fmt.Sprintf("mode %o data %q", st.Mode&07777, b), fmt.Sprintf("mode %o data %q", mode.Perm(), "datax"); got != want {
+			t.Errorf("created %v, closed during a user's write: %s, want %s", mode, got, want)
+		}
 	}
 }
