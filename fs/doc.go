@@ -80,7 +80,10 @@
 // passthrough backing file cannot be re-targeted. Passthrough is therefore
 // only used for files whose data is in the writable upper (and, when
 // opened for writing, that are neither setuid nor setgid: a passthrough
-// write never reaches the daemon, which drops those bits), and the
+// write never reaches the daemon, which drops those bits; such an open
+// waits up to 200 ms for the RELEASE of a passthrough handle closed just
+// before it, and a write through a passthrough handle that stays open
+// while the file becomes setuid keeps the bit), and the
 // checkpoint and switch paths move such a file's live inode into the new
 // upper (copying its content into the frozen layer, resp. the target's
 // content into it; the inode's other names are relinked on both sides):
