@@ -119,7 +119,10 @@ func TestPoolByteBound(t *testing.T) {
 	e.mu.Lock()
 	got = tm.dirty
 	e.mu.Unlock()
-	if got == mark || got <= 0 {
+	// (A measurement can give 0: a template whose every dirty page is
+	// shared with the other templates and the live process, its spare
+	// not warmed yet. It never gives mark, which is no multiple of 1 KiB.)
+	if got == mark {
 		t.Fatalf("near the bound, c0's template was not measured again: %d", got)
 	}
 }
