@@ -277,8 +277,14 @@ type Restored struct {
 type RestoreResult struct {
 	// Path is "template", "criu" or "criu-lazy".
 	Path string
-	// Procs are the recreated processes.
+	// Procs are the recreated processes (of a CRIU restore, the roots of
+	// its trees).
 	Procs []Restored
+	// Live are the host pids of every process the restore left in the
+	// sandbox, its init and templates aside: Procs and, of a CRIU
+	// restore, their descendants as restored (listed before they ran).
+	// A process missing from Live was started after the restore.
+	Live []int
 	// Duration is the time from the kill to the last copy running.
 	Duration time.Duration
 	// Phases splits the restore by step, in order, starting with the wait
@@ -1290,16 +1296,19 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
 			}
 			ph.mark("kill")
-			procs, err := e.restoreForeign(ctx, c, t, opts, ph)
+			procs, live, err := e.restoreForeign(ctx, c, t, opts, ph)
 			if err != nil {
 				return nil, fmt.Errorf("restore %s into %s: %w", id, t.ID(), err)
 			}
+			res.Live = live
 			res.Phases = ph.out
 			res.Path = "criu"
 			if c.rec.Mode == ModeTemplate {
 				res.Path = e.imagePath()
 			}
 			res.Procs = procs
+		} else {
+			res.Live = []int{}
 		}
 		res.Duration = time.Since(start)
 		return res, nil
@@ -1309,7 +1318,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		if err != nil {
 			return nil, fmt.Errorf("restore %s: %w", id, err)
 		}
-		res.Procs = procs
+		res.Procs, res.Live = procs, pidsOf(procs)
 		res.Duration = time.Since(start)
 		return res, nil
 	}
@@ -1389,7 +1398,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			if err != nil {
 				return nil, fmt.Errorf("restore %s: %w", id, err)
 			}
-			res.Procs = procs
+			res.Procs, res.Live = procs, pidsOf(procs)
 			res.Duration = time.Since(start)
 			res.Phases = ph.out
 			return res, nil
@@ -1420,6 +1429,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		}
 	}
 	if c.rec.Mode == ModeEmpty {
+		res.Live = []int{}
 		res.Duration = time.Since(start)
 		return res, nil
 	}
@@ -1427,12 +1437,12 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 		if err := waitGone(ctx, killed); err != nil {
 			return nil, fmt.Errorf("restore %s: %w", id, err)
 		}
-		procs, err := e.restoreTrees(ctx, c, t, opts)
+		procs, live, err := e.restoreTrees(ctx, c, t, opts)
 		if err != nil {
 			return nil, fmt.Errorf("restore %s: %w", id, err)
 		}
 		res.Path = "criu"
-		res.Procs = procs
+		res.Procs, res.Live = procs, live
 		res.Duration = time.Since(start)
 		return res, nil
 	}
@@ -1445,9 +1455,18 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	if err != nil {
 		return nil, fmt.Errorf("restore %s: %w", id, err)
 	}
-	res.Procs = procs
+	res.Procs, res.Live = procs, pidsOf(procs)
 	res.Duration = time.Since(start)
 	return res, nil
+}
+
+// pidsOf returns the host pids of procs (never nil).
+func pidsOf(procs []Restored) []int {
+	out := make([]int, 0, len(procs))
+	for _, r := range procs {
+		out = append(out, r.PID)
+	}
+	return out
 }
 
 // Fork creates n more live copies of checkpoint id's processes in t,

@@ -346,13 +346,13 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target, ph *
 // from its image: the templates are restored into t's namespaces, forked
 // once each, and dropped (t keeps no templates of a foreign checkpoint).
 // This is how a checkpoint fans out into fresh sandboxes.
-func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts RestoreOptions, ph *phases) ([]Restored, error) {
+func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts RestoreOptions, ph *phases) ([]Restored, []int, error) {
 	if c.rec.Mode == ModeCRIU {
 		return e.restoreTrees(ctx, c, t, opts)
 	}
 	tmpls, err := e.templatesFromImage(ctx, c, t, ph)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	tmp := &ckpt{rec: c.rec, templates: tmpls}
 	defer func() {
@@ -371,7 +371,10 @@ func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts Res
 	}()
 	procs, err := e.spawn(tmp, opts, false)
 	ph.mark("fork")
-	return procs, err
+	if err != nil {
+		return nil, nil, err
+	}
+	return procs, pidsOf(procs), nil
 }
 
 // hostPID finds the host pid of the child of init whose pid in the

@@ -114,20 +114,21 @@ func (e *Engine) checkpointTrees(ctx context.Context, c *ckpt, t Target, procs [
 }
 
 // restoreTrees restores every tree of a CRIU-mode checkpoint with exact
-// pids, handing in fresh stdio ends for the dumped pipes.
-func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts RestoreOptions) ([]Restored, error) {
+// pids, handing in fresh stdio ends for the dumped pipes. It returns the
+// trees' roots and the host pids of all their processes as restored.
+func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts RestoreOptions) (out []Restored, live []int, err error) {
 	r, err := e.criuRunner()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	var out []Restored
+	live = []int{}
 	for _, im := range c.images {
 		inherit := map[string]*os.File{}
 		var opened []*os.File
 		var st *Stdio
 		if opts.Stdio != nil {
 			if st, err = opts.Stdio(im.orig); err != nil {
-				return out, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
+				return out, live, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
 			}
 		}
 		if st != nil {
@@ -145,7 +146,7 @@ func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts Resto
 					}
 					f, err = openInSandbox(t.InitPID(), paths[fd], flags)
 					if err != nil {
-						return out, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
+						return out, live, fmt.Errorf("stdio for %d: %w", im.orig.PID, err)
 					}
 					opened = append(opened, f)
 				}
@@ -159,16 +160,17 @@ func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts Resto
 			f.Close()
 		}
 		if err != nil {
-			return out, err
+			return out, live, err
 		}
 		pid, err := hostPID(t.InitPID(), nspid)
 		if err != nil {
-			return out, err
+			return out, live, err
 		}
 		// Continue every restored process that was not stopped before the
 		// checkpoint (they were dumped stopped by our SIGSTOP).
 		tree := append([]Proc{{PID: pid, NSPID: nspid}}, subtree(pid)...)
 		for _, p := range tree {
+			live = append(live, p.PID)
 			if !c.stoppedNS[p.NSPID] {
 				_ = unix.Kill(p.PID, unix.SIGCONT)
 			}
@@ -176,11 +178,11 @@ func (e *Engine) restoreTrees(ctx context.Context, c *ckpt, t Target, opts Resto
 		out = append(out, Restored{Orig: im.orig, PID: pid})
 		if st != nil && st.Started != nil {
 			if err := st.Started(pid); err != nil {
-				return out, fmt.Errorf("started hook for %d: %w", pid, err)
+				return out, live, fmt.Errorf("started hook for %d: %w", pid, err)
 			}
 		}
 	}
-	return out, nil
+	return out, live, nil
 }
 
 // subtree lists the descendants of pid.

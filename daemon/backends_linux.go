@@ -780,8 +780,8 @@ type procSandbox struct {
 	mu    sync.Mutex
 	ckpts map[string]bool // cr checkpoints taken here
 	// restored, when restoredOK, are the pids of the processes the last
-	// template restore left alive (every one of the agent's: it killed
-	// the rest), or that the last checkpoint took (not an undo point or a
+	// restore left alive (every one of the agent's: it killed the rest;
+	// cr.RestoreResult.Live), or that the last checkpoint took (not an undo point or a
 	// parked one), for the probe window opened next (takeRestored). A
 	// probe window's End and Watch forget them.
 	restored   []int
@@ -1323,23 +1323,19 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 		}
 	}
 	settle(shells)
-	if res.Path == "template" {
-		// A template restore (copies, parked processes, or none) kills
-		// every live process but the ones it returns; a CRIU restore
-		// reports the roots of its trees only.
-		live := make([]int, 0, len(res.Procs))
-		for _, r := range res.Procs {
-			live = append(live, r.PID)
-		}
+	if res.Live != nil {
+		// Every process the restore left (a template restore's copies or
+		// parked processes, a CRIU restore's trees as restored): one that
+		// any of them starts before the next window opens is new in it.
 		p.mu.Lock()
-		p.restored, p.restoredOK = live, true
+		p.restored, p.restoredOK = res.Live, true
 		p.mu.Unlock()
 	}
 	return res.Path, nil
 }
 
-// takeRestored returns, once, the pids the last template restore left
-// alive, if no probe window ended since.
+// takeRestored returns, once, the pids the last restore or checkpoint
+// left alive, if no probe window ended since.
 func (p *procSandbox) takeRestored() ([]int, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -1700,8 +1696,8 @@ func (w *probeWindow) Begin(context.Context) error {
 	var err error
 	if pids, ok := w.ps.takeRestored(); ok {
 		if kb, can := w.p.(probe.KnownBeginner); can {
-			// A template restore just made the processes: the window
-			// starts from them, without a listing of the cgroup.
+			// A restore or checkpoint just left these processes: the
+			// window starts from them, without a listing of the cgroup.
 			nw, err = kb.BeginKnown(w.t, pids)
 		} else {
 			nw, err = w.p.Begin(w.t)

@@ -181,3 +181,69 @@ func TestCheckpointOpensTheProbeWindowOnItsProcesses(t *testing.T) {
 		t.Fatal("an undo checkpoint hands its processes over")
 	}
 }
+
+// TestCRIURestoreOpensTheProbeWindowOnItsTrees: a CRIU restore hands the
+// next probe window every process of the trees it restored (not only
+// their roots), so a process one of them starts before the window opens
+// is new in that window, and the restored job is not.
+func TestCRIURestoreOpensTheProbeWindowOnItsTrees(t *testing.T) {
+	ps, send := parkSandbox(t)
+	ctx := context.Background()
+	p, err := probe.OpenEBPF(probe.Options{})
+	testenv.RequireNoErr(t, err, "eBPF probe")
+	defer p.Close()
+	send("sleep 1000 & true")
+	target, err := ps.Checkpoint(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if target.Data["mode"] != string(cr.ModeCRIU) {
+		t.Fatalf("checkpoint of a shell with a job: mode %q", target.Data["mode"])
+	}
+	pw, err := (&probeAdapter{p: p, eng: ps.b.eng}).Watch(ctx, "criu-known", nil, ps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := pw.(*probeWindow)
+	defer w.Close()
+	send("sleep 1001 & true") // killed by the restore
+	if _, err := w.End(ctx); err != nil {
+		t.Fatal(err)
+	}
+	path, err := ps.Restore(ctx, target, func() error { return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if path != "criu" {
+		t.Fatalf("restore path %q, want criu", path)
+	}
+	live, err := ps.b.eng.Processes(ps.sb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []int
+	for _, l := range live {
+		want = append(want, l.PID)
+	}
+	w.ps.mu.Lock()
+	got := slices.Clone(w.ps.restored)
+	w.ps.mu.Unlock()
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) || len(got) != 2 {
+		t.Fatalf("CRIU restore hands over %v, live processes %v (want the shell and its job)", got, want)
+	}
+	// Between the restore and the window: a lasting job of the restored
+	// shell.
+	send("sleep 1002 & true")
+	if err := w.Begin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := w.End(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Proc.NewLongLived != 1 || r.Proc.Alive != 3 {
+		t.Fatalf("report %+v after a CRIU restore: want the job started before the window new, 3 alive", r.Proc)
+	}
+}
