@@ -257,7 +257,24 @@ func TestRealSandboxTemplatesKilledFromInside(t *testing.T) {
 		comms = append(comms, p.Comm)
 	}
 	if len(procs) != 2 || len(res.Procs) != 2 {
-		t.Fatalf("restore (path %s) brought back %v (%d reported)", res.Path, comms, len(res.Procs))
+		// What became of the reported copies (a CI run once found the
+		// python copy gone right after the restore).
+		var fates []string
+		for _, r := range res.Procs {
+			st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", r.PID))
+			fates = append(fates, fmt.Sprintf("%s %d: %q %v", r.Orig.Comm, r.PID, st, err))
+		}
+		for _, id := range []string{"main", "srv"} {
+			if ss := sb.Session(id); ss != nil {
+				select {
+				case <-ss.Done():
+					fates = append(fates, fmt.Sprintf("session %s (pid %d) exited, code %d", id, ss.PID(), ss.ExitCode()))
+				default:
+					fates = append(fates, fmt.Sprintf("session %s runs as pid %d", id, ss.PID()))
+				}
+			}
+		}
+		t.Fatalf("restore (path %s) brought back %v (%d reported): %v", res.Path, comms, len(res.Procs), fates)
 	}
 }
 
