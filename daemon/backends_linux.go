@@ -1436,13 +1436,14 @@ func (a *probeAdapter) Watch(_ context.Context, _ string, mount state.FSMount, p
 	// cr's templates and warm spares are rewind's processes, not effects
 	// of the agent's turn.
 	t := probe.Target{Sandbox: ps.sb.ID(), CgroupV2Dir: ps.sb.CgroupV2Dir(), CgroupID: ps.sb.CgroupID(), InitPID: ps.sb.InitPID(),
-		ExcludeStat: pw.excludeStat}
+		ExcludeStat: pw.excludeStat, Files: probe.NewFiles()}
 	if fm, ok := mount.(*fsMount); ok {
 		t.FS = fm.f
 	}
 	pw.t = t
 	w, err := a.p.Begin(t)
 	if err != nil {
+		t.Files.Close()
 		return nil, err
 	}
 	pw.w = w
@@ -1735,7 +1736,7 @@ func (w *probeWindow) Close() error {
 		}
 	}
 	w.w, w.next = nil, nil
-	return nil
+	return w.t.Files.Close()
 }
 
 // policyLoader implements state.PolicyLoader with the WASM policy host;

@@ -381,8 +381,8 @@ func (p *ebpfProbe) begin(t Target, pids []int, known bool) (Window, error) {
 		return fail(fmt.Errorf("arm cgroup %d: %w", cgid, err))
 	}
 	if known {
-		w.begin = snapshotOf(pids, false)
-	} else if w.begin, err = takeSnapshot(t.CgroupV2Dir, false, t.excluder(), nil); err != nil {
+		w.begin = snapshotOf(t.Files, pids, false)
+	} else if w.begin, err = takeSnapshot(t.Files, t.CgroupV2Dir, false, t.excluder(), nil); err != nil {
 		return fail(err)
 	}
 	return w, nil
@@ -563,7 +563,7 @@ func (w *ebpfWindow) finish(next bool) (*effect.Report, *ebpfWindow, error) {
 	if flushErr != nil {
 		return fail(flushErr)
 	}
-	end, err := takeSnapshot(w.t.CgroupV2Dir, false, w.t.excluder(), w.begin)
+	end, err := takeSnapshot(w.t.Files, w.t.CgroupV2Dir, false, w.t.excluder(), w.begin)
 	if err != nil {
 		return fail(err)
 	}

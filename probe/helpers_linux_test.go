@@ -42,7 +42,7 @@ func newCgroup(t testing.TB) string {
 func killCgroup(dir string) {
 	if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0); err != nil {
 		// Older kernels: kill one by one.
-		pids, _ := cgroupPIDs(dir)
+		pids, _ := cgroupPIDs(nil, dir)
 		for _, pid := range pids {
 			syscall.Kill(pid, syscall.SIGKILL)
 		}

@@ -47,6 +47,10 @@ type Target struct {
 	// exclusion that looks at the process's own stat costs no read of its
 	// own. The same rules as for Exclude apply.
 	ExcludeStat func(pid int, stat func() ([]byte, error)) bool
+	// Files, if set, keeps the files the snapshots read open from one
+	// snapshot of the sandbox to the next (see Files). The caller closes
+	// it once the sandbox's windows are done.
+	Files *Files
 }
 
 // excluder returns the snapshots' exclusion test of t (nil: none).

@@ -24,3 +24,12 @@ func NewDirSource(string) *DirSource { return &DirSource{} }
 
 // TakeFSEffects implements FSSource.
 func (*DirSource) TakeFSEffects() effect.FS { return effect.FS{} }
+
+// Files keeps nothing outside Linux.
+type Files struct{}
+
+// NewFiles returns an empty Files.
+func NewFiles() *Files { return &Files{} }
+
+// Close does nothing.
+func (*Files) Close() error { return nil }

@@ -15,10 +15,10 @@ import (
 )
 
 // cgroupPIDs lists the processes of a cgroup v2 directory and its
-// descendants.
-func cgroupPIDs(dir string) ([]int, error) {
+// descendants, through f's kept files (nil: by path).
+func cgroupPIDs(f *Files, dir string) ([]int, error) {
 	var pids []int
-	if err := addCgroupPIDs(dir, true, &pids); err != nil {
+	if err := addCgroupPIDs(f, dir, true, &pids); err != nil {
 		return nil, fmt.Errorf("list processes of cgroup %s: %w", dir, err)
 	}
 	return pids, nil
@@ -31,9 +31,9 @@ func cgroupPIDs(dir string) ([]int, error) {
 // itself (a score of control files) cost more than the rest of a /proc
 // snapshot of a one-process sandbox. A nested cgroup that vanishes
 // meanwhile is no error; top is dir itself.
-func addCgroupPIDs(dir string, top bool, pids *[]int) error {
+func addCgroupPIDs(f *Files, dir string, top bool, pids *[]int) error {
 	gone := func(err error) bool { return !top && errors.Is(err, os.ErrNotExist) }
-	b, err := procfs.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	b, err := f.cgroupProcs(dir)
 	if err != nil {
 		if gone(err) {
 			return nil
@@ -66,21 +66,24 @@ func addCgroupPIDs(dir string, top bool, pids *[]int) error {
 		if !e.IsDir() {
 			continue
 		}
-		if err := addCgroupPIDs(filepath.Join(dir, e.Name()), false, pids); err != nil {
+		if err := addCgroupPIDs(f, filepath.Join(dir, e.Name()), false, pids); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// takeSnapshot reads the processes of cgroup dir. Processes that exit while
-// being read are left out. withNet adds the socket table. prev, if not nil,
-// is an earlier snapshot of the same processes: see readProc.
-func takeSnapshot(dir string, withNet bool, exclude excludeFunc, prev *snapshot) (*snapshot, error) {
-	pids, err := cgroupPIDs(dir)
+// takeSnapshot reads the processes of cgroup dir, through f's kept files
+// (nil: by path; f then keeps the files of these processes only).
+// Processes that exit while being read are left out. withNet adds the
+// socket table. prev, if not nil, is an earlier snapshot of the same
+// processes: see readProc.
+func takeSnapshot(f *Files, dir string, withNet bool, exclude excludeFunc, prev *snapshot) (*snapshot, error) {
+	pids, err := cgroupPIDs(f, dir)
 	if err != nil {
 		return nil, err
 	}
+	defer f.retain(pids)
 	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
 	for _, pid := range pids {
 		// The process's stat, read once: by the exclusion test if it
@@ -91,7 +94,7 @@ func takeSnapshot(dir string, withNet bool, exclude excludeFunc, prev *snapshot)
 		stat := func() ([]byte, error) {
 			if !read {
 				read = true
-				st, stErr = readStat(pid)
+				st, stErr = f.stat(pid)
 			}
 			return st, stErr
 		}
@@ -101,7 +104,7 @@ func takeSnapshot(dir string, withNet bool, exclude excludeFunc, prev *snapshot)
 		if read && stErr != nil {
 			continue // exited meanwhile
 		}
-		p, err := readProcStat(pid, st, withNet, prev)
+		p, err := readProcStat(f, pid, st, withNet, prev)
 		if err != nil {
 			continue // exited meanwhile
 		}
@@ -116,10 +119,11 @@ func takeSnapshot(dir string, withNet bool, exclude excludeFunc, prev *snapshot)
 // snapshotOf reads processes pids, leaving out those that exited. It lists
 // no cgroup and excludes nothing: the caller knows pids to be exactly the
 // agent's processes (KnownBeginner).
-func snapshotOf(pids []int, withNet bool) *snapshot {
+func snapshotOf(f *Files, pids []int, withNet bool) *snapshot {
+	defer f.retain(pids)
 	s := &snapshot{Procs: make(map[int]*procInfo, len(pids))}
 	for _, pid := range pids {
-		if p, err := readProcStat(pid, nil, withNet, nil); err == nil {
+		if p, err := readProcStat(f, pid, nil, withNet, nil); err == nil {
 			s.Procs[pid] = p
 		}
 	}
@@ -138,12 +142,12 @@ func snapshotOf(pids []int, withNet bool) *snapshot {
 // process sleeps (another process's connect to a listening socket).
 //
 // stat, if not nil, is the process's stat, read already.
-func readProcStat(pid int, stat []byte, withNet bool, prev *snapshot) (*procInfo, error) {
+func readProcStat(f *Files, pid int, stat []byte, withNet bool, prev *snapshot) (*procInfo, error) {
 	base := procfs.PIDPath(pid, "")
 	b := stat
 	if b == nil {
 		var err error
-		if b, err = procfs.ReadFile(base + "stat"); err != nil {
+		if b, err = f.stat(pid); err != nil {
 			return nil, err
 		}
 	}
@@ -152,7 +156,7 @@ func readProcStat(pid int, stat []byte, withNet bool, prev *snapshot) (*procInfo
 	if err != nil {
 		return nil, fmt.Errorf("parse %sstat: %w", base, err)
 	}
-	p.RunNS, p.Slices = readSchedstat(base, threads)
+	p.RunNS, p.Slices = readSchedstat(f, pid, threads)
 	if q := prev.proc(pid); q != nil && q.StartTime == p.StartTime && q.RunNS == p.RunNS && q.Slices == p.Slices {
 		p.Cwd, p.Argv0 = q.Cwd, q.Argv0
 	} else {
@@ -179,12 +183,12 @@ func (t Target) excludePID() func(pid int) bool {
 		return nil
 	}
 	return func(pid int) bool {
-		return ex(pid, func() ([]byte, error) { return readStat(pid) })
+		return ex(pid, func() ([]byte, error) { return t.Files.stat(pid) })
 	}
 }
 
 // readStat reads /proc/PID/stat.
-func readStat(pid int) ([]byte, error) { return procfs.ReadFile(procfs.PIDPath(pid, "stat")) }
+func readStat(pid int) ([]byte, error) { return (*Files)(nil).stat(pid) }
 
 // proc returns s's process pid, or nil (also when s is nil).
 func (s *snapshot) proc(pid int) *procInfo {
@@ -225,13 +229,15 @@ func parseStat(b []byte, p *procInfo) (threads int, err error) {
 }
 
 // readSchedstat sums the on-CPU time and the run counts of every thread of
-// the process whose /proc directory is base (with its trailing slash). A
-// process of one thread is read from its own schedstat (its leader's), with
-// no listing of its task directory.
-func readSchedstat(base string, threads int) (runNS, slices uint64) {
+// process pid. A process of one thread is read from its own schedstat (its
+// leader's, through f's kept file), with no listing of its task directory.
+func readSchedstat(f *Files, pid, threads int) (runNS, slices uint64) {
+	base := procfs.PIDPath(pid, "")
 	if threads == 1 {
-		if r, s, ok := parseSchedstat(base + "schedstat"); ok {
-			return r, s
+		if b, err := f.schedstat(pid); err == nil {
+			if r, s, ok := parseSchedstatBytes(b); ok {
+				return r, s
+			}
 		}
 	}
 	names, err := procfs.ReadDirNames(base + "task")
@@ -253,6 +259,11 @@ func parseSchedstat(path string) (runNS, slices uint64, ok bool) {
 	if err != nil {
 		return 0, 0, false
 	}
+	return parseSchedstatBytes(b)
+}
+
+// parseSchedstatBytes parses a schedstat file's content.
+func parseSchedstatBytes(b []byte) (runNS, slices uint64, ok bool) {
 	f := strings.Fields(string(b))
 	if len(f) < 3 {
 		return 0, 0, false

@@ -175,7 +175,7 @@ func TestCgroupPIDs(t *testing.T) {
 				t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 				want = append(want, cmd.Process.Pid)
 			}
-			got, err := cgroupPIDs(top)
+			got, err := cgroupPIDs(nil, top)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -208,7 +208,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	// Wait until the shell sleeps in its first read.
 	var begin *procInfo
 	for i := 0; ; i++ {
-		if begin, err = readProcStat(pid, nil, false, nil); err != nil {
+		if begin, err = readProcStat(nil, pid, nil, false, nil); err != nil {
 			t.Fatal(err)
 		}
 		if st, _ := os.ReadFile(filepath.Join("/proc", itoa(pid), "stat")); begin.Cwd == "/" && bytes.Contains(st, []byte(") S ")) && i > 2 {
@@ -224,7 +224,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	// Not scheduled since: a marked cwd in prev comes back.
 	marked := *begin
 	marked.Cwd, marked.Argv0 = "/marked", "marked"
-	got, err := readProcStat(pid, nil, false, &snapshot{Procs: map[int]*procInfo{pid: &marked}})
+	got, err := readProcStat(nil, pid, nil, false, &snapshot{Procs: map[int]*procInfo{pid: &marked}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -234,7 +234,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 	// Another process under the same pid (another start time): read.
 	other := marked
 	other.StartTime++
-	if got, err = readProcStat(pid, nil, false, &snapshot{Procs: map[int]*procInfo{pid: &other}}); err != nil || got.Cwd != "/" {
+	if got, err = readProcStat(nil, pid, nil, false, &snapshot{Procs: map[int]*procInfo{pid: &other}}); err != nil || got.Cwd != "/" {
 		t.Fatalf("process with another start time: %+v, %v", got, err)
 	}
 
@@ -243,7 +243,7 @@ func TestReadProcReusesUnscheduled(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i := 0; ; i++ {
-		if got, err = readProcStat(pid, nil, false, prev); err != nil {
+		if got, err = readProcStat(nil, pid, nil, false, prev); err != nil {
 			t.Fatal(err)
 		}
 		if got.Cwd == dir {
@@ -287,12 +287,12 @@ func TestReadProcZombieLeader(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	first, err := readProcStat(pid, nil, false, nil)
+	first, err := readProcStat(nil, pid, nil, false, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(50 * time.Millisecond) // the spinning thread runs about half of it
-	second, err := readProcStat(pid, nil, false, nil)
+	second, err := readProcStat(nil, pid, nil, false, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -349,7 +349,7 @@ func TestSnapshotSharesStat(t *testing.T) {
 		asked[pid]++
 		return strings.Contains(string(first), "(cat)")
 	}
-	s, err := takeSnapshot(cg, false, Target{ExcludeStat: ex}.excluder(), nil)
+	s, err := takeSnapshot(nil, cg, false, Target{ExcludeStat: ex}.excluder(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -413,7 +413,7 @@ func BenchmarkSnapshotExclude(b *testing.B) {
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			for i := 0; i < b.N; i++ {
-				s, err := takeSnapshot(cg, false, bc.t.excluder(), nil)
+				s, err := takeSnapshot(nil, cg, false, bc.t.excluder(), nil)
 				if err != nil || len(s.Procs) != 1 || s.Procs[agent] == nil {
 					b.Fatalf("snapshot: %v, %d processes", err, len(s.Procs))
 				}

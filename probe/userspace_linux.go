@@ -83,7 +83,7 @@ func (p *userspaceProbe) Begin(t Target) (Window, error) {
 		}
 		w.conn = c
 	}
-	if w.begin, err = takeSnapshot(t.CgroupV2Dir, true, t.excluder(), nil); err != nil {
+	if w.begin, err = takeSnapshot(t.Files, t.CgroupV2Dir, true, t.excluder(), nil); err != nil {
 		w.unsubscribe()
 		p.turns.release(t.Sandbox)
 		return nil, fmt.Errorf("begin %s: %w", t.Sandbox, err)
@@ -155,7 +155,7 @@ func (w *userWindow) finish(next bool) (*effect.Report, *userWindow, error) {
 	if w.sub != nil {
 		forked, execs, lost, samples = w.conn.take(w.sub, next)
 	}
-	end, err := takeSnapshot(w.t.CgroupV2Dir, true, w.t.excluder(), w.begin)
+	end, err := takeSnapshot(w.t.Files, w.t.CgroupV2Dir, true, w.t.excluder(), w.begin)
 	if err != nil {
 		w.unsubscribe()
 		w.p.turns.release(w.t.Sandbox)

@@ -1,0 +1,191 @@
+package probe
+
+import (
+	"bytes"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// TestFilesSnapshotsLikePaths: snapshots through kept files see what
+// snapshots by path see, step after step: a process joining the cgroup,
+// one running (its schedstat moves), one in a nested cgroup, one exiting,
+// the nested cgroup removed; the files of a process that is gone are
+// closed, and a kept file of a dead process is not read as the pid's.
+func TestFilesSnapshotsLikePaths(t *testing.T) {
+	cg := newCgroup(t)
+	f := NewFiles()
+	defer f.Close()
+	start := func(dir string, stdin io.Reader, args ...string) *exec.Cmd {
+		t.Helper()
+		cmd := exec.Command(args[0], args[1:]...)
+		cmd.SysProcAttr = cgroupAttr(t, dir)
+		cmd.Stdin = stdin
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
+		// Until its exec is done, the two snapshots of a step could see
+		// two states of it.
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			if b, _ := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/cmdline"); len(b) > 0 {
+				break
+			}
+		}
+		return cmd
+	}
+	var prev *snapshot
+	check := func(step string, want ...int) *snapshot {
+		t.Helper()
+		got, err := takeSnapshot(f, cg, false, nil, prev)
+		if err != nil {
+			t.Fatalf("%s: %v", step, err)
+		}
+		byPath, err := takeSnapshot(nil, cg, false, nil, prev)
+		if err != nil {
+			t.Fatalf("%s: by path: %v", step, err)
+		}
+		var pids []int
+		for pid, p := range got.Procs {
+			pids = append(pids, pid)
+			q := byPath.Procs[pid]
+			if q == nil || p.Comm != q.Comm || p.StartTime != q.StartTime || p.PPID != q.PPID || p.Cwd != q.Cwd || p.Argv0 != q.Argv0 {
+				t.Errorf("%s: process %d through kept files %+v, by path %+v", step, pid, p, q)
+			}
+		}
+		slices.Sort(pids)
+		slices.Sort(want)
+		if !slices.Equal(pids, want) {
+			t.Fatalf("%s: snapshot has %v, want %v", step, pids, want)
+		}
+		if len(byPath.Procs) != len(want) {
+			t.Fatalf("%s: by path %d processes, want %d", step, len(byPath.Procs), len(want))
+		}
+		if n := f.Kept(); n != len(want) {
+			t.Errorf("%s: files kept of %d processes, want %d", step, n, len(want))
+		}
+		prev = got
+		return got
+	}
+
+	a := start(cg, nil, "sleep", "1000")
+	check("one process", a.Process.Pid)
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pw.Close()
+	b := start(cg, pr, "cat")
+	pr.Close()
+	// Until cat waits in its first read, the line below could be read
+	// without cat being scheduled again.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		st, _ := os.ReadFile("/proc/" + strconv.Itoa(b.Process.Pid) + "/stat")
+		sc, _ := os.ReadFile("/proc/" + strconv.Itoa(b.Process.Pid) + "/syscall")
+		if i := bytes.LastIndexByte(st, ')'); i > 0 && i+2 < len(st) && st[i+2] == 'S' && bytes.HasPrefix(sc, []byte("0 ")) {
+			break
+		}
+	}
+	s := check("a second one joins", a.Process.Pid, b.Process.Pid)
+	before := *s.Procs[b.Process.Pid]
+	// cat runs: reads a line and writes it to nowhere.
+	if _, err := pw.Write([]byte("line\n")); err != nil {
+		t.Fatal(err)
+	}
+	var after procInfo
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		s = check("cat ran", a.Process.Pid, b.Process.Pid)
+		after = *s.Procs[b.Process.Pid]
+		if after.Slices > before.Slices || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if after.Slices <= before.Slices || after.RunNS < before.RunNS {
+		t.Errorf("cat ran, but its kept schedstat reads %d/%d, before %d/%d", after.RunNS, after.Slices, before.RunNS, before.Slices)
+	}
+	if s.Procs[a.Process.Pid].Slices != prev.Procs[a.Process.Pid].Slices {
+		t.Errorf("sleep's run count moved")
+	}
+
+	nested := filepath.Join(cg, "nested")
+	if err := os.Mkdir(nested, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c := start(nested, nil, "sleep", "1001")
+	check("a process in a nested cgroup", a.Process.Pid, b.Process.Pid, c.Process.Pid)
+
+	// a exits; its kept stat is of a dead process now.
+	aPid := a.Process.Pid
+	a.Process.Kill()
+	a.Wait()
+	if _, err := f.stat(aPid); err == nil {
+		// The pid may have been taken by another process meanwhile: then
+		// the stat must be that one's, read by path.
+		b, _ := os.ReadFile("/proc/" + strconv.Itoa(aPid) + "/stat")
+		if len(b) == 0 {
+			t.Errorf("stat of exited process %d read through its kept file", aPid)
+		}
+	}
+	check("the first one exited", b.Process.Pid, c.Process.Pid)
+
+	c.Process.Kill()
+	c.Wait()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if err := os.Remove(nested); err == nil || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	check("the nested cgroup removed", b.Process.Pid)
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.Kept(); n != 0 {
+		t.Fatalf("closed Files keeps %d processes", n)
+	}
+	got, err := takeSnapshot(f, cg, false, nil, nil)
+	if err != nil || len(got.Procs) != 1 || f.Kept() != 0 {
+		t.Fatalf("snapshot through closed Files: %v %v, keeps %d", got, err, f.Kept())
+	}
+}
+
+// BenchmarkSnapshotFiles is a window's end snapshot of a cgroup of one
+// process, by path and through kept files.
+func BenchmarkSnapshotFiles(b *testing.B) {
+	cg := newCgroup(b)
+	cmd := exec.Command("sleep", "1000")
+	cmd.SysProcAttr = cgroupAttr(b, cg)
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	defer func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}()
+	for _, bc := range []struct {
+		name  string
+		files *Files
+	}{{"path", nil}, {"kept", NewFiles()}} {
+		b.Run(bc.name, func(b *testing.B) {
+			defer bc.files.Close()
+			prev, err := takeSnapshot(bc.files, cg, false, nil, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			for b.Loop() {
+				if _, err := takeSnapshot(bc.files, cg, false, nil, prev); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
