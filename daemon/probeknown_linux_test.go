@@ -10,6 +10,25 @@ import (
 	"github.com/rewind-sandbox/rewind/probe"
 )
 
+// handedOver returns, sorted, the pids ps holds for the next probe window
+// and the pids of the sandbox's live processes.
+func handedOver(t *testing.T, ps *procSandbox) (got, want []int) {
+	t.Helper()
+	live, err := ps.b.eng.Processes(ps.sb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range live {
+		want = append(want, l.PID)
+	}
+	ps.mu.Lock()
+	got = slices.Clone(ps.restored)
+	ps.mu.Unlock()
+	slices.Sort(got)
+	slices.Sort(want)
+	return got, want
+}
+
 // TestRestoreOpensTheProbeWindowOnItsCopies: a template restore hands the
 // next probe window the processes it left alive, once (the window then
 // lists no cgroup), and that window reports the next turn's effects as a
@@ -52,20 +71,7 @@ func TestRestoreOpensTheProbeWindowOnItsCopies(t *testing.T) {
 			if _, err := ps.Restore(ctx, target, func() error { return nil }); err != nil {
 				t.Fatal(err)
 			}
-			live, err := ps.b.eng.Processes(ps.sb)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var want []int
-			for _, l := range live {
-				want = append(want, l.PID)
-			}
-			w.ps.mu.Lock()
-			got := slices.Clone(w.ps.restored)
-			w.ps.mu.Unlock()
-			slices.Sort(got)
-			slices.Sort(want)
-			if !slices.Equal(got, want) || len(got) != 1 {
+			if got, want := handedOver(t, ps); !slices.Equal(got, want) || len(got) != 1 {
 				t.Fatalf("restore hands over %v, live processes %v", got, want)
 			}
 			if err := w.Begin(ctx); err != nil {
@@ -217,20 +223,7 @@ func TestCRIURestoreOpensTheProbeWindowOnItsTrees(t *testing.T) {
 	if path != "criu" {
 		t.Fatalf("restore path %q, want criu", path)
 	}
-	live, err := ps.b.eng.Processes(ps.sb)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var want []int
-	for _, l := range live {
-		want = append(want, l.PID)
-	}
-	w.ps.mu.Lock()
-	got := slices.Clone(w.ps.restored)
-	w.ps.mu.Unlock()
-	slices.Sort(got)
-	slices.Sort(want)
-	if !slices.Equal(got, want) || len(got) != 2 {
+	if got, want := handedOver(t, ps); !slices.Equal(got, want) || len(got) != 2 {
 		t.Fatalf("CRIU restore hands over %v, live processes %v (want the shell and its job)", got, want)
 	}
 	// Between the restore and the window: a lasting job of the restored
