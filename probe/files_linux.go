@@ -38,10 +38,12 @@ type pidFiles struct {
 }
 
 // maxKeptPIDs bounds the processes a Files keeps files of; maxKeptCgroups
-// the cgroup directories.
+// the cgroup directories. An agent's sandbox runs a few processes; the
+// bounds keep a daemon of many sandboxes far from its descriptor limit
+// (two per process: 64 sandboxes keep at most some 2,300).
 const (
-	maxKeptPIDs    = 256
-	maxKeptCgroups = 16
+	maxKeptPIDs    = 16
+	maxKeptCgroups = 4
 )
 
 // Sizes of the buffers the kept files are read into. A read that fills
