@@ -189,3 +189,42 @@ func BenchmarkSnapshotFiles(b *testing.B) {
 		})
 	}
 }
+
+// TestFilesBound: a sandbox of more processes than Files keeps files of
+// is snapshotted whole, the rest read by path.
+func TestFilesBound(t *testing.T) {
+	cg := newCgroup(t)
+	f := NewFiles()
+	defer f.Close()
+	var want []int
+	for i := 0; i < maxKeptPIDs+4; i++ {
+		cmd := exec.Command("sleep", "1000")
+		cmd.SysProcAttr = cgroupAttr(t, cg)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
+		want = append(want, cmd.Process.Pid)
+	}
+	for round := 0; round < 2; round++ {
+		s, err := takeSnapshot(f, cg, false, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []int
+		for pid := range s.Procs {
+			got = append(got, pid)
+		}
+		slices.Sort(got)
+		slices.Sort(want)
+		if !slices.Equal(got, want) {
+			t.Fatalf("round %d: snapshot of %d processes has %v, want %v", round, len(want), got, want)
+		}
+		if n := f.Kept(); n != maxKeptPIDs {
+			t.Fatalf("round %d: files kept of %d processes, want %d", round, n, maxKeptPIDs)
+		}
+	}
+}
