@@ -4,6 +4,7 @@ import (
 	"context"
 	"reflect"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/rewind-sandbox/rewind/internal/testenv"
@@ -98,5 +99,46 @@ func TestMedianFanout(t *testing.T) {
 	}
 	if one := medianFanout(runs[:1]); one[0].ReadyMSRuns != nil || one[0].ReadyMS != 700 {
 		t.Fatalf("one run: %+v", one)
+	}
+}
+
+// TestJudgeFanout: the fan-out verdicts judge each rewind row at 64
+// copies, name the floor, and leave other widths and the baselines alone.
+func TestJudgeFanout(t *testing.T) {
+	rows := []FanoutRow{
+		{Name: "rewind-fork", N: 64, ReadyMS: 4746, TrainerWait: 0.487},
+		{Name: "rewind-fork-repeat", N: 64, ReadyMS: 250, TrainerWait: 0.048},
+		{Name: "rewind-fork", N: 16, ReadyMS: 100, TrainerWait: 0.01},
+		{Name: "cp-a", N: 64, ReadyMS: 2428, TrainerWait: 0.33},
+		{Name: floorName, N: 64, ReadyMS: 386, TrainerWait: 0.07},
+	}
+	vs := JudgeFanout(rows)
+	want := []struct {
+		prefix string
+		met    bool
+	}{
+		{"rewind-fork: 64 copies ready", false},
+		{"rewind-fork at 64 copies: trainer waits", false},
+		{"rewind-fork-repeat: 64 copies ready", true},
+		{"rewind-fork-repeat at 64 copies: trainer waits", true},
+	}
+	if len(vs) != len(want) {
+		t.Fatalf("verdicts %+v, want %d", vs, len(want))
+	}
+	for i, w := range want {
+		if !strings.HasPrefix(vs[i].Target, w.prefix) || vs[i].Met != w.met {
+			t.Errorf("verdict %d = %+v, want %q met=%v", i, vs[i], w.prefix, w.met)
+		}
+	}
+	if !strings.Contains(vs[0].Note, "386 ms") {
+		t.Errorf("the ready verdict does not name the floor: %q", vs[0].Note)
+	}
+	if got := JudgeFanout(rows[2:3]); len(got) != 0 {
+		t.Errorf("verdicts without a row at 64: %+v", got)
+	}
+	var b strings.Builder
+	WriteVerdicts(&b, vs)
+	if !strings.Contains(b.String(), "- rewind-fork-repeat: 64 copies ready within 250 ms: 250 ms, met") {
+		t.Errorf("WriteVerdicts:\n%s", b.String())
 	}
 }

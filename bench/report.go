@@ -24,9 +24,11 @@ type Report struct {
 	// restricted to the baselines that recovered every injected crash
 	// exactly, as rewind-effects must (a baseline that keeps files only
 	// loses the processes' state and does less work).
-	BestRecovering      string   `json:"best_recovering_baseline,omitempty"`
-	SpeedupVsRecovering float64  `json:"speedup_vs_best_recovering_baseline,omitempty"`
-	Notes               []string `json:"notes,omitempty"`
+	BestRecovering      string  `json:"best_recovering_baseline,omitempty"`
+	SpeedupVsRecovering float64 `json:"speedup_vs_best_recovering_baseline,omitempty"`
+	// Targets are issue 10's targets judged on this run (set by compare).
+	Targets []Verdict `json:"targets,omitempty"`
+	Notes   []string  `json:"notes,omitempty"`
 }
 
 // merge adds b (another trace of the same system) into a.
@@ -81,8 +83,10 @@ func finish(r *Result) {
 	}
 }
 
-// compare fills BestBaseline and Speedup.
+// compare fills BestBaseline and Speedup, the same against the fastest
+// recovering baseline, and Targets.
 func (rep *Report) compare() {
+	defer func() { rep.Targets = rep.judge() }()
 	var rw, best, rec *Result
 	for _, s := range rep.Systems {
 		if s.Error != "" {
@@ -158,6 +162,7 @@ func (rep *Report) Markdown(w io.Writer) {
 		}
 		fmt.Fprintf(w, "Against the fastest baseline that recovered every injected crash exactly (%s), rewind-effects spends %.1fx %s time on state management.\n", rep.BestRecovering, x, more)
 	}
+	WriteVerdicts(w, rep.Targets)
 	for _, s := range rep.Systems {
 		if len(s.Phases) == 0 || s.Error != "" {
 			continue
