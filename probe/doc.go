@@ -38,7 +38,10 @@
 // from Target.FS.
 //
 // Both backends share the snapshot comparison, so they agree on the fields
-// it fills.
+// it fills. A snapshot reads the cgroup's cgroup.procs and each process's
+// stat and schedstat (cwd and argv[0] only of a process that ran); with
+// Target.Files those stay open from one snapshot of the sandbox to the
+// next and are read again with one pread each.
 //
 // # Fields and who fills them
 //
