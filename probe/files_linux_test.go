@@ -2,12 +2,15 @@ package probe
 
 import (
 	"bytes"
+	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -226,5 +229,149 @@ func TestFilesBound(t *testing.T) {
 		if n := f.Kept(); n != maxKeptPIDs {
 			t.Fatalf("round %d: files kept of %d processes, want %d", round, n, maxKeptPIDs)
 		}
+	}
+}
+
+// TestFilesDifferential runs random sequences of process starts (in the
+// cgroup or a nested one), exits, wake-ups and nested-cgroup removals,
+// and after every step compares a snapshot through kept files with one by
+// path: the same processes, the same identities, parents, cwds and
+// argv[0]s, the same run counts for processes that did not run.
+func TestFilesDifferential(t *testing.T) {
+	for seed := uint64(1); seed <= 3; seed++ {
+		t.Run(fmt.Sprint("seed=", seed), func(t *testing.T) {
+			cg := newCgroup(t)
+			f := NewFiles()
+			defer f.Close()
+			rng := rand.New(rand.NewPCG(seed, 42))
+			type proc struct {
+				cmd *exec.Cmd
+				in  *os.File // cat's stdin, nil for sleep
+			}
+			var procs []proc
+			nested := ""
+			start := func(dir string, cat bool) {
+				var cmd *exec.Cmd
+				var in *os.File
+				if cat {
+					r, w, err := os.Pipe()
+					if err != nil {
+						t.Fatal(err)
+					}
+					cmd = exec.Command("cat")
+					cmd.Stdin, in = r, w
+					defer r.Close()
+				} else {
+					cmd = exec.Command("sleep", "1000")
+				}
+				cmd.SysProcAttr = cgroupAttr(t, dir)
+				if err := cmd.Start(); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() {
+					cmd.Process.Kill()
+					cmd.Wait()
+					if in != nil {
+						in.Close()
+					}
+				})
+				// Until it blocks (cat in read, sleep in nanosleep), its run
+				// count moves between the step's two snapshots.
+				blocked := func() bool {
+					base := "/proc/" + strconv.Itoa(cmd.Process.Pid) + "/"
+					st, _ := os.ReadFile(base + "stat")
+					sc, _ := os.ReadFile(base + "syscall")
+					i := bytes.LastIndexByte(st, ')')
+					if i < 0 || i+2 >= len(st) || st[i+2] != 'S' {
+						return false
+					}
+					nr, _, _ := strings.Cut(string(sc), " ")
+					return nr == "0" || nr == "35" || nr == "230" // read, nanosleep, clock_nanosleep
+				}
+				for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !blocked(); time.Sleep(time.Millisecond) {
+				}
+				procs = append(procs, proc{cmd, in})
+			}
+			var prev *snapshot
+			for step := 0; step < 40; step++ {
+				var op string
+				switch k := rng.IntN(10); {
+				case k < 3 || len(procs) == 0:
+					dir := cg
+					if nested != "" && rng.IntN(2) == 0 {
+						dir = nested
+					}
+					op = "start in " + filepath.Base(dir)
+					start(dir, rng.IntN(2) == 0)
+				case k < 5:
+					i := rng.IntN(len(procs))
+					op = fmt.Sprint("kill ", procs[i].cmd.Process.Pid)
+					procs[i].cmd.Process.Kill()
+					procs[i].cmd.Wait()
+					procs = append(procs[:i], procs[i+1:]...)
+				case k < 7:
+					op = "wake the cats"
+					for _, p := range procs {
+						if p.in != nil {
+							p.in.Write([]byte("x\n"))
+						}
+					}
+				case k < 9:
+					if nested == "" {
+						nested = filepath.Join(cg, fmt.Sprint("n", step))
+						if err := os.Mkdir(nested, 0o755); err != nil {
+							t.Fatal(err)
+						}
+						op = "make a nested cgroup"
+					} else {
+						op = "remove the nested cgroup"
+						b, _ := os.ReadFile(filepath.Join(nested, "cgroup.procs"))
+						for _, fld := range strings.Fields(string(b)) {
+							pid, _ := strconv.Atoi(fld)
+							for i, p := range procs {
+								if p.cmd.Process.Pid == pid {
+									p.cmd.Process.Kill()
+									p.cmd.Wait()
+									procs = append(procs[:i], procs[i+1:]...)
+									break
+								}
+							}
+						}
+						for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+							if err := os.Remove(nested); err == nil || time.Now().After(deadline) {
+								break
+							}
+						}
+						nested = ""
+					}
+				default:
+					op = "nothing"
+				}
+				kept, err := takeSnapshot(f, cg, false, nil, prev)
+				if err != nil {
+					t.Fatalf("step %d (%s): %v", step, op, err)
+				}
+				byPath, err := takeSnapshot(nil, cg, false, nil, prev)
+				if err != nil {
+					t.Fatalf("step %d (%s): by path: %v", step, op, err)
+				}
+				if len(kept.Procs) != len(byPath.Procs) || len(kept.Procs) != len(procs) {
+					t.Fatalf("step %d (%s): %d processes through kept files, %d by path, %d running", step, op, len(kept.Procs), len(byPath.Procs), len(procs))
+				}
+				for pid, p := range kept.Procs {
+					q := byPath.Procs[pid]
+					if q == nil || p.StartTime != q.StartTime || p.PPID != q.PPID || p.Comm != q.Comm || p.Cwd != q.Cwd || p.Argv0 != q.Argv0 {
+						t.Fatalf("step %d (%s): process %d through kept files %+v, by path %+v", step, op, pid, p, q)
+					}
+					if p.Comm == "sleep" && p.Slices != q.Slices {
+						t.Errorf("step %d (%s): sleep %d run count %d through kept files, %d by path", step, op, pid, p.Slices, q.Slices)
+					}
+				}
+				if n := f.Kept(); n != min(len(procs), maxKeptPIDs) {
+					t.Fatalf("step %d (%s): files kept of %d processes, %d running", step, op, n, len(procs))
+				}
+				prev = kept
+			}
+		})
 	}
 }
