@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"sort"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
@@ -35,6 +36,9 @@ type swrk struct {
 	sk  *os.File
 	// keys are the inherited files' keys in fd order (fd 3 on).
 	keys []string
+	// group is set when criu leads a process group of its own (a dump's
+	// does): kill then ends the whole group.
+	group bool
 }
 
 // errNotify is a notification swrk.call's caller did not expect.
@@ -72,6 +76,12 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 	cmd := r.command("swrk", strconv.Itoa(srvFD))
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = null, null, null
 	cmd.ExtraFiles = extra
+	if !joinCgroups {
+		// A dump's criu leads a process group, so that a kill reaches
+		// the helpers it forks too (see kill). A restore's does not: the
+		// processes it restores may take their process group from it.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	}
 	var cgs []string
 	if nsPID != 0 && joinCgroups {
 		if cgs, err = r.cgroupProcsFiles(nsPID, false); err != nil {
@@ -83,7 +93,7 @@ func (r *Runner) startSwrk(nsPID int, joinCgroups bool, files map[string]*os.Fil
 		cln.Close()
 		return nil, fmt.Errorf("start criu: %w", err)
 	}
-	s := &swrk{cmd: cmd, sk: cln, keys: keys}
+	s := &swrk{cmd: cmd, sk: cln, keys: keys, group: !joinCgroups}
 	// criu waits for its request before it makes any process: it joins
 	// the sandbox's cgroups first, v1 and v2 alike (pids, freezer,
 	// memory: the restored processes are born there). By pid rather than
@@ -193,8 +203,23 @@ func (s *swrk) failed(ctx context.Context, err error) error {
 	return err
 }
 
-// kill ends criu at once.
-func (s *swrk) kill() { _ = s.cmd.Process.Kill() }
+// kill ends criu at once, with the rest of its process group if it leads
+// one, and shuts the socket down. A helper criu forked (kerndat's ptrace
+// test child sleeps until criu kills it) outlives a criu killed with
+// SIGKILL, reparented to the sandbox's init, and holds criu's end of the
+// socket: without the shutdown, a call waiting for criu's answer would
+// wait for ever.
+func (s *swrk) kill() {
+	if s.group {
+		_ = unix.Kill(-s.cmd.Process.Pid, unix.SIGKILL)
+	}
+	_ = s.cmd.Process.Kill()
+	if rc, err := s.sk.SyscallConn(); err == nil {
+		// Control fails once the socket is closed: no other file's
+		// descriptor is shut down by mistake.
+		_ = rc.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+	}
+}
 
 // close ends the session and waits for criu to exit (it does once its
 // socket closes). A criu still running after killedWait is killed, and one

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -83,5 +84,75 @@ func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
 	}
 	if err := unix.Kill(s.cmd.Process.Pid, 0); err == nil {
 		t.Errorf("the stand-in %d still exists", s.cmd.Process.Pid)
+	}
+}
+
+// TestSwrkCancelWithHelperHoldingTheSocket: a criu killed while a helper
+// it forked is alive (kerndat's ptrace test child, which sleeps until criu
+// kills it) leaves that helper holding criu's end of the socket. A call
+// whose context ends must return all the same, and the helper must die
+// with criu. Before, the call waited for criu's answer for ever (a CI run
+// hung there).
+func TestSwrkCancelWithHelperHoldingTheSocket(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fake := filepath.Join(dir, "criu")
+	// The helper inherits every descriptor, the socket among them.
+	script := "#!/bin/sh\n/bin/sleep 1000 &\necho $! >" + dir + "/helper\nexec /bin/cat " + fifo + "\n"
+	if err := os.WriteFile(fake, []byte(script), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	bin, err := os.Open(fake)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bin.Close()
+	img, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer img.Close()
+	r := &Runner{Path: fake}
+	s, err := r.startSwrk(os.Getpid(), false, map[string]*os.File{"00-criu-binary": bin, "01-images-dir": img})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var helper int
+	for deadline := time.Now().Add(10 * time.Second); helper == 0; time.Sleep(5 * time.Millisecond) {
+		b, _ := os.ReadFile(filepath.Join(dir, "helper"))
+		helper, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+		if time.Now().After(deadline) {
+			t.Fatal("the stand-in started no helper")
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- s.call(ctx, rpc.CriuReqType_DUMP, baseOpts(DumpLog), nil) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("call: %v, want the context's deadline", err)
+		}
+	case <-time.After(10 * time.Second):
+		unix.Kill(helper, unix.SIGKILL)
+		t.Fatal("the call still waits for criu 10 s after its context ended")
+	}
+	s.close()
+	// The helper is not our child: it is gone once it is a zombie or
+	// reaped (by init).
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		st, err := os.ReadFile("/proc/" + strconv.Itoa(helper) + "/stat")
+		if err != nil || strings.Contains(string(st), ") Z ") {
+			break
+		}
+		if time.Now().After(deadline) {
+			unix.Kill(helper, unix.SIGKILL)
+			t.Fatalf("the helper %d outlived criu", helper)
+		}
 	}
 }
