@@ -1,11 +1,16 @@
 package criu
 
 import (
+	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
 
 func TestFirstError(t *testing.T) {
@@ -135,4 +140,26 @@ func BenchmarkCgroupMounts(b *testing.B) {
 			}
 		}
 	})
+}
+
+// TestKdatCancelKillsTheCheck: a criu check that never ends (a stand-in
+// that sleeps) is ended with its namespace when the context ends: making
+// the cache returns, and holds no caller of the runner for ever.
+func TestKdatCancelKillsTheCheck(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	fake := filepath.Join(dir, "criu")
+	if err := os.WriteFile(fake, []byte("#!/bin/sh\nexec sleep 1000\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	r := &Runner{Path: fake}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	if _, err := r.makeKdat(ctx); err == nil {
+		t.Fatal("a check that never ended made a cache")
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("making the cache returned %s after its context ended", d)
+	}
 }

@@ -79,7 +79,12 @@ func (r *Runner) makeKdat(ctx context.Context) ([]byte, error) {
 	// repair on it). This runs in the host's file system: its programs
 	// and files are the host's.
 	script := `mount -t tmpfs -o size=1m,mode=0700 rewind-kdat /run || exit 1; ip link set lo up || exit 1; "$0" --no-default-config check >/dev/null 2>&1; exec cat /run/criu.kdat`
-	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", "--net", "--uts", "--ipc", "sh", "-c", script, r.Path)
+	// --kill-child: when the context ends and unshare is killed, the
+	// namespace's init dies with it, and with the init every process of
+	// the namespace (a criu stuck in a check, its helpers), which closes
+	// the output pipe Run waits for.
+	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--uts", "--ipc", "sh", "-c", script, r.Path)
+	cmd.WaitDelay = 10 * time.Second
 	var out bytes.Buffer
 	cmd.Stdout = &limitedWriter{w: &out, n: maxKdat}
 	if err := cmd.Run(); err != nil {
