@@ -15,6 +15,37 @@ import (
 	"time"
 )
 
+// startBlocked starts args in cgroup dir with stdin and waits until it
+// blocks (in read or in a sleep): until then its run count moves between
+// two snapshots taken one after the other. It is killed at the test's end.
+func startBlocked(t testing.TB, dir string, stdin io.Reader, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.SysProcAttr = cgroupAttr(t, dir)
+	cmd.Stdin = stdin
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	base := "/proc/" + strconv.Itoa(cmd.Process.Pid) + "/"
+	blocked := func() bool {
+		st, _ := os.ReadFile(base + "stat")
+		sc, _ := os.ReadFile(base + "syscall")
+		i := bytes.LastIndexByte(st, ')')
+		if i < 0 || i+2 >= len(st) || st[i+2] != 'S' {
+			return false
+		}
+		nr, _, _ := strings.Cut(string(sc), " ")
+		return nr == "0" || nr == "35" || nr == "230" // read, nanosleep, clock_nanosleep
+	}
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !blocked(); time.Sleep(time.Millisecond) {
+	}
+	return cmd
+}
+
 // TestFilesSnapshotsLikePaths: snapshots through kept files see what
 // snapshots by path see, step after step: a process joining the cgroup,
 // one running (its schedstat moves), one in a nested cgroup, one exiting,
@@ -24,27 +55,6 @@ func TestFilesSnapshotsLikePaths(t *testing.T) {
 	cg := newCgroup(t)
 	f := NewFiles()
 	defer f.Close()
-	start := func(dir string, stdin io.Reader, args ...string) *exec.Cmd {
-		t.Helper()
-		cmd := exec.Command(args[0], args[1:]...)
-		cmd.SysProcAttr = cgroupAttr(t, dir)
-		cmd.Stdin = stdin
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			cmd.Process.Kill()
-			cmd.Wait()
-		})
-		// Until its exec is done, the two snapshots of a step could see
-		// two states of it.
-		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-			if b, _ := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/cmdline"); len(b) > 0 {
-				break
-			}
-		}
-		return cmd
-	}
 	var prev *snapshot
 	check := func(step string, want ...int) *snapshot {
 		t.Helper()
@@ -79,24 +89,17 @@ func TestFilesSnapshotsLikePaths(t *testing.T) {
 		return got
 	}
 
-	a := start(cg, nil, "sleep", "1000")
+	a := startBlocked(t, cg, nil, "sleep", "1000")
 	check("one process", a.Process.Pid)
 	pr, pw, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pw.Close()
-	b := start(cg, pr, "cat")
-	pr.Close()
-	// Until cat waits in its first read, the line below could be read
+	// Started blocked in its first read: the line below cannot be read
 	// without cat being scheduled again.
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		st, _ := os.ReadFile("/proc/" + strconv.Itoa(b.Process.Pid) + "/stat")
-		sc, _ := os.ReadFile("/proc/" + strconv.Itoa(b.Process.Pid) + "/syscall")
-		if i := bytes.LastIndexByte(st, ')'); i > 0 && i+2 < len(st) && st[i+2] == 'S' && bytes.HasPrefix(sc, []byte("0 ")) {
-			break
-		}
-	}
+	b := startBlocked(t, cg, pr, "cat")
+	pr.Close()
 	s := check("a second one joins", a.Process.Pid, b.Process.Pid)
 	before := *s.Procs[b.Process.Pid]
 	// cat runs: reads a line and writes it to nowhere.
@@ -123,7 +126,7 @@ func TestFilesSnapshotsLikePaths(t *testing.T) {
 	if err := os.Mkdir(nested, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	c := start(nested, nil, "sleep", "1001")
+	c := startBlocked(t, nested, nil, "sleep", "1001")
 	check("a process in a nested cgroup", a.Process.Pid, b.Process.Pid, c.Process.Pid)
 
 	// a exits; its kept stat is of a dead process now.
@@ -165,15 +168,7 @@ func TestFilesSnapshotsLikePaths(t *testing.T) {
 // process, by path and through kept files.
 func BenchmarkSnapshotFiles(b *testing.B) {
 	cg := newCgroup(b)
-	cmd := exec.Command("sleep", "1000")
-	cmd.SysProcAttr = cgroupAttr(b, cg)
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	defer func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	}()
+	startBlocked(b, cg, nil, "sleep", "1000")
 	for _, bc := range []struct {
 		name  string
 		files *Files
@@ -201,16 +196,7 @@ func TestFilesBound(t *testing.T) {
 	defer f.Close()
 	var want []int
 	for i := 0; i < maxKeptPIDs+4; i++ {
-		cmd := exec.Command("sleep", "1000")
-		cmd.SysProcAttr = cgroupAttr(t, cg)
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			cmd.Process.Kill()
-			cmd.Wait()
-		})
-		want = append(want, cmd.Process.Pid)
+		want = append(want, startBlocked(t, cg, nil, "sleep", "1000").Process.Pid)
 	}
 	for round := 0; round < 2; round++ {
 		s, err := takeSnapshot(f, cg, false, nil, nil)
@@ -251,46 +237,18 @@ func TestFilesDifferential(t *testing.T) {
 			var procs []proc
 			nested := ""
 			start := func(dir string, cat bool) {
-				var cmd *exec.Cmd
-				var in *os.File
-				if cat {
-					r, w, err := os.Pipe()
-					if err != nil {
-						t.Fatal(err)
-					}
-					cmd = exec.Command("cat")
-					cmd.Stdin, in = r, w
-					defer r.Close()
-				} else {
-					cmd = exec.Command("sleep", "1000")
+				if !cat {
+					procs = append(procs, proc{startBlocked(t, dir, nil, "sleep", "1000"), nil})
+					return
 				}
-				cmd.SysProcAttr = cgroupAttr(t, dir)
-				if err := cmd.Start(); err != nil {
+				r, w, err := os.Pipe()
+				if err != nil {
 					t.Fatal(err)
 				}
-				t.Cleanup(func() {
-					cmd.Process.Kill()
-					cmd.Wait()
-					if in != nil {
-						in.Close()
-					}
-				})
-				// Until it blocks (cat in read, sleep in nanosleep), its run
-				// count moves between the step's two snapshots.
-				blocked := func() bool {
-					base := "/proc/" + strconv.Itoa(cmd.Process.Pid) + "/"
-					st, _ := os.ReadFile(base + "stat")
-					sc, _ := os.ReadFile(base + "syscall")
-					i := bytes.LastIndexByte(st, ')')
-					if i < 0 || i+2 >= len(st) || st[i+2] != 'S' {
-						return false
-					}
-					nr, _, _ := strings.Cut(string(sc), " ")
-					return nr == "0" || nr == "35" || nr == "230" // read, nanosleep, clock_nanosleep
-				}
-				for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !blocked(); time.Sleep(time.Millisecond) {
-				}
-				procs = append(procs, proc{cmd, in})
+				t.Cleanup(func() { w.Close() })
+				cmd := startBlocked(t, dir, r, "cat")
+				r.Close()
+				procs = append(procs, proc{cmd, w})
 			}
 			var prev *snapshot
 			for step := 0; step < 40; step++ {

@@ -15,25 +15,14 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestSwrkStartsInNamespacesAndCancels runs a stand-in for criu through
-// startSwrk: it gets the hardening arguments before "swrk" and only the
-// environment the runner gives it (not the caller's CRIU_CONFIG_FILE), is
-// started from a thread that entered the target's namespaces (here the
-// test's own, which setns accepts), and a call whose context ends kills it
-// however it is blocked: here in open(2) of a FIFO nobody writes.
-func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
-	testenv.RequireRoot(t)
-	dir := t.TempDir()
-	fifo := filepath.Join(dir, "fifo")
-	if err := unix.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
+// startStandIn starts script, written to dir as a stand-in for criu,
+// through startSwrk, as a dump would start criu.
+func startStandIn(t *testing.T, dir, script string) *swrk {
+	t.Helper()
 	fake := filepath.Join(dir, "criu")
-	script := "#!/bin/sh\necho \"$@\" >" + dir + "/args\n/usr/bin/env >" + dir + "/env\nexec /bin/cat " + fifo + "\n"
 	if err := os.WriteFile(fake, []byte(script), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	t.Setenv("CRIU_CONFIG_FILE", "/etc/evil.conf")
 	bin, err := os.Open(fake)
 	if err != nil {
 		t.Fatal(err)
@@ -49,6 +38,24 @@ func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return s
+}
+
+// TestSwrkStartsInNamespacesAndCancels runs a stand-in for criu through
+// startSwrk: it gets the hardening arguments before "swrk" and only the
+// environment the runner gives it (not the caller's CRIU_CONFIG_FILE), is
+// started from a thread that entered the target's namespaces (here the
+// test's own, which setns accepts), and a call whose context ends kills it
+// however it is blocked: here in open(2) of a FIFO nobody writes.
+func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("CRIU_CONFIG_FILE", "/etc/evil.conf")
+	s := startStandIn(t, dir, "#!/bin/sh\necho \"$@\" >"+dir+"/args\n/usr/bin/env >"+dir+"/env\nexec /bin/cat "+fifo+"\n")
 	read := func(name string) string {
 		deadline := time.Now().Add(10 * time.Second)
 		for {
@@ -72,7 +79,7 @@ func TestSwrkStartsInNamespacesAndCancels(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err = s.call(ctx, rpc.CriuReqType_DUMP, baseOpts(DumpLog), nil)
+	err := s.call(ctx, rpc.CriuReqType_DUMP, baseOpts(DumpLog), nil)
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("call: %v, want the context's deadline", err)
 	}
@@ -100,27 +107,8 @@ func TestSwrkCancelWithHelperHoldingTheSocket(t *testing.T) {
 	if err := unix.Mkfifo(fifo, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	fake := filepath.Join(dir, "criu")
 	// The helper inherits every descriptor, the socket among them.
-	script := "#!/bin/sh\n/bin/sleep 1000 &\necho $! >" + dir + "/helper\nexec /bin/cat " + fifo + "\n"
-	if err := os.WriteFile(fake, []byte(script), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	bin, err := os.Open(fake)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer bin.Close()
-	img, err := os.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer img.Close()
-	r := &Runner{Path: fake}
-	s, err := r.startSwrk(os.Getpid(), false, map[string]*os.File{"00-criu-binary": bin, "01-images-dir": img})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := startStandIn(t, dir, "#!/bin/sh\n/bin/sleep 1000 &\necho $! >"+dir+"/helper\nexec /bin/cat "+fifo+"\n")
 	var helper int
 	for deadline := time.Now().Add(10 * time.Second); helper == 0; time.Sleep(5 * time.Millisecond) {
 		b, _ := os.ReadFile(filepath.Join(dir, "helper"))
