@@ -8,6 +8,7 @@ import (
 	"os"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -1865,12 +1866,12 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool, ph *phases) ([]R
 				for j := i + 1; j < len(ms); j++ {
 					ms[j].closePipes()
 				}
-				return out, fmt.Errorf("pipes hook for %d: %w", m.p.Pid(), err)
+				return out, fmt.Errorf("pipes hook for %d%s: %w", m.p.Pid(), resentNote(m.p), err)
 			}
 		}
 		if m.st != nil && m.st.Started != nil {
 			if err := m.st.Started(m.p.Pid()); err != nil {
-				return out, fmt.Errorf("started hook for %d: %w", m.p.Pid(), err)
+				return out, fmt.Errorf("started hook for %d%s: %w", m.p.Pid(), resentNote(m.p), err)
 			}
 		}
 	}
@@ -1881,6 +1882,21 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool, ph *phases) ([]R
 		}
 	}
 	return out, nil
+}
+
+// resentNote names the signals a released copy got again at its release
+// (inject.Proc.ResentSignals), for the error of a hook that found the copy
+// gone: one of them may have ended it.
+func resentNote(p *inject.Proc) string {
+	sigs := p.ResentSignals()
+	if len(sigs) == 0 {
+		return ""
+	}
+	names := make([]string, len(sigs))
+	for i, s := range sigs {
+		names[i] = unix.SignalName(s)
+	}
+	return " (signals held during its set-up and sent again at its release: " + strings.Join(names, ", ") + ")"
 }
 
 // imagePath names the restore path taken from an image.

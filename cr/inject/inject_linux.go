@@ -483,6 +483,21 @@ func (p *Proc) Detach() error {
 	})
 }
 
+// ResentSignals returns the signals that arrived while p was held (a
+// tracee's signal is stopped at delivery and suppressed during injection)
+// and were sent to it again by Detach. Call it after Detach: a process
+// that dies right after its release may have died of one of them.
+func (p *Proc) ResentSignals() []syscall.Signal {
+	var out []syscall.Signal
+	_ = p.t.Do(func() error {
+		if p.gone {
+			out = append(out, p.pendingSigs...)
+		}
+		return nil
+	})
+	return out
+}
+
 // DetachStopped detaches leaving the process in a SIGSTOP group stop (for
 // another tracer such as CRIU to seize it). The process runs no user code in
 // between: SIGSTOP is queued while it is held, and the detach happens at the

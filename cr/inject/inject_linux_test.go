@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -314,5 +315,57 @@ func TestNestedDoRunsInline(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("nested Do deadlocks")
+	}
+}
+
+// A signal that arrives while the process is held is suppressed during
+// injection and sent again at Detach, and ResentSignals names it; a
+// process released with nothing pending reports none.
+func TestResentSignals(t *testing.T) {
+	testenv.RequireRoot(t)
+	tr := NewTracer()
+	defer tr.Close()
+	for _, send := range []bool{false, true} {
+		t.Run(fmt.Sprintf("signal=%v", send), func(t *testing.T) {
+			p := startLines(t, "python3", "-u", "-c", pyCounter)
+			if got := p.roundTrip(t, "w"); got != "w 42" {
+				t.Fatalf("got %q", got)
+			}
+			pr, err := tr.Attach(p.cmd.Process.Pid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if send {
+				if err := unix.Kill(p.cmd.Process.Pid, unix.SIGUSR2); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := pr.Syscall(unix.SYS_GETPID); err != nil {
+				t.Fatal(err)
+			}
+			if err := pr.Detach(); err != nil {
+				t.Fatal(err)
+			}
+			got := pr.ResentSignals()
+			if !send {
+				if len(got) != 0 {
+					t.Fatalf("resent %v, want none", got)
+				}
+				if r := p.roundTrip(t, "x"); r != "x 43" {
+					t.Fatalf("got %q", r)
+				}
+				return
+			}
+			if len(got) != 1 || got[0] != unix.SIGUSR2 {
+				t.Fatalf("resent %v, want [SIGUSR2]", got)
+			}
+			st, err := p.cmd.Process.Wait()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ws, ok := st.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != unix.SIGUSR2 {
+				t.Fatalf("process ended %v, want killed by SIGUSR2", st)
+			}
+		})
 	}
 }
