@@ -95,7 +95,7 @@ func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
 		}
 	}
 	rep.Systems = MedianRuns(o.Systems, runs)
-	rep.compare()
+	rep.compareRuns(runs)
 	return rep, nil
 }
 

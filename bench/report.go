@@ -26,6 +26,13 @@ type Report struct {
 	// loses the processes' state and does less work).
 	BestRecovering      string  `json:"best_recovering_baseline,omitempty"`
 	SpeedupVsRecovering float64 `json:"speedup_vs_best_recovering_baseline,omitempty"`
+	// SpeedupRounds is Speedup round by round, when every system ran more
+	// than once (--repeat): BestBaseline's state time in a round over
+	// rewind-effects' in the same round (0 for a round where either
+	// failed). The two ran minutes apart at most, so a machine that slows
+	// down or speeds up between rounds moves both; Speedup compares two
+	// medians, which may come from different rounds.
+	SpeedupRounds []float64 `json:"speedup_rounds,omitempty"`
 	// Targets are issue 10's targets judged on this run (set by compare).
 	Targets []Verdict `json:"targets,omitempty"`
 	Notes   []string  `json:"notes,omitempty"`
@@ -85,8 +92,17 @@ func finish(r *Result) {
 
 // compare fills BestBaseline and Speedup, the same against the fastest
 // recovering baseline, and Targets.
-func (rep *Report) compare() {
-	defer func() { rep.Targets = rep.judge() }()
+func (rep *Report) compare() { rep.compareRuns(nil) }
+
+// compareRuns is compare with every run of each system, in round order
+// (RunMCTS's), from which it also fills SpeedupRounds.
+func (rep *Report) compareRuns(runs map[string][]*Result) {
+	defer func() {
+		if rep.BestBaseline != "" {
+			rep.SpeedupRounds = roundSpeedups(runs[rep.BestBaseline], runs["rewind-effects"])
+		}
+		rep.Targets = rep.judge()
+	}()
 	var rw, best, rec *Result
 	for _, s := range rep.Systems {
 		if s.Error != "" {
@@ -117,6 +133,47 @@ func (rep *Report) compare() {
 		rep.BestRecovering = rec.Name
 		rep.SpeedupVsRecovering = rec.StateMS / rw.StateMS
 	}
+}
+
+// roundSpeedups pairs base's runs with rw's by round (index) and returns
+// base's state time over rw's for each round, 0 where either run failed;
+// nil unless both ran more than once.
+func roundSpeedups(base, rw []*Result) []float64 {
+	n := min(len(base), len(rw))
+	if n < 2 {
+		return nil
+	}
+	out := make([]float64, n)
+	for i := range n {
+		b, r := base[i], rw[i]
+		if b.Error == "" && r.Error == "" && r.StateMS > 0 {
+			out[i] = b.StateMS / r.StateMS
+		}
+	}
+	return out
+}
+
+// roundsNote renders SpeedupRounds ("" when there are none).
+func (rep *Report) roundsNote() string {
+	if len(rep.SpeedupRounds) == 0 {
+		return ""
+	}
+	v := make([]string, len(rep.SpeedupRounds))
+	for i, x := range rep.SpeedupRounds {
+		v[i] = "failed"
+		if x > 0 {
+			v[i] = fmt.Sprintf("%.1fx", x)
+		}
+	}
+	return "round by round: " + strings.Join(v, " / ")
+}
+
+// paren returns " (s)", or "" for an empty s.
+func paren(s string) string {
+	if s == "" {
+		return ""
+	}
+	return " (" + s + ")"
 }
 
 func mb(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
@@ -151,9 +208,9 @@ func (rep *Report) Markdown(w io.Writer) {
 	}
 	switch {
 	case rep.BestBaseline != "" && rep.Speedup >= 1:
-		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s).\n", rep.Speedup, rep.BestBaseline)
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s)%s.\n", rep.Speedup, rep.BestBaseline, paren(rep.roundsNote()))
 	case rep.BestBaseline != "":
-		fmt.Fprintf(w, "\nrewind-effects spends %.1fx more time on state management than the fastest baseline (%s).\n", 1/rep.Speedup, rep.BestBaseline)
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx more time on state management than the fastest baseline (%s)%s.\n", 1/rep.Speedup, rep.BestBaseline, paren(rep.roundsNote()))
 	}
 	if rep.BestRecovering != "" && rep.BestRecovering != rep.BestBaseline {
 		more, x := "less", rep.SpeedupVsRecovering

@@ -64,6 +64,9 @@ func (rep *Report) judge() []Verdict {
 		out = append(out, verdict(fmt.Sprintf("rewind-effects overhead at median LLM latency 2 s <= %.2fx", maxOverhead), rw.OverheadRatio, maxOverhead, true, "x", ""))
 		if rep.BestBaseline != "" {
 			note := "fastest baseline: " + rep.BestBaseline
+			if r := rep.roundsNote(); r != "" {
+				note += "; " + r
+			}
 			if rep.BestRecovering != "" && rep.BestRecovering != rep.BestBaseline {
 				note += fmt.Sprintf("; against the fastest that recovered every crash (%s): %.1fx", rep.BestRecovering, rep.SpeedupVsRecovering)
 			}

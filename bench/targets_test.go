@@ -2,6 +2,7 @@ package bench
 
 import (
 	"bytes"
+	"math"
 	"strings"
 	"testing"
 )
@@ -78,5 +79,58 @@ func TestReportTargets(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// With several rounds the speedup is also given round by round, each
+// round's best-baseline run over its rewind-effects run, in the JSON, the
+// Markdown and the target's note; a failed run leaves its round out.
+func TestSpeedupRounds(t *testing.T) {
+	run := func(name string, state float64, failed bool) *Result {
+		r := &Result{Name: name, StateMS: state, OverheadRatio: 1.001, CrashChecks: 10, CrashCorrect: 10}
+		if failed {
+			r.Error = "boom"
+		}
+		return r
+	}
+	runs := map[string][]*Result{
+		// Round 2 is slow for both: its ratio is close to the others'
+		// although its rewind run is the slowest of the three.
+		"rewind-effects":  {run("rewind-effects", 100, false), run("rewind-effects", 200, false), run("rewind-effects", 110, false)},
+		"overlay-remount": {run("overlay-remount", 500, false), run("overlay-remount", 1100, false), run("overlay-remount", 0, true)},
+	}
+	rep := &Report{Systems: MedianRuns([]string{"rewind-effects", "overlay-remount"}, runs)}
+	rep.compareRuns(runs)
+	if rep.BestBaseline != "overlay-remount" {
+		t.Fatalf("best baseline %q", rep.BestBaseline)
+	}
+	want := []float64{5, 5.5, 0}
+	if len(rep.SpeedupRounds) != len(want) {
+		t.Fatalf("rounds %v, want %v", rep.SpeedupRounds, want)
+	}
+	for i := range want {
+		if math.Abs(rep.SpeedupRounds[i]-want[i]) > 1e-9 {
+			t.Fatalf("rounds %v, want %v", rep.SpeedupRounds, want)
+		}
+	}
+	const note = "round by round: 5.0x / 5.5x / failed"
+	var md bytes.Buffer
+	rep.Markdown(&md)
+	if !strings.Contains(md.String(), note) {
+		t.Errorf("Markdown lacks %q:\n%s", note, md.String())
+	}
+	found := false
+	for _, v := range rep.Targets {
+		found = found || (strings.HasPrefix(v.Target, "state-management time") && strings.Contains(v.Note, note))
+	}
+	if !found {
+		t.Errorf("no speedup verdict with %q: %+v", note, rep.Targets)
+	}
+	// One round: nothing to pair.
+	one := map[string][]*Result{"rewind-effects": runs["rewind-effects"][:1], "overlay-remount": runs["overlay-remount"][:1]}
+	rep = &Report{Systems: MedianRuns([]string{"rewind-effects", "overlay-remount"}, one)}
+	rep.compareRuns(one)
+	if rep.SpeedupRounds != nil {
+		t.Fatalf("one round: rounds %v, want none", rep.SpeedupRounds)
 	}
 }
