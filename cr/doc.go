@@ -35,6 +35,14 @@
 // each template waits ready (async-warm): a restore then needs no fork and
 // the restored process meets no copy-on-write faults.
 //
+// A forked copy shares its template's open file descriptions, and so their
+// offsets, with the original, which reads on after the checkpoint. So each
+// copy (restored process, spare, copy dumped for the image) reopens, by
+// path, the regular files and directories the template held, at the
+// offsets they had at the checkpoint: those on every mount but a pseudo
+// file system's (procfs, sysfs, cgroups...), whose files are left shared.
+// Files deleted since they were opened stay shared too.
+//
 // Forks copy page tables, so their cost grows with the 4 KiB pages mapped.
 // Unless Config.NoCollapse, after a checkpoint the engine asks the kernel in
 // the background (process_madvise MADV_COLLAPSE, 2 MiB at a time under the

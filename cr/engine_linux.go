@@ -712,7 +712,7 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 			tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
 			tmpls = append(tmpls, tm)
 			// The offsets now, while the original is still stopped.
-			tm.files = captureFiles(tp.Pid())
+			tm.files = captureFiles(tp.Pid(), true)
 			// Before any process of the sandbox runs again.
 			if err := guard(tm, true); err != nil {
 				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)

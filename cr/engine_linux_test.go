@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 const bashMarker = "__END__"
@@ -127,11 +129,21 @@ func TestTemplatePython200MB(t *testing.T) {
 // and copies read on after earlier restores; with and without warm spares.
 func TestTemplateFileOffsets(t *testing.T) {
 	for _, tc := range []struct {
-		warm, image bool
-	}{{false, false}, {true, false}, {false, true}} {
+		// otherMount puts the file on a mount that is not the process's
+		// root (as a bind-mounted /usr holds the libraries a starting
+		// process's dynamic loader opens).
+		warm, image, otherMount bool
+	}{{false, false, false}, {true, false, false}, {false, true, false}, {true, false, true}, {false, true, true}} {
 		warm := tc.warm
-		t.Run(fmt.Sprintf("warm=%v/image=%v", tc.warm, tc.image), func(t *testing.T) {
-			data := filepath.Join(t.TempDir(), "data")
+		t.Run(fmt.Sprintf("warm=%v/image=%v/other_mount=%v", tc.warm, tc.image, tc.otherMount), func(t *testing.T) {
+			dir := t.TempDir()
+			if tc.otherMount {
+				if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m"); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+			}
+			data := filepath.Join(dir, "data")
 			if err := os.WriteFile(data, []byte("0123456789abcdefghijklmnopqrstuvwxyz"), 0o644); err != nil {
 				t.Fatal(err)
 			}

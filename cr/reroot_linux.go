@@ -32,12 +32,20 @@ type viewFD struct {
 // opened cannot be reopened by path and are left as they are.
 func captureView(pid int) viewState {
 	cwd, _ := os.Readlink("/proc/" + strconv.Itoa(pid) + "/cwd")
-	return viewState{cwd: cwd, fds: captureFiles(pid)}
+	return viewState{cwd: cwd, fds: captureFiles(pid, false)}
 }
 
-// captureFiles returns the descriptors process pid holds on the mount that
-// is its root, by path, with their flags and offsets (see captureView).
-func captureFiles(pid int) []viewFD {
+// captureFiles returns the regular files and directories process pid holds
+// open, by path, with their flags and offsets: those on the mount that is
+// its root (see captureView), or, with anyMount, those on every mount but
+// a pseudo file system's (see pseudoFS). A template's copies reopen the
+// latter (Engine.ownFiles): a copy shares its template's open file
+// descriptions, and so their offsets, with the original, which reads on;
+// a dynamic loader caught between opening a library and reading its
+// header (a process checkpointed as it starts) read the original's later
+// offset in the copy and failed ("invalid ELF header", exit 127) when the
+// library was on a mount of its own, as a bind-mounted /usr is.
+func captureFiles(pid int, anyMount bool) []viewFD {
 	base := "/proc/" + strconv.Itoa(pid)
 	var fds []viewFD
 	var stx unix.Statx_t
@@ -82,7 +90,7 @@ func captureFiles(pid int) []viewFD {
 				pos, _ = strconv.ParseInt(val, 10, 64)
 			}
 		}
-		if mnt != rootMnt {
+		if mnt != rootMnt && (!anyMount || pseudoFS(base+"/fd/"+e.Name())) {
 			continue
 		}
 		path, err := os.Readlink(base + "/fd/" + e.Name())
@@ -92,6 +100,26 @@ func captureFiles(pid int) []viewFD {
 		fds = append(fds, viewFD{fd: fd, path: path, flags: int(flags), pos: pos})
 	}
 	return fds
+}
+
+// pseudoFS reports whether the file at path (a /proc/PID/fd link) is on
+// a pseudo file system (procfs, sysfs, cgroups, debugfs...), whose files a
+// copy must not reopen by path: the path may name the copy's own object
+// (/proc/self) or reopening it may act. A file whose file system cannot be
+// told counts as one.
+func pseudoFS(path string) bool {
+	var st unix.Statfs_t
+	if unix.Statfs(path, &st) != nil {
+		return true
+	}
+	switch uint32(st.Type) {
+	case unix.PROC_SUPER_MAGIC, unix.SYSFS_MAGIC, unix.CGROUP_SUPER_MAGIC, unix.CGROUP2_SUPER_MAGIC,
+		unix.DEBUGFS_MAGIC, unix.TRACEFS_MAGIC, unix.SECURITYFS_MAGIC, unix.BPF_FS_MAGIC,
+		unix.DEVPTS_SUPER_MAGIC, unix.PSTOREFS_MAGIC, unix.EFIVARFS_MAGIC, unix.NSFS_MAGIC,
+		unix.BINFMTFS_MAGIC, unix.SELINUX_MAGIC, unix.SMACK_MAGIC, unix.ANON_INODE_FS_MAGIC:
+		return true
+	}
+	return false
 }
 
 // reenter moves a stopped copy onto the new root's view: its working

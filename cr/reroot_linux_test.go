@@ -1,6 +1,7 @@
 package cr
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -78,5 +79,41 @@ func TestRealSandboxRerootTemplate(t *testing.T) {
 	code, err := sb.Exec(ctx, sandbox.ExecRequest{Argv: []string{"test", "-e", "/tmp/x/marker"}})
 	if err != nil || code != 0 {
 		t.Fatalf("exec in the new root: %d %v", code, err)
+	}
+}
+
+// Files of pseudo file systems are not reopened by path in a copy; files
+// of real ones (here a tmpfs and the test's temporary directory) are.
+// A path whose file system cannot be told counts as pseudo.
+func TestPseudoFS(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "f"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	shm, err := os.CreateTemp("/dev/shm", "rewind-pseudofs-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(shm.Name())
+	defer shm.Close()
+	sysf, err := os.Open("/sys/devices/system/cpu/online")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sysf.Close()
+	for _, tc := range []struct {
+		path   string
+		pseudo bool
+	}{
+		{"/proc/self/status", true},
+		{fmt.Sprintf("/proc/self/fd/%d", sysf.Fd()), true},
+		{fmt.Sprintf("/proc/self/fd/%d", f.Fd()), false},
+		{fmt.Sprintf("/proc/self/fd/%d", shm.Fd()), false},
+		{"/nonexistent/rewind", true},
+	} {
+		if got := pseudoFS(tc.path); got != tc.pseudo {
+			t.Errorf("pseudoFS(%s) = %v, want %v", tc.path, got, tc.pseudo)
+		}
 	}
 }
