@@ -168,12 +168,12 @@ func (rep *Report) roundsNote() string {
 	return "round by round: " + strings.Join(v, " / ")
 }
 
-// paren returns " (s)", or "" for an empty s.
-func paren(s string) string {
+// semi returns "; s", or "" for an empty s.
+func semi(s string) string {
 	if s == "" {
 		return ""
 	}
-	return " (" + s + ")"
+	return "; " + s
 }
 
 func mb(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
@@ -208,9 +208,9 @@ func (rep *Report) Markdown(w io.Writer) {
 	}
 	switch {
 	case rep.BestBaseline != "" && rep.Speedup >= 1:
-		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s)%s.\n", rep.Speedup, rep.BestBaseline, paren(rep.roundsNote()))
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx less time on state management than the fastest baseline (%s%s).\n", rep.Speedup, rep.BestBaseline, semi(rep.roundsNote()))
 	case rep.BestBaseline != "":
-		fmt.Fprintf(w, "\nrewind-effects spends %.1fx more time on state management than the fastest baseline (%s)%s.\n", 1/rep.Speedup, rep.BestBaseline, paren(rep.roundsNote()))
+		fmt.Fprintf(w, "\nrewind-effects spends %.1fx more time on state management than the fastest baseline (%s%s).\n", 1/rep.Speedup, rep.BestBaseline, semi(rep.roundsNote()))
 	}
 	if rep.BestRecovering != "" && rep.BestRecovering != rep.BestBaseline {
 		more, x := "less", rep.SpeedupVsRecovering
