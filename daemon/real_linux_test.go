@@ -439,3 +439,44 @@ func TestRealKernelPathChoice(t *testing.T) {
 		t.Fatalf("kernel path restore: %q", got)
 	}
 }
+
+// A file the shell holds open off the sandbox's root mount (here on its
+// /dev/shm tmpfs) is read on from the checkpoint's offset after a restore,
+// whatever the shell read after the checkpoint: the restored shell does not
+// share the killed original's file description.
+func TestRealRestoreKeepsOffsetsOffTheRootMount(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "b", api.SessionRequest{ID: "sh", Argv: []string{"bash", "--norc", "--noprofile"}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := send(t, c, "b", "sh", `printf 0123456789abcdefghij > /dev/shm/f && exec 3< /dev/shm/f && read -r -n 5 x <&3; echo "$x"; echo @@done@@`); got != "01234" {
+		t.Fatalf("first read %q", got)
+	}
+	if mnt := sh(t, c, "b", `stat -c %m /dev/shm/f`); mnt == "/" {
+		t.Fatalf("/dev/shm is on the root mount here: the test needs another mount")
+	}
+	t1, err := c.Turn(ctx, "b", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const next = `read -r -n 5 x <&3; echo "$x"; echo @@done@@`
+	if got := send(t, c, "b", "sh", next); got != "56789" {
+		t.Fatalf("live read after the checkpoint %q", got)
+	}
+	for i := range 2 {
+		r, err := c.Restore(ctx, "b", t1.ID, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := send(t, c, "b", "sh", next); got != "56789" {
+			t.Fatalf("restore %d (path %s) reads %q, want 56789 (the checkpoint's offset)", i, r.Path, got)
+		}
+		if got := send(t, c, "b", "sh", next); got != "abcde" {
+			t.Fatalf("restore %d (path %s) then reads %q, want abcde", i, r.Path, got)
+		}
+	}
+}
