@@ -40,7 +40,8 @@ per-call latency p50/p99, frozen time, disk, rewind's decision mix, and recovery
 correctness (crashes injected at random turns, recovery from the latest checkpoint).
 The report ends with the targets' verdicts on the run (--json: "targets"): overhead
 <= 1.03x at LLM 2 s, >= 10x less state-management time than the fastest baseline,
-every injected crash recovered exactly.
+every injected crash recovered exactly. With --repeat the speedup over the fastest
+baseline is also given round by round (--json: "speedup_rounds").
 
 --quick replays one generated trace of 100 expansions (minutes); --full five.`,
 		Example: "  rewind bench mcts --quick\n  rewind bench mcts --quick --repeat 3 --out bench-results\n  rewind bench mcts --full --out bench-results\n  rewind bench mcts --trace my.jsonl --systems rewind-effects,cp-a --json",
