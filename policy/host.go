@@ -39,8 +39,11 @@ type Options struct {
 	// MemoryLimitBytes bounds each instance's linear memory (default 16 MiB,
 	// rounded up to 64 KiB pages). Go guests need at least 8 MiB.
 	MemoryLimitBytes uint64
-	// Timeout is the deadline of one classify call (default 5 ms). The
-	// instance is closed when it expires.
+	// Timeout is the CPU time one classify call may use (default 5 ms);
+	// a call is also stopped after 20 times that in wall time, so that a
+	// host that does not run the call's thread for a while does not fail
+	// the policy unless the stall is that long. The instance is closed
+	// when either expires.
 	Timeout time.Duration
 	// InitTimeout bounds instantiating a module, its _initialize included
 	// (default 2 s).

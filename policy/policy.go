@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -311,11 +312,10 @@ func (p *Policy) fail(ctx context.Context, f *failure) Decision {
 		return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " interrupted: " + ctx.Err().Error()}
 	}
 	p.pm.failure(f.kind)
-	// A wall-clock deadline also expires when the host stalls (an
-	// overloaded machine deschedules threads for several ms): calls that
-	// were already running when the previous failure was counted overlap
-	// the same stall and count once, so one stall cannot disable a policy
-	// shared by many sandboxes.
+	// The wall cap also expires when the host stalls long enough (see
+	// watchCPU): calls that were already running when the previous
+	// failure was counted overlap the same stall and count once, so one
+	// stall cannot disable a policy shared by many sandboxes.
 	if f.kind == "deadline" && !f.start.IsZero() && f.start.UnixNano() < p.lastFailure.Load() {
 		p.h.opts.Logger.Warn("policy failed; full checkpoint instead", "policy", p.name, "kind", f.kind,
 			"err", f.err, "overlapping", true)
@@ -349,8 +349,14 @@ func (p *Policy) run(ctx context.Context, r *effect.Report) (Decision, *failure)
 func (p *Policy) call(ctx context.Context, inst *instance, r *effect.Report) (Decision, *failure) {
 	inst.buf = r.AppendWire(inst.buf[:0])
 	n := uint32(len(inst.buf))
-	cctx, cancel := context.WithTimeout(ctx, p.h.opts.Timeout)
-	defer cancel()
+	// The guest runs on this goroutine: its thread's CPU time is the
+	// call's (see watchCPU).
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	cctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := watchCPU(p.h.opts.Timeout, wallCapFactor*p.h.opts.Timeout, func() { cancel(errDeadline) })
+	defer stop()
 	if n > inst.inCap {
 		want := max(n, 4096)
 		inst.stack[0] = uint64(want)
@@ -413,11 +419,60 @@ func sanitize(b []byte) string {
 	}, s)
 }
 
+// errDeadline ends a classify call that used up its time (watchCPU).
+var errDeadline = fmt.Errorf("policy call out of time: %w", context.DeadlineExceeded)
+
+// wallCapFactor bounds a classify call's wall time, in multiples of its
+// CPU-time deadline (Options.Timeout).
+const wallCapFactor = 20
+
+// watchCPU calls expire once the calling thread (locked by the caller) has
+// used limit of CPU time since the call, or once wallCap of wall time has
+// passed, whichever comes first. A wall-clock deadline alone also expired
+// when the host merely did not run the thread (an overloaded machine
+// deschedules threads for several ms), which failed the policy, and a few
+// such stalls in a row disabled it. The returned stop ends the watch.
+func watchCPU(limit, wallCap time.Duration, expire func()) (stop func()) {
+	read := threadClock()
+	start, ok := read()
+	t0 := time.Now()
+	var mu sync.Mutex
+	stopped := false
+	var timer *time.Timer
+	check := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if stopped {
+			return
+		}
+		used := limit // unreadable: the deadline is wall time
+		if now, ok2 := read(); ok && ok2 {
+			used = now - start
+		}
+		wall := time.Since(t0)
+		if used >= limit || wall >= wallCap {
+			stopped = true
+			expire()
+			return
+		}
+		timer.Reset(min(max(limit-used, 100*time.Microsecond), wallCap-wall))
+	}
+	mu.Lock()
+	timer = time.AfterFunc(limit, check)
+	mu.Unlock()
+	return func() {
+		mu.Lock()
+		stopped = true
+		timer.Stop()
+		mu.Unlock()
+	}
+}
+
 // classifyErr names the failure of a call into the module.
 func classifyErr(ctx context.Context, fn string, err error) *failure {
 	var exit *sys.ExitError
 	switch {
-	case errors.Is(ctx.Err(), context.DeadlineExceeded) || (errors.As(err, &exit) && exit.ExitCode() == sys.ExitCodeDeadlineExceeded):
+	case errors.Is(ctx.Err(), context.DeadlineExceeded) || errors.Is(context.Cause(ctx), errDeadline) || (errors.As(err, &exit) && exit.ExitCode() == sys.ExitCodeDeadlineExceeded):
 		return &failure{kind: "deadline", err: fmt.Errorf("%s exceeded its deadline", fn)}
 	case errors.As(err, &exit):
 		return &failure{kind: "exit", err: fmt.Errorf("%s: module exited with code %d (a Go guest exits 2 on panic or out of memory)", fn, exit.ExitCode())}

@@ -88,7 +88,7 @@ The policy runs under the same limits as in the daemon.`,
 	f := cmd.Flags()
 	f.StringVar(&o.reports, "reports", "", "JSONL file of effect reports, - for stdin (required)")
 	f.StringVar(&o.expect, "expect", "", "JSONL file of expected decisions")
-	f.DurationVar(&o.timeout, "timeout", policy.DefaultTimeout, "deadline of one decision")
+	f.DurationVar(&o.timeout, "timeout", policy.DefaultTimeout, "CPU time one decision may use (and 20 times that in wall time)")
 	f.Uint64Var(&o.memory, "memory", policy.DefaultMemoryLimit, "memory limit of the policy in bytes")
 	f.BoolVarP(&o.quiet, "quiet", "q", false, "print only differences and the summary")
 	_ = cmd.MarkFlagRequired("reports")
