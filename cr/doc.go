@@ -41,7 +41,12 @@
 // path, the regular files and directories the template held, at the
 // offsets they had at the checkpoint: those on every mount but a pseudo
 // file system's (procfs, sysfs, cgroups...), whose files are left shared.
-// Files deleted since they were opened stay shared too.
+// Files deleted since they were opened stay shared too. A copy that a
+// restore runs reopens the files of the sandbox's view (its root mount)
+// only once the view has been switched to the checkpoint's: before, they
+// would be the live view's files, which the switch leaves behind. A
+// template's shell digest reports the checkpoint's offsets, not the shared
+// descriptions' current ones.
 //
 // Forks copy page tables, so their cost grows with the 4 KiB pages mapped.
 // Unless Config.NoCollapse, after a checkpoint the engine asks the kernel in

@@ -370,20 +370,42 @@ type template struct {
 	measured bool
 	// undumpable: the original was not dumpable (copies stay so).
 	undumpable bool
-	// files are the template's descriptors of files on the sandbox's
-	// root, with their offsets at the checkpoint (see ownFiles).
+	// files are the template's descriptors of files (but on pseudo file
+	// systems), with their offsets at the checkpoint (see ownFiles).
 	files []viewFD
 }
 
+// fileSet selects a template's files for ownFiles.
+type fileSet int
+
+const (
+	// filesOffRoot are the files on other mounts than the process's
+	// root (binds, tmpfs): a restore does not switch them.
+	filesOffRoot fileSet = iota
+	// filesOnRoot are the files of the sandbox's view (its root mount).
+	filesOnRoot
+	// filesAll are both.
+	filesAll
+)
+
 // ownFiles gives copy cp of tm open file descriptions of its own for the
-// template's files, at their offsets at the checkpoint. A copy made by
-// fork shares them with the template, and the template shares them with
+// template's files in set, at their offsets at the checkpoint. A copy made
+// by fork shares them with the template, and the template shares them with
 // the process it was made of, which ran on after the checkpoint and moved
 // the offsets (a python that read on, a loader mapping its libraries);
-// copies would also move each other's. A file that can no longer be
-// opened by its path (deleted since) stays shared.
-func (e *Engine) ownFiles(tm *template, cp *inject.Proc) {
+// copies would also move each other's. A file that can no longer be opened
+// by its path (deleted since) stays shared.
+//
+// A copy that a restore will run gets the files of the sandbox's view only
+// once the view has been switched to the checkpoint's (startCopies):
+// opened before, they would be the live view's files, which a switch
+// leaves behind (an append lands in a file no view holds any more), and an
+// open for writing would copy the file up into the live view for nothing.
+func (e *Engine) ownFiles(tm *template, cp *inject.Proc, set fileSet) {
 	for _, f := range tm.files {
+		if set != filesAll && f.root != (set == filesOnRoot) {
+			continue
+		}
 		if err := cp.Reopen(f.fd, f.path, f.flags, f.pos); err != nil {
 			e.log.Debug("copy keeps a shared file", "pid", cp.Pid(), "fd", f.fd, "path", f.path, "err", err)
 		}
@@ -712,7 +734,7 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 			tm := &template{sandbox: t.ID(), orig: procs[i], proc: tp}
 			tmpls = append(tmpls, tm)
 			// The offsets now, while the original is still stopped.
-			tm.files = captureFiles(tp.Pid(), true)
+			tm.files = captureFiles(tp.Pid())
 			// Before any process of the sandbox runs again.
 			if err := guard(tm, true); err != nil {
 				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)
@@ -885,7 +907,7 @@ func (e *Engine) makeSpare(tm *template) {
 			e.log.Debug("spare fork", "pid", tm.proc.Pid(), "err", err)
 			return nil
 		}
-		e.ownFiles(tm, sp)
+		e.ownFiles(tm, sp, filesOffRoot)
 		if err := sp.Setsid(); err != nil {
 			e.log.Debug("spare session", "pid", sp.Pid(), "err", err)
 			_ = sp.Kill()
@@ -1368,10 +1390,10 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			}
 		}
 		if err == nil {
-			var views []viewState
+			var cwds []string
 			if opts.Reroot {
 				for _, m := range ms {
-					views = append(views, captureView(m.p.Pid()))
+					cwds = append(cwds, captureCwd(m.p.Pid()))
 				}
 			}
 			if opts.SwitchFS != nil && !switched {
@@ -1384,9 +1406,7 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			if opts.Reroot {
 				if err := e.tracer.Do(func() error {
 					for i, m := range ms {
-						if err := reenter(m.p, views[i]); err != nil {
-							return err
-						}
+						reenter(m.p, cwds[i])
 					}
 					return nil
 				}); err != nil {
@@ -1732,7 +1752,7 @@ func (e *Engine) prepareCopiesOn(c *ckpt, opts RestoreOptions, useSpare, spareOn
 			if err != nil {
 				return fail(fmt.Errorf("fork template %d of %d: %w", tm.proc.Pid(), tm.orig.PID, err))
 			}
-			e.ownFiles(tm, cp)
+			e.ownFiles(tm, cp, filesOffRoot)
 		} else if pn := pinHere(cp.Pid()); pn != nil {
 			// A spare meets only a call or two (dumpable): on the
 			// tracer's CPU each is a few microseconds, against up to
@@ -1838,6 +1858,11 @@ func (e *Engine) startCopies(c *ckpt, ms []made, useSpare bool, ph *phases) ([]R
 	out := make([]Restored, 0, len(ms))
 	err := e.tracer.Do(func() error {
 		ph.mark("handover")
+		// The files of the sandbox's view, now that it is the
+		// checkpoint's (see ownFiles).
+		for _, m := range ms {
+			e.ownFiles(m.tm, m.p, filesOnRoot)
+		}
 		for i, m := range ms {
 			if err := m.p.Detach(); err != nil {
 				killCopies(ms[i:])

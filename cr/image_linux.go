@@ -223,7 +223,7 @@ func (e *Engine) forkDumpCopy(tm *template) (int, error) {
 	// The copy shares its file descriptions with the template and the
 	// original, which may have moved their offsets since the checkpoint:
 	// the image must hold the checkpoint's (as every forked copy does).
-	e.ownFiles(tm, cp)
+	e.ownFiles(tm, cp, filesAll)
 	// A session leader: the image then holds its whole session, and the
 	// process restored from it has its session inside the sandbox's PID
 	// namespace (CRIU's shell-job mode would otherwise put it into criu's
@@ -331,7 +331,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target, ph *
 		}
 		tm := &template{sandbox: t.ID(), orig: im.orig, proc: ip, undumpable: im.undumpable}
 		// Restored from the image, its offsets are the checkpoint's.
-		tm.files = captureFiles(ip.Pid(), true)
+		tm.files = captureFiles(ip.Pid())
 		tmpls = append(tmpls, tm)
 		// The image is of an undumpable copy; older images may not be.
 		if err := guard(tm, false); err != nil {

@@ -10,42 +10,36 @@ import (
 	"github.com/rewind-sandbox/rewind/cr/inject"
 )
 
-// viewState is where a copy's working directory and its descriptors on
-// its root mount are, by path, taken before the sandbox's root mount is
-// replaced (RestoreOptions.Reroot).
-type viewState struct {
-	cwd string
-	fds []viewFD
-}
-
-// viewFD is an open file of the root mount: its path inside the sandbox,
-// open flags and offset (from /proc/PID/fdinfo).
+// viewFD is an open file: its path inside the sandbox, open flags and
+// offset (from /proc/PID/fdinfo), and whether it is on the process's root
+// mount (the sandbox's view, which a restore switches).
 type viewFD struct {
 	fd    int
 	path  string
 	flags int
 	pos   int64
+	root  bool
 }
 
-// captureView reads process pid's working directory and the descriptors
-// it holds on the mount that is its root. Files deleted since they were
-// opened cannot be reopened by path and are left as they are.
-func captureView(pid int) viewState {
+// captureCwd reads process pid's working directory, taken before the
+// sandbox's root mount is replaced (RestoreOptions.Reroot): the copy moves
+// there on the new root (reenter). Its descriptors of the root mount are
+// its template's, reopened after every switch anyway (Engine.ownFiles).
+func captureCwd(pid int) string {
 	cwd, _ := os.Readlink("/proc/" + strconv.Itoa(pid) + "/cwd")
-	return viewState{cwd: cwd, fds: captureFiles(pid, false)}
+	return cwd
 }
 
 // captureFiles returns the regular files and directories process pid holds
-// open, by path, with their flags and offsets: those on the mount that is
-// its root (see captureView), or, with anyMount, those on every mount but
-// a pseudo file system's (see pseudoFS). A template's copies reopen the
-// latter (Engine.ownFiles): a copy shares its template's open file
-// descriptions, and so their offsets, with the original, which reads on;
-// a dynamic loader caught between opening a library and reading its
-// header (a process checkpointed as it starts) read the original's later
-// offset in the copy and failed ("invalid ELF header", exit 127) when the
-// library was on a mount of its own, as a bind-mounted /usr is.
-func captureFiles(pid int, anyMount bool) []viewFD {
+// open, by path, with their flags and offsets, on every mount but a pseudo
+// file system's (see pseudoFS). A template's copies reopen them
+// (Engine.ownFiles): a copy shares its template's open file descriptions,
+// and so their offsets, with the original, which reads on; a dynamic
+// loader caught between opening a library and reading its header (a
+// process checkpointed as it starts) read the original's later offset in
+// the copy and failed ("invalid ELF header", exit 127) when the library was
+// on a mount of its own, as a bind-mounted /usr is.
+func captureFiles(pid int) []viewFD {
 	base := "/proc/" + strconv.Itoa(pid)
 	var fds []viewFD
 	var stx unix.Statx_t
@@ -90,14 +84,14 @@ func captureFiles(pid int, anyMount bool) []viewFD {
 				pos, _ = strconv.ParseInt(val, 10, 64)
 			}
 		}
-		if mnt != rootMnt && (!anyMount || pseudoFS(base+"/fd/"+e.Name())) {
+		if mnt != rootMnt && pseudoFS(base+"/fd/"+e.Name()) {
 			continue
 		}
 		path, err := os.Readlink(base + "/fd/" + e.Name())
 		if err != nil || !strings.HasPrefix(path, "/") || strings.HasSuffix(path, " (deleted)") {
 			continue
 		}
-		fds = append(fds, viewFD{fd: fd, path: path, flags: int(flags), pos: pos})
+		fds = append(fds, viewFD{fd: fd, path: path, flags: int(flags), pos: pos, root: mnt == rootMnt})
 	}
 	return fds
 }
@@ -122,18 +116,11 @@ func pseudoFS(path string) bool {
 	return false
 }
 
-// reenter moves a stopped copy onto the new root's view: its working
-// directory and the files captureView found, reopened by path. A working
-// directory that no longer exists in the new view is left as it was (like
-// a removed directory).
-func reenter(p *inject.Proc, v viewState) error {
-	if v.cwd != "" {
-		_ = p.Chdir(v.cwd)
+// reenter moves a stopped copy onto the new root's view: into its working
+// directory there, by path. A working directory that no longer exists in
+// the new view is left as it was (like a removed directory).
+func reenter(p *inject.Proc, cwd string) {
+	if cwd != "" {
+		_ = p.Chdir(cwd)
 	}
-	for _, f := range v.fds {
-		if err := p.Reopen(f.fd, f.path, f.flags, f.pos); err != nil {
-			return err
-		}
-	}
-	return nil
 }

@@ -122,7 +122,7 @@ func (e *Engine) ShellDigest(ctx context.Context, t Target, pid int) (*ShellStat
 		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
 	}
 	var stopped time.Duration
-	st, err := e.digestFrom(ctx, t.ID(), ip, func() error {
+	st, err := e.digestFrom(ctx, t.ID(), ip, nil, func() error {
 		err := ip.Detach()
 		stopped = time.Since(t0)
 		return err
@@ -171,7 +171,7 @@ func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int
 	if err := isBash(tm.proc.Pid()); err != nil {
 		return nil, fmt.Errorf("shell digest of checkpoint %s: %w", id, err)
 	}
-	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, unlock)
+	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, tm.files, unlock)
 	if err != nil {
 		return nil, fmt.Errorf("shell digest of checkpoint %s process %d: %w", id, origPID, err)
 	}
@@ -190,9 +190,10 @@ func isBash(pid int) error {
 	return nil
 }
 
-// digestFrom takes the digest from src, a stopped process; release (if
-// set) lets src run on as soon as its copy exists.
-func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, release func() error) (st *ShellState, err error) {
+// digestFrom takes the digest from src, a stopped process; files are a
+// template's files (see kernelShellState), nil for a live shell; release
+// (if set) lets src run on as soon as its copy exists.
+func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, files []viewFD, release func() error) (st *ShellState, err error) {
 	released := false
 	defer func() {
 		if release != nil && !released {
@@ -209,7 +210,7 @@ func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, re
 	if !idle {
 		return nil, fmt.Errorf("%w (in system call %d on fd %d)", ErrShellBusy, int64(regs.Orig_rax), int64(regs.Rdi))
 	}
-	kern, err := kernelShellState(src.Pid())
+	kern, err := kernelShellState(src.Pid(), files)
 	if err != nil {
 		return nil, err
 	}
@@ -360,8 +361,12 @@ func normaliseDump(lines []string, nonce string) string {
 
 // kernelShellState is the shell state the kernel holds: cwd, umask,
 // signal masks and dispositions, limits and the descriptor table beyond
-// stdio (stdio is the session's, rewired on every restore).
-func kernelShellState(pid int) (string, error) {
+// stdio (stdio is the session's, rewired on every restore). For a
+// template, files are its files as captured at the checkpoint: their
+// offsets are the ones its copies get (Engine.ownFiles), while the
+// template's own descriptors share theirs with the original process,
+// which may have read on since.
+func kernelShellState(pid int, files []viewFD) (string, error) {
 	dir := "/proc/" + strconv.Itoa(pid)
 	var b strings.Builder
 	cwd, err := os.Readlink(dir + "/cwd")
@@ -409,6 +414,11 @@ func kernelShellState(pid int) (string, error) {
 			}
 			if v, ok := strings.CutPrefix(l, "flags:"); ok {
 				flags = strings.TrimSpace(v)
+			}
+		}
+		for _, f := range files {
+			if f.fd == fd {
+				pos = strconv.FormatInt(f.pos, 10)
 			}
 		}
 		fmt.Fprintf(&b, "fd %d %s pos %s flags %s\n", fd, target, pos, flags)

@@ -309,6 +309,37 @@ func TestTemplateShellDigest(t *testing.T) {
 	}
 }
 
+// A template's digest holds the checkpoint's file offsets, which its
+// copies get, not the ones the live shell moved on to through the file
+// description the template shares with it: else a restore would keep a
+// live shell that has read on, as if it were in the checkpoint's state.
+func TestTemplateShellDigestOffsets(t *testing.T) {
+	r := newShellRig(t, Config{})
+	r.run("printf 0123456789 > /tmp/r; exec 3</tmp/r; read -r -n 2 x <&3")
+	ck, err := r.e.Checkpoint(r.ctx, r.sb, CheckpointOptions{ID: "c1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := r.digest()
+	// dd moves the offset of the description fd 3 shares with the
+	// template, and nothing else of the shell's.
+	r.run("dd bs=1 count=3 <&3 >/dev/null 2>&1")
+	live := r.digest()
+	if live.Digest == before.Digest {
+		t.Fatal("live digest unchanged after the shell's descriptor moved on")
+	}
+	tmpl, err := r.e.TemplateShellDigest(r.ctx, "c1", ck.Procs[0].PID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(tmpl.Text, "fd 3 /tmp/r pos 2 ") {
+		t.Fatalf("template digest lacks the checkpoint's offset of fd 3:\n%s", tmpl.Text)
+	}
+	if tmpl.Digest != before.Digest {
+		t.Fatalf("template digest differs from the live shell's at the checkpoint:\n%s", diffLines(before.Text, tmpl.Text))
+	}
+}
+
 // BenchmarkShellDigest: go test -run '^$' -bench ShellDigest -benchtime 30x ./cr/
 // The cost of one digest of an idle bash next to a template checkpoint of
 // the same sandbox (freeze, template fork, thaw) and one with its CRIU

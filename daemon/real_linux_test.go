@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -478,5 +479,63 @@ func TestRealRestoreKeepsOffsetsOffTheRootMount(t *testing.T) {
 		if got := send(t, c, "b", "sh", next); got != "abcde" {
 			t.Fatalf("restore %d (path %s) then reads %q, want abcde", i, r.Path, got)
 		}
+	}
+}
+
+// TestRealRestoreReopensFilesInTheRestoredView: a shell holding descriptors
+// on files of the sandbox's root view, one appending and one reading, is
+// restored twice. After each restore the descriptors must be on the
+// checkpoint's files: what the shell appends through its descriptor lands
+// in the view's file, and what it reads is the checkpoint's content at the
+// checkpoint's offset, though the file was rewritten after the checkpoint,
+// and the descriptors name the view's files (not "(deleted)" ones: template
+// copies used to reopen these files before the view switched back, on
+// files the switch then removed from the view).
+func TestRealRestoreReopensFilesInTheRestoredView(t *testing.T) {
+	for _, fsKind := range []string{"fuse", "kernel"} {
+		t.Run(fsKind, func(t *testing.T) {
+			var d *realDaemon
+			if fsKind == "kernel" {
+				d = startKernelDaemon(t)
+			} else {
+				d = startReal(t, t.TempDir())
+			}
+			c, ctx := d.c, context.Background()
+			if _, err := c.Create(ctx, api.CreateRequest{Name: "b"}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := c.StartSession(ctx, "b", api.SessionRequest{ID: "sh", Argv: []string{"bash", "--norc", "--noprofile"}}); err != nil {
+				t.Fatal(err)
+			}
+			setup := `mkdir -p /w && printf 0123456789 > /w/r && exec 3< /w/r && read -r -n 2 x <&3 && exec 4>> /w/log && echo a >&4; echo "$x"; echo @@done@@`
+			if got := send(t, c, "b", "sh", setup); got != "01" {
+				t.Fatalf("set-up read %q", got)
+			}
+			t1, err := c.Turn(ctx, "b", api.TurnRequest{Mode: "full", Wait: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			// After the checkpoint: append through the descriptor, replace
+			// the read file's content (a new file in the view), and set a
+			// variable (so the restore does not keep the live shell).
+			if got := send(t, c, "b", "sh", `echo b >&4; y=after; printf XXXXXXXXXX > /w/r.new && mv /w/r.new /w/r; cat /w/log; echo @@done@@`); got != "a\nb" {
+				t.Fatalf("live log %q", got)
+			}
+			for i := range 2 {
+				r, err := c.Restore(ctx, "b", t1.ID, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				const next = `read -r -n 3 x <&3; echo "$x"; echo c$i >&4; cat /w/log; readlink /proc/$BASHPID/fd/3 /proc/$BASHPID/fd/4; echo @@done@@`
+				want := fmt.Sprintf("234\na\nc%d\n/w/r\n/w/log", i)
+				if got := send(t, c, "b", "sh", strings.ReplaceAll(next, "$i", fmt.Sprint(i))); got != want {
+					t.Fatalf("restore %d (path %s): the shell reads and appends %q, want %q", i, r.Path, got, want)
+				}
+				if got := sh(t, c, "b", "cat /w/log"); got != fmt.Sprintf("a\nc%d", i) {
+					t.Fatalf("restore %d (path %s): /w/log holds %q, want what the shell appended", i, r.Path, got)
+				}
+				t.Logf("restore %d: path %s", i, r.Path)
+			}
+		})
 	}
 }

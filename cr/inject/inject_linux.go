@@ -884,7 +884,7 @@ func (p *Proc) Reopen(fd int, path string, flags int, pos int64) error {
 		of := (flags &^ (unix.O_CREAT | unix.O_EXCL | unix.O_TRUNC)) | unix.O_CLOEXEC
 		fdcwd := unix.AT_FDCWD
 		nfd, err := p.rawSyscall(unix.SYS_OPENAT, uintptr(fdcwd), uintptr(addr), uintptr(of), 0)
-		if err == nil && flags&unix.O_APPEND == 0 && pos > 0 {
+		if err == nil && pos > 0 {
 			if _, err = p.rawSyscall(unix.SYS_LSEEK, nfd, uintptr(pos), uintptr(unix.SEEK_SET)); err != nil {
 				_, _ = p.rawSyscall(unix.SYS_CLOSE, nfd)
 			}

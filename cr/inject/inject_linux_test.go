@@ -369,3 +369,60 @@ func TestResentSignals(t *testing.T) {
 		})
 	}
 }
+
+// Reopen puts a new open file description of the path at fd, at the
+// offset asked (appending descriptors too: their offset is observable
+// until the next write), with the asked flags and close-on-exec bit.
+func TestReopen(t *testing.T) {
+	testenv.RequireRoot(t)
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		name  string
+		flags int
+		pos   int64
+	}{
+		{"read", unix.O_RDONLY, 3},
+		{"append", unix.O_WRONLY | unix.O_APPEND, 7},
+		{"readwrite-cloexec", unix.O_RDWR | unix.O_CLOEXEC, 5},
+		{"start", unix.O_RDONLY, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			old, nu := dir+"/"+tc.name+".old", dir+"/"+tc.name+".new"
+			for _, f := range []string{old, nu} {
+				if err := os.WriteFile(f, []byte("0123456789"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			p := startLines(t, "python3", "-u", "-c", `
+import os, sys, fcntl
+fd = os.open(sys.argv[1], os.O_RDONLY)
+for l in sys.stdin:
+    print(eval(l), flush=True)
+`, old)
+			if got := p.roundTrip(t, "fd"); got != "3" {
+				t.Fatalf("python's file is fd %s, want 3", got)
+			}
+			tr := NewTracer()
+			defer tr.Close()
+			pr, err := tr.Attach(p.cmd.Process.Pid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := pr.Reopen(3, nu, tc.flags, tc.pos); err != nil {
+				t.Fatal(err)
+			}
+			if err := pr.Detach(); err != nil {
+				t.Fatal(err)
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(nu, &st); err != nil {
+				t.Fatal(err)
+			}
+			want := fmt.Sprintf("%d %d %d %v", st.Ino, tc.pos, tc.flags&(unix.O_ACCMODE|unix.O_APPEND), tc.flags&unix.O_CLOEXEC != 0)
+			got := p.roundTrip(t, `"%d %d %d %s" % (os.fstat(fd).st_ino, os.lseek(fd, 0, os.SEEK_CUR), fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_ACCMODE|os.O_APPEND), str(bool(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC)).lower())`)
+			if got != want {
+				t.Fatalf("after Reopen: ino offset flags cloexec = %q, want %q", got, want)
+			}
+		})
+	}
+}
