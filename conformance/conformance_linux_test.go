@@ -161,6 +161,31 @@ func TestRandom(t *testing.T) {
 	}
 }
 
+// TestRandomProcess runs seeded random process workloads (a bash
+// session's state changed in random steps, GenerateProcess) on every
+// process path; a failure is minimized and written out as a workload file.
+func TestRandomProcess(t *testing.T) {
+	requireProc(t, ProcPaths)
+	for _, seed := range []uint64{1, 2} {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+			defer cancel()
+			out := filepath.Join(os.TempDir(), "rewind-conformance-repro")
+			res, file, err := RunRandomProcess(ctx, seed, 100, ProcOptions{Paths: ProcPaths, WorkDir: t.TempDir()}, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range res.Paths {
+				if p.Status != "pass" {
+					t.Errorf("seed %d on %s: %s at step %d: %s\nminimized reproducer: %s", seed, p.Path, p.Status, p.Step, p.Detail, file)
+				} else if p.Compares == 0 {
+					t.Errorf("seed %d on %s: nothing compared", seed, p.Path)
+				}
+			}
+		})
+	}
+}
+
 // requireProc checks what the process and probe paths need.
 func requireProc(t testing.TB, paths []string) {
 	t.Helper()

@@ -657,9 +657,11 @@ func (r *procRun) step(ctx context.Context, i int, s Step) error {
 		}
 		return nil
 	}
-	// File operations go through the FUSE view from the host.
+	// File operations go through the FUSE view from the host. With
+	// allow_errors a failed one (rm of a missing file) is the workload's
+	// business: the next restore compares the tree anyway.
 	_, err := r.ops.apply(ctx, s)
-	if err != nil && s.Error == "" {
+	if err != nil && s.Error == "" && !r.w.AllowErrors {
 		return err
 	}
 	return nil

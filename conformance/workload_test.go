@@ -125,3 +125,36 @@ func TestMinimize(t *testing.T) {
 		t.Fatalf("minimized to %s, want checkpoint,chmod,restore", got)
 	}
 }
+
+// GenerateProcess is deterministic, valid, a process workload, and ends on
+// a restore (so the last changes are compared).
+func TestGenerateProcess(t *testing.T) {
+	for _, seed := range []uint64{1, 2, 3} {
+		a, b := GenerateProcess(seed, 80), GenerateProcess(seed, 80)
+		if string(a.Marshal()) != string(b.Marshal()) {
+			t.Fatalf("seed %d: two workloads differ", seed)
+		}
+		if err := a.Validate(); err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+		if !a.Process() || len(a.Steps) < 80 {
+			t.Fatalf("seed %d: process %v, %d steps", seed, a.Process(), len(a.Steps))
+		}
+		ops := map[string]int{}
+		for _, s := range a.Steps {
+			ops[s.Op]++
+		}
+		if ops["checkpoint"] == 0 || ops["restore"] == 0 || ops["send"] < 20 {
+			t.Fatalf("seed %d: step mix %v", seed, ops)
+		}
+		if last := a.Steps[len(a.Steps)-1]; last.Op != "restore" {
+			t.Fatalf("seed %d: last step %s, want a restore", seed, last.Op)
+		}
+		if p, err := Parse(a.Marshal()); err != nil || len(p.Steps) != len(a.Steps) {
+			t.Fatalf("seed %d: does not round-trip: %v", seed, err)
+		}
+	}
+	if string(GenerateProcess(1, 80).Marshal()) == string(GenerateProcess(2, 80).Marshal()) {
+		t.Fatal("seeds 1 and 2 give the same workload")
+	}
+}

@@ -64,8 +64,10 @@ status is 1 when any path fails.
 
 The kernel path runs on a loop-mounted XFS with reflink=1 made in the work
 directory (needs xfsprogs and a free loop device); with --no-loop it uses the
-work directory's own file system. Needs root. --seed runs one randomized
-workload instead; a failure is minimized and written to --repro-dir.
+work directory's own file system. Needs root. --seed runs randomized
+workloads instead: file operations on the file-system paths, a bash
+session's state changed in random steps on the process and probe paths; a
+failure is minimized and written to --repro-dir.
 
 Workload files may contain shell commands, run as root: only run files you trust.`,
 		Example: `  sudo rewind conformance run
@@ -248,18 +250,49 @@ func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error 
 	var results []*conformance.Result
 	var repro string
 	if r.random {
-		o := opts
-		o.Paths = slices.DeleteFunc(slices.Clone(run), func(p string) bool { return !slices.Contains(conformance.FSPaths, p) })
-		res, file, err := conformance.RunRandom(ctx, uint64(r.seed), r.steps, o, r.reproDir)
-		if err != nil {
-			return err
+		// The file-system paths run a random file-system workload, the
+		// process and probe paths a random process workload, both from
+		// the seed; the first failure's reproducer is reported.
+		fsPaths := slices.DeleteFunc(slices.Clone(run), func(p string) bool { return !slices.Contains(conformance.FSPaths, p) })
+		procPaths := slices.DeleteFunc(slices.Clone(run), func(p string) bool { return slices.Contains(conformance.FSPaths, p) })
+		var ran []*conformance.Result
+		var files []string
+		if len(fsPaths) > 0 {
+			o := opts
+			o.Paths = fsPaths
+			res, file, err := conformance.RunRandom(ctx, uint64(r.seed), r.steps, o, r.reproDir)
+			if err != nil {
+				return err
+			}
+			ran, files = append(ran, res), append(files, file)
 		}
-		if file != "" {
-			if abs, err := filepath.Abs(file); err == nil {
-				file = abs
+		if len(procPaths) > 0 {
+			po := conformance.ProcOptions{Paths: procPaths, WorkDir: opts.WorkDir, Logger: opts.Logger}
+			res, file, err := conformance.RunRandomProcess(ctx, uint64(r.seed), r.steps, po, r.reproDir)
+			if err != nil {
+				return err
+			}
+			ran, files = append(ran, res), append(files, file)
+		}
+		for i, res := range ran {
+			full := &conformance.Result{Workload: res.Workload, Steps: res.Steps}
+			for _, p := range run {
+				pr := conformance.PathResult{Path: p, Status: "-"}
+				for _, q := range res.Paths {
+					if q.Path == p {
+						pr = q
+					}
+				}
+				full.Paths = append(full.Paths, pr)
+			}
+			results = append(results, full)
+			if file := files[i]; file != "" && repro == "" {
+				if abs, err := filepath.Abs(file); err == nil {
+					file = abs
+				}
+				repro = file
 			}
 		}
-		results, repro = append(results, res), file
 	} else {
 		for _, w := range r.workloads {
 			res, err := runOne(ctx, w, run, opts)
