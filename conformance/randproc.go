@@ -30,8 +30,8 @@ const procSetup = `mkdir -p /w/d0 /w/d1 /w/d2 /w/h && seq 1 3000 > /w/ro && seq 
 // that grows and shrinks, umask, shell options, traps, functions, read
 // descriptors on files of the root and of a tmpfs mount advanced by reads,
 // an appending descriptor, files written by the shell and through the view,
-// a background job started and killed — with checkpoints and restores to
-// any earlier checkpoint. RunProcess checks that every restore gives back
+// a background job started and killed — with turns, checkpoints and
+// restores to any earlier checkpoint. RunProcess checks that every restore gives back
 // the session's state, the process tree and the file tree recorded at the
 // checkpoint. Files a descriptor holds are never removed or renamed
 // (a deleted file's description stays shared with the original process, a
@@ -76,8 +76,10 @@ func GenerateProcess(seed uint64, n int) *Workload {
 		case r < 28:
 			s = send("umask " + pick("022", "077", "002", "027"))
 		case r < 32:
+			// Not set -u or set -e: a non-interactive bash exits on
+			// their errors, and the session with it.
 			s = send(pick("set -o noclobber", "set +o noclobber", "shopt -s extglob", "shopt -u extglob",
-				"shopt -s nullglob", "shopt -u nullglob", "set -u", "set +u"))
+				"shopt -s nullglob", "shopt -u nullglob", "set -f", "set +f"))
 		case r < 35:
 			s = send(pick("trap 'echo usr1' USR1", "trap - USR1", "trap ':' EXIT", "trap - EXIT"))
 		case r < 38:
@@ -99,7 +101,11 @@ func GenerateProcess(seed uint64, n int) *Workload {
 		case r < 73:
 			p := "w/h/" + pick("a", "b", "c")
 			s = pick3(rng, Step{Op: "write", Path: p, Data: word() + "\n"}, Step{Op: "append", Path: p, Data: word() + "\n"}, Step{Op: "rmtree", Path: p})
-		case r < 86:
+		case r < 80:
+			// A turn boundary: on the probe paths the two backends must
+			// report the same turn; nothing on the process paths.
+			s = Step{Op: "turn"}
+		case r < 88:
 			l := "k" + strconv.Itoa(len(labels))
 			labels = append(labels, l)
 			s = Step{Op: "checkpoint", Label: l}
