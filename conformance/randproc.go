@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 )
 
 // procState is the state command of GenerateProcess's bash session. It
@@ -23,6 +24,20 @@ const procState = `s=0; for v in "${ARR[@]}"; do s=$(( (s*31 + v) % 1000000007 )
 // the sandbox's root, one on its /dev/shm tmpfs, which no checkpoint
 // covers, so it is written once and never changed), and the array.
 const procSetup = `mkdir -p /w/d0 /w/d1 /w/d2 /w/h && seq 1 3000 > /w/ro && seq 5000 9000 > /dev/shm/ro && ARR=(1 2 3)`
+
+// pyState is the state command of GenerateProcess's python session: the
+// cwd, the dict d's length and a checksum of its items, the variables
+// P0..P2 of the environment, the buffered file f's name, logical offset
+// and descriptor offset, the raw descriptor rfd's target and offset, the
+// thread count, a word of the PRNG state, whether SIGUSR1 has its default
+// disposition, and the umask (set and set back).
+const pyState = `print(os.getcwd(), len(d), hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()[:16], ` +
+	`[os.environ.get('P%d' % i) for i in range(3)], f and (os.readlink('/proc/self/fd/%d' % f.fileno()), f.tell(), os.lseek(f.fileno(), 0, 1)), ` +
+	`rfd >= 0 and (os.readlink('/proc/self/fd/%d' % rfd), os.lseek(rfd, 0, 1)), threading.active_count(), random.getstate()[1][5], ` +
+	`signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, (lambda u: (os.umask(u), oct(u))[1])(os.umask(0)))`
+
+// pySetup is the python session's first statement.
+const pySetup = `import os, sys, random, signal, threading, hashlib; sys.ps1 = sys.ps2 = ''; d = {}; f = None; rfd = -1; random.seed(1)`
 
 // GenerateProcess builds a random process workload of about n steps from
 // seed: a persistent bash session whose state (see procState) the agent
@@ -58,12 +73,29 @@ func GenerateProcess(seed uint64, n int) *Workload {
 			{Op: "send", Session: "sh", Data: procSetup},
 		},
 	}
+	// Half the seeds add a python interpreter beside the shell, which a
+	// third of the session steps then drive.
+	withPy := rng.IntN(2) == 0
+	if withPy {
+		w.Description = strings.Replace(w.Description, "a bash session's state", "a bash and a python session's state", 1)
+		w.Steps = append(w.Steps,
+			Step{Op: "session", Session: "py", Argv: []string{"python3", "-q", "-i", "-u"}, Marker: "print('{m}')", State: pyState},
+			Step{Op: "send", Session: "py", Data: pySetup})
+	}
 	send := func(cmd string) Step { return Step{Op: "send", Session: "sh", Data: cmd} }
+	pysend := func(format string, args ...any) Step {
+		return Step{Op: "send", Session: "py", Data: fmt.Sprintf(format, args...)}
+	}
 	var labels []string
 	for len(w.Steps) < n {
 		var s Step
 		v := "V" + strconv.Itoa(rng.IntN(4))
-		switch r := rng.IntN(100); {
+		r := rng.IntN(100)
+		if withPy && r < 64 && rng.IntN(3) == 0 {
+			w.Steps = append(w.Steps, pyStep(rng, pysend, word))
+			continue
+		}
+		switch {
 		case r < 7:
 			s = send("cd " + pick("/w/d0", "/w/d1", "/w/d2", "/", "/tmp", "/dev/shm", "-"))
 		case r < 17:
@@ -122,6 +154,58 @@ func GenerateProcess(seed uint64, n int) *Workload {
 		w.Steps = append(w.Steps, Step{Op: "restore", Label: labels[len(labels)-1]})
 	}
 	return w
+}
+
+// pyStep is a random change to the python session's state (see pyState).
+func pyStep(rng *rand.Rand, pysend func(string, ...any) Step, word func() string) Step {
+	path := []string{"/w/ro", "/dev/shm/ro"}[rng.IntN(2)]
+	switch r := rng.IntN(100); {
+	case r < 20:
+		return pysend("d.update({i: (i*%d) %% 9973 for i in range(%d)})", 1+rng.IntN(50), 1+rng.IntN(20000))
+	case r < 30:
+		return pysend("d[%d] = %d", rng.IntN(100), rng.IntN(1000))
+	case r < 36:
+		return pysend("_ = d.pop(%d, None)", rng.IntN(100))
+	case r < 40:
+		return pysend("d = dict(list(d.items())[:%d])", rng.IntN(200))
+	case r < 47:
+		return pysend("os.chdir(%q)", []string{"/w/d0", "/w/d1", "/", "/tmp", "/dev/shm"}[rng.IntN(5)])
+	case r < 54:
+		k := rng.IntN(3)
+		if rng.IntN(3) == 0 {
+			return pysend("_ = os.environ.pop('P%d', None)", k)
+		}
+		return pysend("os.environ['P%d'] = %q", k, word())
+	case r < 59:
+		return pysend("f and f.close(); f = open(%q, 'rb')", path)
+	case r < 69:
+		return pysend("_ = f and f.read(%d)", 1+rng.IntN(3000))
+	case r < 72:
+		return pysend("_ = f and f.seek(%d)", rng.IntN(4000))
+	case r < 74:
+		return pysend("f and f.close(); f = None")
+	case r < 78:
+		return pysend("rfd >= 0 and os.close(rfd); rfd = os.open(%q, os.O_RDONLY)", path)
+	case r < 85:
+		return pysend("_ = rfd >= 0 and os.read(rfd, %d)", 1+rng.IntN(500))
+	case r < 88:
+		return pysend("_ = random.random()")
+	case r < 90:
+		return pysend("random.seed(%d)", rng.IntN(1000))
+	case r < 93:
+		if rng.IntN(2) == 0 {
+			return pysend("_ = signal.signal(signal.SIGUSR1, lambda *a: None)")
+		}
+		return pysend("_ = signal.signal(signal.SIGUSR1, signal.SIG_DFL)")
+	case r < 96:
+		return pysend("_ = os.umask(0o%s)", []string{"022", "077", "002"}[rng.IntN(3)])
+	case r < 98:
+		return pysend("_ = open('/w/p%d', 'a').write(%q)", rng.IntN(2), word()+"\n")
+	default:
+		// A second thread: the process's checkpoints take the CRIU path
+		// from now on.
+		return pysend("threading.Thread(target=threading.Event().wait, daemon=True).start()")
+	}
 }
 
 func pick3(rng *rand.Rand, a, b, c Step) Step {

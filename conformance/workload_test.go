@@ -157,4 +157,21 @@ func TestGenerateProcess(t *testing.T) {
 	if string(GenerateProcess(1, 80).Marshal()) == string(GenerateProcess(2, 80).Marshal()) {
 		t.Fatal("seeds 1 and 2 give the same workload")
 	}
+	// Some seeds add a python session, and drive it.
+	var py []uint64
+	for seed := uint64(1); seed <= 8; seed++ {
+		sends := 0
+		for _, s := range GenerateProcess(seed, 80).Steps {
+			if s.Op == "send" && s.Session == "py" {
+				sends++
+			}
+		}
+		if sends > 5 {
+			py = append(py, seed)
+		}
+	}
+	if len(py) == 0 || len(py) == 8 {
+		t.Fatalf("seeds with a python session: %v, want some of 1-8", py)
+	}
+	t.Logf("seeds with a python session: %v", py)
 }
