@@ -8,16 +8,17 @@ import (
 )
 
 // procState is the state command of GenerateProcess's bash session. It
-// prints, without changing anything it prints: the working directory ($PWD
-// and the kernel's), the
-// umask, the variables V0..V3 with their attributes, the array ARR's length
-// and a checksum of its elements, the offset of descriptors 3, 4 and 5 (read
-// through a child's /proc/self/fdinfo, which shares the shell's open file
+// runs in a subshell (but for the jobs, which a subshell does not list),
+// so it changes nothing in the shell, and prints: the working directory
+// ($PWD and the kernel's), the umask, the variables V0..V3 with their
+// attributes, the array ARR's length and a checksum of its elements, the
+// target and offset of descriptors 3, 4 and 5 (read through a child's
+// /proc/self/fd and fdinfo, which shares the shell's open file
 // descriptions), the shell's options, traps, functions and jobs.
-const procState = `s=0; for v in "${ARR[@]}"; do s=$(( (s*31 + v) % 1000000007 )); done; ` +
+const procState = `(s=0; for v in "${ARR[@]}"; do s=$(( (s*31 + v) % 1000000007 )); done; ` +
 	`echo "cwd=$PWD real=$(readlink /proc/self/cwd) umask=$(umask) vars=$(declare -p V0 V1 V2 V3 2>/dev/null | cksum) n=${#ARR[@]} sum=$s"; ` +
 	`for f in 3 4 5; do printf 'fd%s=%s@%s ' "$f" "$(readlink /proc/self/fd/$f)" "$(sed -n 's/^pos:[[:space:]]*//p' /proc/self/fdinfo/$f 2>/dev/null)"; done; ` +
-	`echo "opts=$- shopt=$(shopt -p | cksum) traps=$(trap -p | cksum) funcs=$(declare -F | cksum) jobs=$(jobs -p | wc -l)"`
+	`echo "opts=$- shopt=$(shopt -p | cksum) traps=$(trap -p | cksum) funcs=$(declare -F | cksum)"); echo "jobs=$(jobs -p | wc -l)"`
 
 // procSetup is GenerateProcess's first command: the directories the
 // session moves between, the read-only files its descriptors read (one on
@@ -133,6 +134,9 @@ func GenerateProcess(seed uint64, n int) *Workload {
 		case r < 73:
 			p := "w/h/" + pick("a", "b", "c")
 			s = pick3(rng, Step{Op: "write", Path: p, Data: word() + "\n"}, Step{Op: "append", Path: p, Data: word() + "\n"}, Step{Op: "rmtree", Path: p})
+		case r < 76:
+			// Read-only work: a turn around it may be skipped.
+			s = send(pick("ls -la /w > /dev/null", "wc -l < /w/ro > /dev/null", "grep -c 1 /w/ro > /dev/null", "true", "cat /w/s0 2>/dev/null | wc -c > /dev/null"))
 		case r < 80:
 			// A turn boundary: on the probe paths the two backends must
 			// report the same turn; nothing on the process paths.

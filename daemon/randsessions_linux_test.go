@@ -1,0 +1,154 @@
+package daemon_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/conformance"
+)
+
+// TestRealRandomSessions drives a daemon's sandbox (the eBPF probe, the
+// effects policy, shell digests, deferred turns: everything a harness
+// meets) with the random session steps of conformance.GenerateProcess — a
+// bash whose variables, array, cwd, umask, options, traps, functions,
+// descriptors and jobs change, and for some seeds a python beside it —
+// with an auto turn (half of them deferred) at each of its turns and
+// checkpoints. Each session's state is printed right after every turn.
+// Whatever the policy decides, an id must stand for one state: a turn
+// that hands out an id again (a skip) must find the state unchanged, and a
+// restore to an id must give back the state printed at its turn.
+func TestRealRandomSessions(t *testing.T) {
+	for _, tc := range []struct {
+		fs    string
+		seeds []uint64
+	}{
+		{"fuse", []uint64{1, 2}},
+		{"kernel", []uint64{5}},
+	} {
+		for _, seed := range tc.seeds {
+			t.Run(fmt.Sprintf("%s/seed%d", tc.fs, seed), func(t *testing.T) {
+				var d *realDaemon
+				if tc.fs == "kernel" {
+					d = startKernelDaemon(t)
+				} else {
+					d = startReal(t, t.TempDir())
+				}
+				randomSessions(t, d, tc.fs, seed, 90)
+			})
+		}
+	}
+}
+
+func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n int) {
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "a", Policy: "effects", FS: fsKind}); err != nil {
+		t.Fatal(err)
+	}
+	w := conformance.GenerateProcess(seed, n)
+	type session struct{ id, marker, state string }
+	var sessions []session
+	sendTo := func(s session, text string) string {
+		t.Helper()
+		return send(t, c, "a", s.id, text+"\n"+strings.ReplaceAll(s.marker, "{m}", "@@done@@"))
+	}
+	byID := func(id string) session {
+		for _, s := range sessions {
+			if s.id == id {
+				return s
+			}
+		}
+		t.Fatalf("no session %q", id)
+		return session{}
+	}
+	record := func() string {
+		t.Helper()
+		var b strings.Builder
+		for _, s := range sessions {
+			fmt.Fprintf(&b, "[%s] %s\n", s.id, sendTo(s, s.state))
+		}
+		return b.String()
+	}
+	rng := rand.New(rand.NewPCG(seed, 0x73657373))
+	states := map[string]string{} // checkpoint id -> state printed at its turn
+	labels := map[string]string{} // the workload's label -> checkpoint id
+	decisions := map[string]int{}
+	turn := func(i int) string {
+		t.Helper()
+		def := rng.IntN(2) == 0
+		r, err := c.Turn(ctx, "a", api.TurnRequest{Mode: "auto", Wait: true, Defer: def})
+		if err != nil {
+			t.Fatalf("step %d: turn: %v", i, err)
+		}
+		decisions[string(r.Decision)]++
+		t.Logf("step %d: turn %s %s: %s", i, r.ID, r.Decision, r.Reason)
+		now := record()
+		if prev, seen := states[r.ID]; seen && prev != now {
+			t.Fatalf("step %d: the turn (deferred %v) handed out %s again (%s: %s), but the state changed:\n%s",
+				i, def, r.ID, r.Decision, r.Reason, diffLines(prev, now))
+		} else if !seen {
+			states[r.ID] = now
+		}
+		return r.ID
+	}
+	restores := 0
+	for i, s := range w.Steps {
+		switch s.Op {
+		case "session":
+			if _, err := c.StartSession(ctx, "a", api.SessionRequest{ID: s.Session, Argv: s.Argv}); err != nil {
+				t.Fatal(err)
+			}
+			sessions = append(sessions, session{id: s.Session, marker: s.Marker, state: s.State})
+		case "send":
+			sendTo(byID(s.Session), s.Data)
+		case "write", "append", "rmtree":
+			p := "/" + s.Path
+			script := map[string]string{
+				"write":  fmt.Sprintf("printf '%%s' '%s' > %s", s.Data, p),
+				"append": fmt.Sprintf("printf '%%s' '%s' >> %s", s.Data, p),
+				"rmtree": "rm -rf " + p,
+			}[s.Op]
+			sh(t, c, "a", script)
+		case "turn":
+			turn(i)
+		case "checkpoint":
+			labels[s.Label] = turn(i)
+		case "restore":
+			id := labels[s.Label]
+			r, err := c.Restore(ctx, "a", id, 0)
+			if err != nil {
+				t.Fatalf("step %d: restore %s (%s): %v", i, s.Label, id, err)
+			}
+			restores++
+			if got := record(); got != states[id] {
+				t.Fatalf("step %d: restore of %s (%s, path %s) gives another state than its turn's:\n%s",
+					i, s.Label, id, r.Path, diffLines(states[id], got))
+			}
+		default:
+			t.Fatalf("step %d: op %s not driven by this test", i, s.Op)
+		}
+	}
+	t.Logf("%s: decisions %v over %d ids, %d restores", w.Name, decisions, len(states), restores)
+}
+
+// diffLines lists the lines of a and b that differ, side by side.
+func diffLines(a, b string) string {
+	al, bl := strings.Split(a, "\n"), strings.Split(b, "\n")
+	var out strings.Builder
+	for i := range max(len(al), len(bl)) {
+		var x, y string
+		if i < len(al) {
+			x = al[i]
+		}
+		if i < len(bl) {
+			y = bl[i]
+		}
+		if x != y {
+			fmt.Fprintf(&out, "  want %s\n  got  %s\n", x, y)
+		}
+	}
+	return out.String()
+}
