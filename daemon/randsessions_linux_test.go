@@ -17,10 +17,11 @@ import (
 // bash whose variables, array, cwd, umask, options, traps, functions,
 // descriptors and jobs change, and for some seeds a python beside it —
 // with an auto turn (half of them deferred) at each of its turns and
-// checkpoints. Each session's state is printed right after every turn.
-// Whatever the policy decides, an id must stand for one state: a turn
-// that hands out an id again (a skip) must find the state unchanged, and a
-// restore to an id must give back the state printed at its turn.
+// checkpoints, and some of its restores turned into forks. Each session's
+// state is printed right after every turn. Whatever the policy decides,
+// an id must stand for one state: a turn that hands out an id again (a
+// skip) must find the state unchanged, and a restore to an id, or a fork
+// of it, must give back the state printed at its turn.
 func TestRealRandomSessions(t *testing.T) {
 	for _, tc := range []struct {
 		fs    string
@@ -64,14 +65,16 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 		t.Fatalf("no session %q", id)
 		return session{}
 	}
-	record := func() string {
+	recordIn := func(name string) string {
 		t.Helper()
 		var b strings.Builder
 		for _, s := range sessions {
-			fmt.Fprintf(&b, "[%s] %s\n", s.id, sendTo(s, s.state))
+			out := send(t, c, name, s.id, s.state+"\n"+strings.ReplaceAll(s.marker, "{m}", "@@done@@"))
+			fmt.Fprintf(&b, "[%s] %s\n", s.id, out)
 		}
 		return b.String()
 	}
+	record := func() string { t.Helper(); return recordIn("a") }
 	rng := rand.New(rand.NewPCG(seed, 0x73657373))
 	states := map[string]string{} // checkpoint id -> state printed at its turn
 	labels := map[string]string{} // the workload's label -> checkpoint id
@@ -94,7 +97,7 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 		}
 		return r.ID
 	}
-	restores := 0
+	restores, forks := 0, 0
 	for i, s := range w.Steps {
 		switch s.Op {
 		case "session":
@@ -118,6 +121,23 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 			labels[s.Label] = turn(i)
 		case "restore":
 			id := labels[s.Label]
+			if forks < 3 && rng.IntN(4) == 0 {
+				// A fork of the id instead: its child must start in
+				// the state of the id's turn.
+				forks++
+				res, err := c.Fork(ctx, id, api.ForkRequest{Count: 1, Prefix: fmt.Sprintf("k%d-", i)})
+				if err != nil {
+					t.Fatalf("step %d: fork %s (%s): %v", i, s.Label, id, err)
+				}
+				kid := res.Sandboxes[0]
+				if got := recordIn(kid); got != states[id] {
+					t.Fatalf("step %d: fork of %s (%s) starts in another state than its turn's:\n%s", i, s.Label, id, diffLines(states[id], got))
+				}
+				if err := c.Remove(ctx, kid); err != nil {
+					t.Fatal(err)
+				}
+				continue
+			}
 			r, err := c.Restore(ctx, "a", id, 0)
 			if err != nil {
 				t.Fatalf("step %d: restore %s (%s): %v", i, s.Label, id, err)
@@ -131,7 +151,7 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 			t.Fatalf("step %d: op %s not driven by this test", i, s.Op)
 		}
 	}
-	t.Logf("%s: decisions %v over %d ids, %d restores", w.Name, decisions, len(states), restores)
+	t.Logf("%s: decisions %v over %d ids, %d restores, %d forks", w.Name, decisions, len(states), restores, forks)
 }
 
 // diffLines lists the lines of a and b that differ, side by side.
