@@ -137,11 +137,14 @@ type pidHolder struct {
 	how    string // "pid", "thread", "group" or "session"
 	helper bool
 	zombie bool
+	init   bool // a thread of the sandbox's init: it never frees
 }
 
 func (h pidHolder) String() string {
 	who := "process"
 	switch {
+	case h.init:
+		who = "the sandbox's init"
 	case h.helper:
 		who = "cr helper (template, spare or dump copy)"
 	case h.zombie:
@@ -162,6 +165,16 @@ func pidHolders(init int, need []int, helpers map[int]bool) ([]pidHolder, error)
 		return nil, err
 	}
 	var out []pidHolder
+	// The init's own threads hold ids of the namespace too (sandbox
+	// processes get pids above them, see package sandbox's pid floor; an
+	// init without it, or a thread it made late, may not).
+	if ids, err := readNSIDs(init); err == nil {
+		for _, t := range ids.tids {
+			if want[t] {
+				out = append(out, pidHolder{nspid: t, host: init, how: "thread", init: true})
+			}
+		}
+	}
 	for _, p := range procs {
 		add := func(id int, how string) {
 			if id > 0 && want[id] {
@@ -186,8 +199,9 @@ func pidHolders(init int, need []int, helpers map[int]bool) ([]pidHolder, error)
 // pid of need any more (killed processes being reaped, their children
 // reparented to init and reaped in turn). CRIU restores exact pids, and a
 // pid stays allocated while it is any process's pid, thread id, group id or
-// session id. A pid held by one of the engine's helpers never frees by
-// itself: that fails at once. The error names every holder.
+// session id. A pid held by one of the engine's helpers or by a thread of
+// the sandbox's init never frees by itself: that fails at once. The error
+// names every holder.
 func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]bool) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
@@ -200,7 +214,7 @@ func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]boo
 		}
 		stuck := false
 		for _, h := range hs {
-			if h.helper {
+			if h.helper || h.init {
 				stuck = true
 			}
 		}

@@ -1,6 +1,7 @@
 package cr
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -259,5 +260,35 @@ func TestPidHolders(t *testing.T) {
 				t.Fatalf("holder text %v", hs)
 			}
 		})
+	}
+}
+
+// A thread of the sandbox's init holds its id for good: pidHolders reports
+// it, and waitPidsFree fails at once, naming the init. (The test process
+// plays init; its Go runtime threads are the init's threads.)
+func TestPidHoldersInitThread(t *testing.T) {
+	ents, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tid := 0
+	for _, e := range ents {
+		if n, _ := strconv.Atoi(e.Name()); n != os.Getpid() {
+			tid = n
+		}
+	}
+	if tid == 0 {
+		t.Fatal("the test process has one thread")
+	}
+	hs, err := pidHolders(os.Getpid(), []int{tid}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(hs) != 1 || !hs[0].init || hs[0].how != "thread" {
+		t.Fatalf("holders of thread %d: %+v, want the init's thread", tid, hs)
+	}
+	err = waitPidsFree(context.Background(), os.Getpid(), []int{tid}, nil)
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("pid %d is the thread of the sandbox's init", tid)) {
+		t.Fatalf("waitPidsFree: %v", err)
 	}
 }

@@ -138,6 +138,14 @@ func runInit() error {
 		prewarmThreads()
 		prewarmed = true
 	}
+	if prewarmed {
+		// Every thread of the init exists once the signal thread does:
+		// sandbox processes get pids above them all (raisePIDFloor).
+		<-caught
+		if err := raisePIDFloor(); err != nil {
+			return fail(err)
+		}
+	}
 	if spareStage {
 		// A spare waits with a copy of the host's mounts, made when it
 		// was spawned: copies of other sandboxes' FUSE views and overlays
@@ -312,6 +320,37 @@ func prewarmThreads() {
 	release.Done()
 	done.Wait()
 }
+
+// raisePIDFloor moves the counter of the init's PID namespace to pidFloor,
+// once the init's threads exist: every sandbox process then gets a pid
+// above pidFloor, and the init's threads keep their ids below it. Their
+// number varies from one init to the next (the runtime's own threads race
+// the prewarmed ones: 22 or 23 of them), so without the floor the first
+// sandbox process got pid 24 or 25; an image with pid 24 restored into a
+// sandbox whose init had a thread 24 (a fork child, a restore after a
+// daemon restart) failed with "File exists", and kept failing. The write
+// needs CAP_SYS_ADMIN (or CAP_CHECKPOINT_RESTORE) over the namespace, which
+// the init holds until the setup's drop; it acts on the writer's own PID
+// namespace whatever /proc is mounted.
+func raisePIDFloor() error {
+	const f = "/proc/sys/kernel/ns_last_pid"
+	b, err := os.ReadFile(f)
+	if err != nil {
+		return fmt.Errorf("pid floor: %w", err)
+	}
+	if cur, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && cur >= pidFloor {
+		return nil
+	}
+	if err := os.WriteFile(f, []byte(strconv.Itoa(pidFloor)), 0); err != nil {
+		return fmt.Errorf("pid floor: %w", err)
+	}
+	return nil
+}
+
+// pidFloor is the last pid of a sandbox's namespace reserved for its
+// init's threads (see raisePIDFloor): far above what the pids limit lets
+// the init have (initThreadAllowance).
+const pidFloor = 4 * initThreadAllowance
 
 // initMaxProcs is the init's GOMAXPROCS; initSpareThreads is how many OS
 // threads prewarmThreads makes exist (besides the main one);

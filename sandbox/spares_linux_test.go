@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -221,5 +222,54 @@ func TestSparesDropViewMounts(t *testing.T) {
 	}
 	if strings.Contains(string(mi), " "+view+" ") {
 		t.Fatalf("the spare holds a copy of the overlay at %s:\n%s", view, mi)
+	}
+}
+
+// TestPIDFloor: in a sandbox started fresh or from a spare, every thread of
+// the init has an id of at most pidFloor and sandbox processes get pids
+// above it, so an exact pid of one sandbox's process is never an init
+// thread's in another.
+func TestPIDFloor(t *testing.T) {
+	requireSandbox(t)
+	sp := NewSpares(1, "", "test-floor-", nil)
+	defer sp.Close()
+	waitFor(t, "spares", func() bool { return sp.Ready() == 1 })
+	for _, spare := range []bool{false, true} {
+		t.Run(fmt.Sprintf("spare=%v", spare), func(t *testing.T) {
+			var sb *Sandbox
+			if spare {
+				root, binds := testRoot(t)
+				var err error
+				if sb, err = sp.Start(testCtx(t), Config{Root: root, Binds: binds}); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { sb.Close() })
+			} else {
+				sb = startTest(t, nil)
+			}
+			tids, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", sb.InitPID()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, e := range tids {
+				st, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/status", sb.InitPID(), e.Name()))
+				if err != nil {
+					continue
+				}
+				for _, l := range strings.Split(string(st), "\n") {
+					if v, ok := strings.CutPrefix(l, "NSpid:"); ok {
+						f := strings.Fields(v)
+						if id, _ := strconv.Atoi(f[len(f)-1]); id > pidFloor {
+							t.Errorf("init thread %s has id %d in the sandbox, above the floor %d", e.Name(), id, pidFloor)
+						}
+					}
+				}
+			}
+			if out := sh(t, sb, "echo $$"); out == "" {
+				t.Fatal("no pid")
+			} else if pid, _ := strconv.Atoi(strings.TrimSpace(out)); pid <= pidFloor {
+				t.Fatalf("a sandbox process has pid %d, at or below the floor %d", pid, pidFloor)
+			}
+		})
 	}
 }
