@@ -3,12 +3,18 @@ package daemon_test
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/rewind-sandbox/rewind/api"
+	"github.com/rewind-sandbox/rewind/client"
 	"github.com/rewind-sandbox/rewind/conformance"
+	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
 
 // TestRealRandomSessions drives a daemon's sandbox (the eBPF probe, the
@@ -21,7 +27,9 @@ import (
 // state is printed right after every turn. Whatever the policy decides,
 // an id must stand for one state: a turn that hands out an id again (a
 // skip) must find the state unchanged, and a restore to an id, or a fork
-// of it, must give back the state printed at its turn.
+// of it, must give back the state printed at its turn. (A fork of an id
+// whose processes hold a file of the sandbox's /dev/shm, which checkpoints
+// do not hold, must fail and name the file.)
 func TestRealRandomSessions(t *testing.T) {
 	for _, tc := range []struct {
 		fs    string
@@ -38,14 +46,47 @@ func TestRealRandomSessions(t *testing.T) {
 				} else {
 					d = startReal(t, t.TempDir())
 				}
-				randomSessions(t, d, tc.fs, seed, 90)
+				randomSessions(t, d.c, nil, tc.fs, seed, 90)
 			})
 		}
 	}
 }
 
-func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n int) {
-	c, ctx := d.c, context.Background()
+// randomSessions runs GenerateProcess(seed, n) through client c as
+// TestRealRandomSessions says. With crash, the daemon is killed and
+// started again (crash returns the new daemon's client) before one of the
+// workload's restores in its second half, which then restores the
+// stopped sandbox from the checkpoint's image.
+// TestCrashRandomSessions is TestRealRandomSessions with the daemon killed
+// (SIGKILL) and started again on the same state before one of the
+// workload's later restores: every id handed out before the crash was
+// durable, and the restore after it must give back its turn's state from
+// the checkpoint's image, and the run goes on. (A restore of a checkpoint
+// from before the crash whose processes held a file of the sandbox's
+// /dev/shm, which checkpoints do not hold, must fail, naming the file; the
+// test then restores another.)
+func TestCrashRandomSessions(t *testing.T) {
+	testenv.RequireRoot(t)
+	_, err := os.Stat("/dev/fuse")
+	testenv.Require(t, err == nil, "/dev/fuse")
+	for _, seed := range []uint64{4, 6} {
+		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) {
+			dir := t.TempDir()
+			stateDir, sock := filepath.Join(dir, "state"), filepath.Join(dir, "run", "rewind.sock")
+			cmd, c := spawnDaemon(t, stateDir, sock, "real")
+			crash := func() *client.Client {
+				killDaemon(t, cmd)
+				var c2 *client.Client
+				cmd, c2 = spawnDaemon(t, stateDir, sock, "real")
+				return c2
+			}
+			randomSessions(t, c, crash, "", seed, 90)
+		})
+	}
+}
+
+func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client, fsKind string, seed uint64, n int) {
+	ctx := context.Background()
 	if _, err := c.Create(ctx, api.CreateRequest{Name: "a", Policy: "effects", FS: fsKind}); err != nil {
 		t.Fatal(err)
 	}
@@ -98,6 +139,21 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 		return r.ID
 	}
 	restores, forks := 0, 0
+	crashAt, crashed := -1, false
+	preCrash := map[string]bool{} // ids handed out before the crash
+	const shmFile = "/dev/shm/ro" // GenerateProcess's file on the sandbox's /dev/shm
+	if crash != nil {
+		var late []int
+		for i, s := range w.Steps {
+			if s.Op == "restore" && i >= len(w.Steps)/2 {
+				late = append(late, i)
+			}
+		}
+		if len(late) == 0 {
+			t.Fatalf("%s has no restore in its second half to crash before", w.Name)
+		}
+		crashAt = late[rng.IntN(len(late))]
+	}
 	for i, s := range w.Steps {
 		switch s.Op {
 		case "session":
@@ -121,11 +177,46 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 			labels[s.Label] = turn(i)
 		case "restore":
 			id := labels[s.Label]
-			if forks < 3 && rng.IntN(4) == 0 {
+			if i == crashAt {
+				c = crash()
+				crashed = true
+				for x := range states {
+					preCrash[x] = true
+				}
+			}
+			// The sandbox started again after the crash has an empty
+			// /dev/shm, which checkpoints do not hold: a process of a
+			// checkpoint from before that held a file there cannot come
+			// back, and the restore must fail, naming the file. The test
+			// then restores another checkpoint.
+			lost := func(id string) bool { return preCrash[id] && strings.Contains(states[id], shmFile) }
+			if lost(id) {
+				_, err := c.Restore(ctx, "a", id, 0)
+				if err == nil || !strings.Contains(err.Error(), shmFile+", which is not where it was") {
+					t.Fatalf("step %d: restore %s (%s) of a process holding %s after the crash: %v, want a failure naming the file", i, s.Label, id, shmFile, err)
+				}
+				id = ""
+				for _, l := range slices.Sorted(maps.Keys(labels)) {
+					if !lost(labels[l]) {
+						id = labels[l]
+						break
+					}
+				}
+				if id == "" {
+					t.Fatalf("step %d: no checkpoint without %s to restore after the crash", i, shmFile)
+				}
+			} else if i != crashAt && forks < 3 && rng.IntN(4) == 0 {
 				// A fork of the id instead: its child must start in
 				// the state of the id's turn.
 				forks++
 				res, err := c.Fork(ctx, id, api.ForkRequest{Count: 1, Prefix: fmt.Sprintf("k%d-", i)})
+				if strings.Contains(states[id], shmFile) {
+					// A fork child's /dev/shm starts empty too.
+					if err == nil || !strings.Contains(err.Error(), shmFile+", which is not where it was") {
+						t.Fatalf("step %d: fork %s (%s) of a process holding %s: %v, want a failure naming the file", i, s.Label, id, shmFile, err)
+					}
+					continue
+				}
 				if err != nil {
 					t.Fatalf("step %d: fork %s (%s): %v", i, s.Label, id, err)
 				}
@@ -140,16 +231,22 @@ func randomSessions(t *testing.T, d *realDaemon, fsKind string, seed uint64, n i
 			}
 			r, err := c.Restore(ctx, "a", id, 0)
 			if err != nil {
-				t.Fatalf("step %d: restore %s (%s): %v", i, s.Label, id, err)
+				t.Fatalf("step %d: restore %s (%s, crashed before: %v): %v", i, s.Label, id, crashed, err)
 			}
 			restores++
 			if got := record(); got != states[id] {
-				t.Fatalf("step %d: restore of %s (%s, path %s) gives another state than its turn's:\n%s",
-					i, s.Label, id, r.Path, diffLines(states[id], got))
+				t.Fatalf("step %d: restore of %s (%s, path %s, crashed before: %v) gives another state than its turn's:\n%s",
+					i, s.Label, id, r.Path, crashed, diffLines(states[id], got))
+			}
+			if i == crashAt {
+				t.Logf("step %d: restored %s after the crash through %s", i, id, r.Path)
 			}
 		default:
 			t.Fatalf("step %d: op %s not driven by this test", i, s.Op)
 		}
+	}
+	if crash != nil && !crashed {
+		t.Fatal("the daemon was not crashed")
 	}
 	t.Logf("%s: decisions %v over %d ids, %d restores, %d forks", w.Name, decisions, len(states), restores, forks)
 }

@@ -106,6 +106,31 @@ func (e *Error) Error() string {
 
 func (e *Error) Unwrap() error { return e.Err }
 
+// MissingFile reports whether err is a CRIU restore that failed because a
+// regular file the image's process held open does not exist at its path,
+// and returns that path (absolute, as inside the restored process's root).
+func MissingFile(err error) (string, bool) {
+	var e *Error
+	if !errors.As(err, &e) || e.Op != "restore" {
+		return "", false
+	}
+	b, rerr := os.ReadFile(e.Log)
+	if rerr != nil {
+		return "", false
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		// files-reg.c open_path: "Can't open file %s on restore".
+		_, rest, ok := strings.Cut(l, "Can't open file ")
+		if !ok || !strings.Contains(l, "Error") || !strings.HasSuffix(strings.TrimSpace(l), "No such file or directory") {
+			continue
+		}
+		if path, _, ok := strings.Cut(rest, " on restore"); ok {
+			return "/" + strings.TrimPrefix(path, "/"), true
+		}
+	}
+	return "", false
+}
+
 // PidTaken reports whether err is a restore that failed because a pid or
 // thread id of the image was in use when CRIU created that task (clone3
 // with set_tid: EEXIST). A caller that made sure the pids were free before
