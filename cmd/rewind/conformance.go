@@ -197,6 +197,14 @@ func runOne(ctx context.Context, w *conformance.Workload, run []string, opts con
 	if err != nil {
 		return nil, err
 	}
+	res.Paths = columns(sub, run)
+	return res, nil
+}
+
+// columns returns sub's result for each path of run, in that order, with
+// "-" for a path sub did not run (the workload does not apply to it).
+func columns(sub *conformance.Result, run []string) []conformance.PathResult {
+	out := make([]conformance.PathResult, 0, len(run))
 	for _, p := range run {
 		pr := conformance.PathResult{Path: p, Status: "-"}
 		for _, q := range sub.Paths {
@@ -204,9 +212,9 @@ func runOne(ctx context.Context, w *conformance.Workload, run []string, opts con
 				pr = q
 			}
 		}
-		res.Paths = append(res.Paths, pr)
+		out = append(out, pr)
 	}
-	return res, nil
+	return out
 }
 
 func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error {
@@ -275,17 +283,7 @@ func runConformance(ctx context.Context, out io.Writer, r conformanceRun) error 
 			ran, files = append(ran, res), append(files, file)
 		}
 		for i, res := range ran {
-			full := &conformance.Result{Workload: res.Workload, Steps: res.Steps}
-			for _, p := range run {
-				pr := conformance.PathResult{Path: p, Status: "-"}
-				for _, q := range res.Paths {
-					if q.Path == p {
-						pr = q
-					}
-				}
-				full.Paths = append(full.Paths, pr)
-			}
-			results = append(results, full)
+			results = append(results, &conformance.Result{Workload: res.Workload, Steps: res.Steps, Paths: columns(res, run)})
 			if file := files[i]; file != "" && repro == "" {
 				if abs, err := filepath.Abs(file); err == nil {
 					file = abs

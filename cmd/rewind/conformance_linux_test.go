@@ -44,4 +44,38 @@ func TestConformanceCLI(t *testing.T) {
 			t.Fatalf("err %v, output %q; want a reference-model error", err, out)
 		}
 	})
+	t.Run("seed", func(t *testing.T) {
+		// --seed runs a random file-system workload on the file-system
+		// paths and a random process workload on the process paths.
+		testenv.RequireRoot(t)
+		_, err := os.Stat("/dev/fuse")
+		testenv.RequireNoErr(t, err, "/dev/fuse")
+		out, err := exec.Command(bin, "conformance", "run", "--seed", "7", "--steps", "25", "--paths", "fuse,template", "--repro-dir", t.TempDir()).CombinedOutput()
+		if err != nil {
+			t.Fatalf("run: %v\n%s", err, out)
+		}
+		// Columns: workload, steps, fuse, template.
+		want := map[string][2]string{"random-7": {"pass", "-"}, "random-proc-7": {"-", "pass"}}
+		rows := 0
+		for _, l := range strings.Split(string(out), "\n") {
+			f := strings.Fields(l)
+			if w, ok := want[f0(f)]; ok {
+				rows++
+				if len(f) != 4 || f[2] != w[0] || f[3] != w[1] {
+					t.Fatalf("row %q, want %s and %s on fuse and template:\n%s", l, w[0], w[1], out)
+				}
+			}
+		}
+		if rows != 2 {
+			t.Fatalf("want a row for each random workload:\n%s", out)
+		}
+	})
+}
+
+// f0 is the first of fields, or "".
+func f0(fields []string) string {
+	if len(fields) == 0 {
+		return ""
+	}
+	return fields[0]
 }
