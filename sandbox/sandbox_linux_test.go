@@ -96,8 +96,10 @@ func TestPIDNamespace(t *testing.T) {
 		t.Fatalf("pid 1 cmdline %q", got)
 	}
 	pid, err := strconv.Atoi(strings.TrimSpace(sh(t, sb, "echo $$")))
-	if err != nil || pid < 2 || pid > 100 {
-		t.Fatalf("shell pid inside %d (%v), want a small pid", pid, err)
+	// A pid of the sandbox's own namespace: just above the floor its
+	// init's threads stay below (TestPIDFloor).
+	if err != nil || pid <= pidFloor || pid > pidFloor+100 {
+		t.Fatalf("shell pid inside %d (%v), want one just above %d", pid, err, pidFloor)
 	}
 	// Only the sandbox's processes are visible.
 	n := strings.Fields(sh(t, sb, "ls /proc | grep -c '^[0-9]'"))
