@@ -270,6 +270,7 @@ func (e *Engine) liveHelperPids(sb string) map[int]bool {
 // check cannot see. A failed attempt's log is kept as restore.log.N.
 func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o criu.RestoreOptions) (int, error) {
 	deadline := time.Now().Add(10 * time.Second)
+	raised := false
 	for attempt := 1; ; attempt++ {
 		if err := e.imagePidsFree(ctx, t, o.Dir); err != nil {
 			return 0, err
@@ -295,6 +296,17 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 			_ = os.Rename(ce.Log, fmt.Sprintf("%s.%d", filepath.Join(o.Dir, criu.RestoreLog), attempt))
 		}
 		e.log.Info("restore retry: a pid of the image was taken", "dir", o.Dir, "attempt", attempt, "err", msg)
+		if !raised {
+			// In a sandbox just started, criu's own pid is the first
+			// free one, the image's: move the counter past the image's
+			// pids, once (see criu.RaiseLastPIDTo).
+			raised = true
+			if need, err := imagePids(o.Dir); err == nil && len(need) > 0 {
+				if err := criu.RaiseLastPIDTo(t.InitPID(), need[len(need)-1]); err != nil {
+					e.log.Debug("raise ns_last_pid", "err", err)
+				}
+			}
+		}
 		time.Sleep(time.Duration(attempt) * time.Millisecond)
 	}
 }

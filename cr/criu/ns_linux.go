@@ -153,3 +153,25 @@ func RaiseLastPID(nsInit int) error {
 	}
 	return nil
 }
+
+// RaiseLastPIDTo moves the next pid of nsInit's PID namespace to min
+// unless it is there or above already (it never moves the counter back).
+// A restore calls it when a pid of its image was taken: in a sandbox just
+// started (a fork child, a sandbox started again after a restart) criu
+// itself, which runs in the sandbox's PID namespace, takes the first free
+// pids, which are the image's; with the counter at the image's highest
+// pid, criu's next run gets one above them all. One shell and one cat in
+// the namespace.
+func RaiseLastPIDTo(nsInit, min int) error {
+	const f = "/proc/sys/kernel/ns_last_pid"
+	cmd := exec.Command("/bin/sh", "-c", fmt.Sprintf(`c=$(/bin/cat %[1]s) && if [ "$c" -lt %[2]d ]; then echo %[2]d >%[1]s; fi`, f, min))
+	var errb strings.Builder
+	cmd.Stderr = &errb
+	if err := startIn(nsInit, []nsKind{{"pid", unix.CLONE_NEWPID}}, cmd); err != nil {
+		return err
+	}
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("raise ns_last_pid to %d: %v: %s", min, err, errb.String())
+	}
+	return nil
+}

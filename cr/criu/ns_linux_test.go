@@ -13,9 +13,10 @@ import (
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
 
-// TestRaiseLastPID: a new PID namespace's counter goes to the upper half of
-// pid_max, and stays where it is on a second call.
-func TestRaiseLastPID(t *testing.T) {
+// newPIDNS starts a process in a new PID namespace and returns that
+// namespace's init (host pid) and a reader of its counter.
+func newPIDNS(t *testing.T) (int, func() int) {
+	t.Helper()
 	testenv.RequireRoot(t)
 	target := exec.Command("unshare", "--pid", "--fork", "sleep", "60")
 	if err := target.Start(); err != nil {
@@ -44,6 +45,13 @@ func TestRaiseLastPID(t *testing.T) {
 		}
 		return n
 	}
+	return nsInit, lastPID
+}
+
+// TestRaiseLastPID: a new PID namespace's counter goes to the upper half of
+// pid_max, and stays where it is on a second call.
+func TestRaiseLastPID(t *testing.T) {
+	nsInit, lastPID := newPIDNS(t)
 	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
 	if err != nil {
 		t.Fatal(err)
@@ -65,6 +73,29 @@ func TestRaiseLastPID(t *testing.T) {
 	// Each read takes a pid (a cat): the test's and the second call's.
 	if got := lastPID(); got != first+2 {
 		t.Fatalf("counter %d after a second call, want %d (moved only by the two reads)", got, first+2)
+	}
+}
+
+// TestRaiseLastPIDTo: the counter moves up to the value asked, and never
+// back.
+func TestRaiseLastPIDTo(t *testing.T) {
+	nsInit, lastPID := newPIDNS(t)
+	if l := lastPID(); l >= 500 {
+		t.Fatalf("a new namespace's counter is %d already", l)
+	}
+	if err := RaiseLastPIDTo(nsInit, 500); err != nil {
+		t.Fatal(err)
+	}
+	// The call's own shell and cat took two pids before the write, the
+	// test's read takes the next.
+	if got := lastPID(); got != 501 {
+		t.Fatalf("counter %d after raising to 500, want 501 (the test's read)", got)
+	}
+	if err := RaiseLastPIDTo(nsInit, 100); err != nil {
+		t.Fatal(err)
+	}
+	if got := lastPID(); got != 504 {
+		t.Fatalf("counter %d after a lower raise, want 504 (moved only by the call's and the test's processes)", got)
 	}
 }
 
