@@ -130,6 +130,27 @@ func readNSIDs(pid int) (nsIDs, error) {
 	return ids, nil
 }
 
+// nsTopID returns the highest id (pid or thread id) that init, its threads
+// and the processes below it hold in init's PID namespace.
+func nsTopID(init int) (int, error) {
+	procs, err := nsProcesses(init)
+	if err != nil {
+		return 0, err
+	}
+	self, err := readNSIDs(init)
+	if err != nil {
+		return 0, err
+	}
+	top := 0
+	for _, p := range append(procs, self) {
+		top = max(top, p.pid)
+		for _, t := range p.tids {
+			top = max(top, t)
+		}
+	}
+	return top, nil
+}
+
 // pidHolder says why a pid of init's namespace is still taken.
 type pidHolder struct {
 	nspid  int
@@ -271,6 +292,19 @@ func (e *Engine) liveHelperPids(sb string) map[int]bool {
 func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o criu.RestoreOptions) (int, error) {
 	deadline := time.Now().Add(10 * time.Second)
 	raised := false
+	if need, err := imagePids(o.Dir); err == nil && len(need) > 0 {
+		// No id of the namespace as high as the image's highest pid: a
+		// sandbox just started (a fork child, a sandbox started again
+		// after a restart), whose counter is below the image's pids, so
+		// that criu itself would take the first of them. Move it past
+		// them first (see criu.RaiseLastPIDTo).
+		if top, err := nsTopID(t.InitPID()); err == nil && top < need[len(need)-1] {
+			raised = true
+			if err := criu.RaiseLastPIDTo(t.InitPID(), need[len(need)-1]); err != nil {
+				e.log.Debug("raise ns_last_pid", "err", err)
+			}
+		}
+	}
 	for attempt := 1; ; attempt++ {
 		if err := e.imagePidsFree(ctx, t, o.Dir); err != nil {
 			return 0, err
