@@ -250,16 +250,6 @@ func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]boo
 	}
 }
 
-// imagePidsFree waits until every pid the image in dir recreates is free in
-// t's PID namespace (see waitPidsFree).
-func (e *Engine) imagePidsFree(ctx context.Context, t Target, dir string) error {
-	need, err := imagePids(dir)
-	if err != nil {
-		return err
-	}
-	return waitPidsFree(ctx, t.InitPID(), need, e.liveHelperPids(t.ID()))
-}
-
 // liveHelperPids is templatePids without the helpers already killed or
 // being dumped (e.aux but for parked processes): their pids free by
 // themselves, once they are gone. A killed template may still look alive
@@ -283,7 +273,7 @@ func (e *Engine) liveHelperPids(sb string) map[int]bool {
 }
 
 // restoreImage restores the image in o.Dir into t once every pid it
-// recreates is free there (imagePidsFree), and again while CRIU still finds
+// recreates is free there (waitPidsFree), and again while CRIU still finds
 // one of them taken (criu.PidTaken): the kernel frees a reaped task's pid a
 // moment after the task has left /proc and its parent's children, so the
 // check can pass just before the pid is free; and a process of t's
@@ -291,22 +281,31 @@ func (e *Engine) liveHelperPids(sb string) map[int]bool {
 // check cannot see. A failed attempt's log is kept as restore.log.N.
 func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o criu.RestoreOptions) (int, error) {
 	deadline := time.Now().Add(10 * time.Second)
+	need, err := imagePids(o.Dir)
+	if err != nil {
+		return 0, err
+	}
+	// In a sandbox just started (a fork child, a sandbox started again
+	// after a restart) the counter is below the image's pids, and criu
+	// itself, which runs in the namespace, would take the first of them:
+	// move it past them (criu.RaiseLastPIDTo), once. Done first when no id
+	// of the namespace is as high as the image's highest pid, else after a
+	// failed attempt.
 	raised := false
-	if need, err := imagePids(o.Dir); err == nil && len(need) > 0 {
-		// No id of the namespace as high as the image's highest pid: a
-		// sandbox just started (a fork child, a sandbox started again
-		// after a restart), whose counter is below the image's pids, so
-		// that criu itself would take the first of them. Move it past
-		// them first (see criu.RaiseLastPIDTo).
-		if top, err := nsTopID(t.InitPID()); err == nil && top < need[len(need)-1] {
-			raised = true
-			if err := criu.RaiseLastPIDTo(t.InitPID(), need[len(need)-1]); err != nil {
-				e.log.Debug("raise ns_last_pid", "err", err)
-			}
+	raise := func() {
+		raised = true
+		if len(need) == 0 {
+			return
+		}
+		if err := criu.RaiseLastPIDTo(t.InitPID(), need[len(need)-1]); err != nil {
+			e.log.Debug("raise ns_last_pid", "err", err)
 		}
 	}
+	if top, err := nsTopID(t.InitPID()); err == nil && len(need) > 0 && top < need[len(need)-1] {
+		raise()
+	}
 	for attempt := 1; ; attempt++ {
-		if err := e.imagePidsFree(ctx, t, o.Dir); err != nil {
+		if err := waitPidsFree(ctx, t.InitPID(), need, e.liveHelperPids(t.ID())); err != nil {
 			return 0, err
 		}
 		nspid, err := r.Restore(ctx, o)
@@ -331,15 +330,7 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 		}
 		e.log.Info("restore retry: a pid of the image was taken", "dir", o.Dir, "attempt", attempt, "err", msg)
 		if !raised {
-			// In a sandbox just started, criu's own pid is the first
-			// free one, the image's: move the counter past the image's
-			// pids, once (see criu.RaiseLastPIDTo).
-			raised = true
-			if need, err := imagePids(o.Dir); err == nil && len(need) > 0 {
-				if err := criu.RaiseLastPIDTo(t.InitPID(), need[len(need)-1]); err != nil {
-					e.log.Debug("raise ns_last_pid", "err", err)
-				}
-			}
+			raise()
 		}
 		time.Sleep(time.Duration(attempt) * time.Millisecond)
 	}

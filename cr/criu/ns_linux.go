@@ -156,12 +156,11 @@ func RaiseLastPID(nsInit int) error {
 
 // RaiseLastPIDTo moves the next pid of nsInit's PID namespace to min
 // unless it is there or above already (it never moves the counter back).
-// A restore calls it when a pid of its image was taken: in a sandbox just
-// started (a fork child, a sandbox started again after a restart) criu
-// itself, which runs in the sandbox's PID namespace, takes the first free
-// pids, which are the image's; with the counter at the image's highest
-// pid, criu's next run gets one above them all. One shell and one cat in
-// the namespace.
+// A restore into a sandbox just started (a fork child, a sandbox started
+// again after a restart) calls it: criu itself, which runs in the
+// sandbox's PID namespace, would take the first free pids, which are the
+// image's; with the counter at the image's highest pid, criu gets one
+// above them all. One shell and one cat in the namespace.
 func RaiseLastPIDTo(nsInit, min int) error {
 	const f = "/proc/sys/kernel/ns_last_pid"
 	cmd := exec.Command("/bin/sh", "-c", fmt.Sprintf(`c=$(/bin/cat %[1]s) && if [ "$c" -lt %[2]d ]; then echo %[2]d >%[1]s; fi`, f, min))
