@@ -46,7 +46,7 @@ func TestRealRandomSessions(t *testing.T) {
 				} else {
 					d = startReal(t, t.TempDir())
 				}
-				randomSessions(t, d.c, nil, tc.fs, seed, 90)
+				randomSessions(t, d.c, nil, "a", tc.fs, seed, 90)
 			})
 		}
 	}
@@ -80,14 +80,14 @@ func TestCrashRandomSessions(t *testing.T) {
 				cmd, c2 = spawnDaemon(t, stateDir, sock, "real")
 				return c2
 			}
-			randomSessions(t, c, crash, "", seed, 90)
+			randomSessions(t, c, crash, "a", "", seed, 90)
 		})
 	}
 }
 
-func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client, fsKind string, seed uint64, n int) {
+func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client, name, fsKind string, seed uint64, n int) {
 	ctx := context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "a", Policy: "effects", FS: fsKind}); err != nil {
+	if _, err := c.Create(ctx, api.CreateRequest{Name: name, Policy: "effects", FS: fsKind}); err != nil {
 		t.Fatal(err)
 	}
 	w := conformance.GenerateProcess(seed, n)
@@ -95,7 +95,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 	var sessions []session
 	sendTo := func(s session, text string) string {
 		t.Helper()
-		return send(t, c, "a", s.id, text+"\n"+strings.ReplaceAll(s.marker, "{m}", "@@done@@"))
+		return send(t, c, name, s.id, text+"\n"+strings.ReplaceAll(s.marker, "{m}", "@@done@@"))
 	}
 	byID := func(id string) session {
 		for _, s := range sessions {
@@ -115,7 +115,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 		}
 		return b.String()
 	}
-	record := func() string { t.Helper(); return recordIn("a") }
+	record := func() string { t.Helper(); return recordIn(name) }
 	rng := rand.New(rand.NewPCG(seed, 0x73657373))
 	states := map[string]string{} // checkpoint id -> state printed at its turn
 	labels := map[string]string{} // the workload's label -> checkpoint id
@@ -123,7 +123,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 	turn := func(i int) string {
 		t.Helper()
 		def := rng.IntN(2) == 0
-		r, err := c.Turn(ctx, "a", api.TurnRequest{Mode: "auto", Wait: true, Defer: def})
+		r, err := c.Turn(ctx, name, api.TurnRequest{Mode: "auto", Wait: true, Defer: def})
 		if err != nil {
 			t.Fatalf("step %d: turn: %v", i, err)
 		}
@@ -157,7 +157,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 	for i, s := range w.Steps {
 		switch s.Op {
 		case "session":
-			if _, err := c.StartSession(ctx, "a", api.SessionRequest{ID: s.Session, Argv: s.Argv}); err != nil {
+			if _, err := c.StartSession(ctx, name, api.SessionRequest{ID: s.Session, Argv: s.Argv}); err != nil {
 				t.Fatal(err)
 			}
 			sessions = append(sessions, session{id: s.Session, marker: s.Marker, state: s.State})
@@ -170,7 +170,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 				"append": fmt.Sprintf("printf '%%s' '%s' >> %s", s.Data, p),
 				"rmtree": "rm -rf " + p,
 			}[s.Op]
-			sh(t, c, "a", script)
+			sh(t, c, name, script)
 		case "turn":
 			turn(i)
 		case "checkpoint":
@@ -191,7 +191,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 			// then restores another checkpoint.
 			lost := func(id string) bool { return preCrash[id] && strings.Contains(states[id], shmFile) }
 			if lost(id) {
-				_, err := c.Restore(ctx, "a", id, 0)
+				_, err := c.Restore(ctx, name, id, 0)
 				if err == nil || !strings.Contains(err.Error(), shmFile+", which is not where it was") {
 					t.Fatalf("step %d: restore %s (%s) of a process holding %s after the crash: %v, want a failure naming the file", i, s.Label, id, shmFile, err)
 				}
@@ -212,7 +212,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 				// A fork of the id instead: its child must start in
 				// the state of the id's turn.
 				forks++
-				res, err := c.Fork(ctx, id, api.ForkRequest{Count: 1, Prefix: fmt.Sprintf("k%d-", i)})
+				res, err := c.Fork(ctx, id, api.ForkRequest{Count: 1, Prefix: fmt.Sprintf("%s-k%d-", name, i)})
 				if strings.Contains(states[id], shmFile) {
 					// A fork child's /dev/shm starts empty too.
 					if err == nil || !strings.Contains(err.Error(), shmFile+", which is not where it was") {
@@ -232,7 +232,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 				}
 				continue
 			}
-			r, err := c.Restore(ctx, "a", id, 0)
+			r, err := c.Restore(ctx, name, id, 0)
 			if err != nil {
 				t.Fatalf("step %d: restore %s (%s, crashed before: %v): %v", i, s.Label, id, crashed, err)
 			}
@@ -271,4 +271,20 @@ func diffLines(a, b string) string {
 		}
 	}
 	return out.String()
+}
+
+// TestConcurrentRandomSessions is TestRealRandomSessions with several
+// sandboxes of one daemon driven at once, as a trainer's rollouts or a
+// search's parallel workers drive them: each runs its own random session
+// (turns, restores, forks) while the others do, sharing the daemon's
+// store, probe, tracer and CRIU, and each id must still stand for its
+// turn's state.
+func TestConcurrentRandomSessions(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	for _, seed := range []uint64{7, 8, 9} {
+		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) {
+			t.Parallel()
+			randomSessions(t, d.c, nil, fmt.Sprintf("s%d", seed), "fuse", seed, 60)
+		})
+	}
 }
