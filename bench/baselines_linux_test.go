@@ -34,9 +34,7 @@ func TestBaselines(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer cleanup()
-			if xfs != "" {
-				defer exec.Command("umount", "-l", xfs).Run()
-			}
+			defer func() { removeScratchXFS(xfs) }()
 			res, err := Replay(ctx, tr, m, ReplayOptions{CrashChecks: 4})
 			if err != nil {
 				t.Fatalf("replay: %v", err)
@@ -116,6 +114,7 @@ func TestBaselineRestoresFiles(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			xfs := ""
 			m, _, err := newSystem(name, nil, t.TempDir(), &xfs)
+			defer func() { removeScratchXFS(xfs) }()
 			if err != nil {
 				t.Fatal(err)
 			}

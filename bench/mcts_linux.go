@@ -56,12 +56,7 @@ func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
 		o.Repeat = 1
 	}
 	var xfsDir string
-	defer func() {
-		if xfsDir != "" {
-			_ = unix.Unmount(xfsDir, unix.MNT_DETACH)
-			_ = os.RemoveAll(filepath.Dir(xfsDir))
-		}
-	}()
+	defer func() { removeScratchXFS(xfsDir) }()
 	runs := map[string][]*Result{}
 	for round := 0; round < o.Repeat; round++ {
 		n := len(o.Systems)
@@ -148,13 +143,29 @@ func newSystem(name string, c *client.Client, parent string, xfsDir *string) (Ma
 	return nil, nop, fmt.Errorf("unknown system %q (known: %s)", name, strings.Join(AllSystems, ", "))
 }
 
+// removeScratchXFS undoes scratchXFS: it detaches the mount (the loop
+// device goes with its last user) and removes the temp dir with its image.
+// "" is a no-op.
+func removeScratchXFS(mnt string) {
+	if mnt == "" {
+		return
+	}
+	_ = unix.Unmount(mnt, unix.MNT_DETACH)
+	_ = os.RemoveAll(filepath.Dir(mnt))
+}
+
 // scratchXFS loop-mounts a sparse 4 GiB XFS image with reflink=1 in a temp
 // dir and returns the mount point.
-func scratchXFS() (string, error) {
+func scratchXFS() (mnt string, err error) {
 	tmp, err := os.MkdirTemp("", "rewind-bench-xfs-")
 	if err != nil {
 		return "", err
 	}
+	defer func() {
+		if err != nil {
+			_ = os.RemoveAll(tmp)
+		}
+	}()
 	img := filepath.Join(tmp, "img")
 	f, err := os.Create(img)
 	if err != nil {
@@ -168,7 +179,7 @@ func scratchXFS() (string, error) {
 	if out, err := exec.Command("mkfs.xfs", "-q", "-m", "reflink=1", img).CombinedOutput(); err != nil {
 		return "", fmt.Errorf("mkfs.xfs: %v: %s", err, out)
 	}
-	mnt := filepath.Join(tmp, "mnt")
+	mnt = filepath.Join(tmp, "mnt")
 	if err := os.Mkdir(mnt, 0o755); err != nil {
 		return "", err
 	}

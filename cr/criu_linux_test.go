@@ -20,7 +20,7 @@ import (
 
 func needCRIU(t testing.TB) *criu.Runner {
 	t.Helper()
-	r, err := criu.NewRunner("")
+	r, err := criu.NewRunner("", "")
 	testenv.RequireNoErr(t, err, "criu")
 	t.Cleanup(func() { _ = r.Close() })
 	return r

@@ -51,6 +51,11 @@ type Config struct {
 	// CRIUPath is the criu binary; "" searches $REWIND_CRIU,
 	// /opt/rewind/criu/sbin/criu, then PATH.
 	CRIUPath string
+	// CRIURunDir holds criu's per-run private directories. It is emptied
+	// when the engine first runs criu, so what a killed process left
+	// there goes with its next start; "" uses a temp dir of the engine's
+	// own, removed by Close.
+	CRIURunDir string
 	// ImagesDir holds CRIU images (preferably tmpfs); "" disables images.
 	ImagesDir string
 	// MaxTemplates bounds the number of checkpoints holding templates

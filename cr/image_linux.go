@@ -35,7 +35,7 @@ func (e *Engine) criuRunner() (*criu.Runner, error) {
 	if e.runner != nil {
 		return e.runner, nil
 	}
-	r, err := criu.NewRunner(e.cfg.CRIUPath)
+	r, err := criu.NewRunner(e.cfg.CRIUPath, e.cfg.CRIURunDir)
 	if err != nil {
 		return nil, err
 	}

@@ -75,7 +75,7 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 	fsb.startGC()
 	closers = append(closers, fsb.stopGC)
 
-	eng, err := cr.New(cr.Config{ImagesDir: filepath.Join(dir, "images"), Warm: true, Logger: log,
+	eng, err := cr.New(cr.Config{ImagesDir: filepath.Join(dir, "images"), CRIURunDir: filepath.Join(dir, "criu-run"), Warm: true, Logger: log,
 		MaxTemplates: cfg.MaxTemplates, MaxTemplateBytes: cfg.MaxTemplateBytes, NoCollapse: cfg.NoHugePages})
 	if err != nil {
 		return fail(fmt.Errorf("cr: %w", err))

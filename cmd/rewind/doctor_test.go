@@ -16,9 +16,18 @@ import (
 
 var (
 	buildOnce sync.Once
+	binDir    string // the temp dir rewindBinary builds into; TestMain removes it
 	binPath   string
 	buildErr  error
 )
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binDir != "" {
+		os.RemoveAll(binDir)
+	}
+	os.Exit(code)
+}
 
 // rewindBinary builds the rewind command once per test run.
 func rewindBinary(t *testing.T) string {
@@ -29,6 +38,7 @@ func rewindBinary(t *testing.T) string {
 			buildErr = err
 			return
 		}
+		binDir = dir
 		binPath = filepath.Join(dir, "rewind")
 		out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput()
 		if err != nil {

@@ -69,8 +69,9 @@ type Runner struct {
 }
 
 // NewRunner finds criu (see Find) and prepares a private directory for its
-// runs.
-func NewRunner(explicit string) (*Runner, error) {
+// runs: runRoot, emptied first (a killed process's runs left their
+// directories there), or a new temp dir when runRoot is "".
+func NewRunner(explicit, runRoot string) (*Runner, error) {
 	p, err := Find(explicit)
 	if err != nil {
 		return nil, err
@@ -79,10 +80,15 @@ func NewRunner(explicit string) (*Runner, error) {
 	if err != nil {
 		return nil, fmt.Errorf("criu runner: %w", err)
 	}
-	d, err := os.MkdirTemp("", "rewind-criu-")
+	d := runRoot
+	if d == "" {
+		d, err = os.MkdirTemp("", "rewind-criu-")
+	} else if err = os.RemoveAll(d); err == nil {
+		err = os.MkdirAll(d, 0o700)
+	}
 	if err != nil {
 		libs.close()
-		return nil, err
+		return nil, fmt.Errorf("criu runner: %w", err)
 	}
 	return &Runner{Path: p, RunRoot: d, libs: libs}, nil
 }

@@ -21,7 +21,7 @@ import (
 // (a dynamic criu) or with none (a static one, as scripts/deps.sh builds).
 func TestCommandUsesHostLoader(t *testing.T) {
 	testenv.RequireRoot(t)
-	r, err := NewRunner("")
+	r, err := NewRunner("", "")
 	testenv.RequireNoErr(t, err, "criu")
 	t.Cleanup(func() { r.Close() })
 	ld := "/lib64/ld-linux-x86-64.so.2" // what the namespace's programs use
@@ -101,5 +101,44 @@ func TestCommandUsesHostLoader(t *testing.T) {
 	}
 	if err != nil || !strings.Contains(out.String(), "Version:") {
 		t.Fatalf("criu in the namespace: %v: %s", err, out.String())
+	}
+}
+
+// A runner given a run root empties it first (a killed daemon's runs left
+// their private directories there) and removes it on Close; without one it
+// makes a temp dir of its own and removes that.
+func TestRunnerRunRoot(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "criu-run")
+	stale := filepath.Join(root, "run-123", "criu.kdat")
+	if err := os.MkdirAll(filepath.Dir(stale), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(stale, []byte("old"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r, err := NewRunner("", root)
+	testenv.RequireNoErr(t, err, "criu")
+	if r.RunRoot != root {
+		t.Errorf("RunRoot %q, want %q", r.RunRoot, root)
+	}
+	if ents, err := os.ReadDir(root); err != nil || len(ents) != 0 {
+		t.Errorf("run root after NewRunner: %v entries, err %v; want it empty", len(ents), err)
+	}
+	r.Close()
+	if _, err := os.Stat(root); !os.IsNotExist(err) {
+		t.Errorf("run root after Close: %v, want it removed", err)
+	}
+
+	r, err = NewRunner("", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	own := r.RunRoot
+	if fi, err := os.Stat(own); err != nil || !fi.IsDir() {
+		t.Fatalf("own run root %q: %v", own, err)
+	}
+	r.Close()
+	if _, err := os.Stat(own); !os.IsNotExist(err) {
+		t.Errorf("own run root after Close: %v, want it removed", err)
 	}
 }
