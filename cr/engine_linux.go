@@ -704,6 +704,29 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 // processes or a process tree).
 var ErrNeedCRIU = errors.New("template fork impossible, CRIU needed")
 
+// MissingFileError is a CRIU restore that failed because a file the
+// image's process held is not at its path in the sandbox it was restored
+// into: a file of the sandbox's view deleted since, or one on a tmpfs
+// mount such as /dev/shm, which checkpoints do not hold. Trying again
+// cannot help (Permanent).
+type MissingFileError struct {
+	// Path is the file, as inside the restored process's root.
+	Path string
+	// Err is CRIU's failure.
+	Err error
+}
+
+func (e *MissingFileError) Error() string {
+	return fmt.Sprintf("%v (the process held %s, which is not where it was: a file of the sandbox's view deleted since, "+
+		"or one on a tmpfs mount such as /dev/shm, which checkpoints do not hold: a fork child, or a sandbox started "+
+		"again after a daemon restart, has them empty)", e.Err, e.Path)
+}
+
+func (e *MissingFileError) Unwrap() error { return e.Err }
+
+// Permanent reports that the same restore would fail again.
+func (e *MissingFileError) Permanent() bool { return true }
+
 func (e *Engine) add(c *ckpt) {
 	e.mu.Lock()
 	defer e.mu.Unlock()

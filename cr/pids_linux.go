@@ -313,9 +313,7 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 			e.checkStrays(t)
 		}
 		if path, ok := criu.MissingFile(err); ok {
-			return 0, fmt.Errorf("%w (the process held %s, which is not where it was: a file of the sandbox's view deleted since, "+
-				"or one on a tmpfs mount such as /dev/shm, which checkpoints do not hold: a fork child, or a sandbox started "+
-				"again after a daemon restart, has them empty)", err, path)
+			return 0, &MissingFileError{Path: path, Err: err}
 		}
 		if err == nil || !criu.PidTaken(err) {
 			return nspid, err

@@ -277,14 +277,15 @@ func diffLines(a, b string) string {
 // sandboxes of one daemon driven at once, as a trainer's rollouts or a
 // search's parallel workers drive them: each runs its own random session
 // (turns, restores, forks) while the others do, sharing the daemon's
-// store, probe, tracer and CRIU, and each id must still stand for its
-// turn's state.
+// store, probe, tracer and CRIU, on the FUSE path and the kernel path side
+// by side, and each id must still stand for its turn's state.
 func TestConcurrentRandomSessions(t *testing.T) {
-	d := startReal(t, t.TempDir())
-	for _, seed := range []uint64{7, 8, 9} {
-		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) {
+	d := startKernelDaemon(t)
+	for i, seed := range []uint64{7, 8, 9} {
+		fsKind := []string{"fuse", "kernel"}[i%2]
+		t.Run(fmt.Sprintf("%s/seed%d", fsKind, seed), func(t *testing.T) {
 			t.Parallel()
-			randomSessions(t, d.c, nil, fmt.Sprintf("s%d", seed), "fuse", seed, 60)
+			randomSessions(t, d.c, nil, fmt.Sprintf("s%d", seed), fsKind, seed, 60)
 		})
 	}
 }

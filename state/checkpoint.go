@@ -2,6 +2,7 @@ package state
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sort"
@@ -1130,7 +1131,15 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 		}
 		children[i] = s
 	}
-	var wg sync.WaitGroup
+	// The first child that fails for good fails the fork: the children
+	// not started yet are not, and those under way are cancelled.
+	fctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		wg       sync.WaitGroup
+		failOnce sync.Once
+		ferr     error
+	)
 	sem := make(chan struct{}, 4)
 	for i := range children {
 		if children[i] != nil {
@@ -1141,19 +1150,25 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			children[i], errs[i] = m.forkOne(ctx, &base, c, part, names[i], i+1, pol)
-			if errs[i] != nil { // a transient back-end failure gets one more try
+			if fctx.Err() != nil {
+				return
+			}
+			children[i], errs[i] = m.forkOne(fctx, &base, c, part, names[i], i+1, pol)
+			if errs[i] != nil && !permanent(errs[i]) && fctx.Err() == nil { // a transient back-end failure gets one more try
 				m.log.Warn("fork child failed; retrying once", "child", names[i], "err", errs[i])
-				children[i], errs[i] = m.forkOne(ctx, &base, c, part, names[i], i+1, pol)
+				children[i], errs[i] = m.forkOne(fctx, &base, c, part, names[i], i+1, pol)
+			}
+			if errs[i] != nil {
+				failOnce.Do(func() {
+					ferr = fmt.Errorf("fork %s: child %s: %w", c.rec.ID, names[i], errs[i])
+					cancel()
+				})
 			}
 		}()
 	}
 	wg.Wait()
-	var ferr error
-	for i, e := range errs {
-		if e != nil && ferr == nil {
-			ferr = fmt.Errorf("fork %s: child %s: %w", c.rec.ID, names[i], e)
-		}
+	if ferr == nil && ctx.Err() != nil {
+		ferr = fmt.Errorf("fork %s: %w", c.rec.ID, ctx.Err())
 	}
 	if ferr == nil {
 		ferr = m.persist(func(b *batch) {
@@ -1191,6 +1206,14 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	m.obs.Forked(req.Count, time.Since(start))
 	m.log.Info("forked", "checkpoint", c.rec.ID, "count", req.Count, "prepared", len(wasWarm), "took", time.Since(start))
 	return out, nil
+}
+
+// permanent reports whether err says that trying the same again cannot
+// help (a back end's error with a Permanent method that says so, such as
+// a process image that names a file the new sandbox lacks).
+func permanent(err error) bool {
+	var p interface{ Permanent() bool }
+	return errors.As(err, &p) && p.Permanent()
 }
 
 func (m *Manager) forkOne(ctx context.Context, base *Sandbox, c *ckpt, part *ProcPart, name string, copyN int, pol Policy) (*sbox, error) {

@@ -388,6 +388,59 @@ func TestFork(t *testing.T) {
 	}
 }
 
+// A fork child whose restore fails gets one more try when the failure may
+// pass, none when its error says it is permanent; and the first child that
+// fails for good fails the fork without the children not started yet.
+func TestForkChildFailures(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		fails     int32
+		permanent bool
+		count     int
+		wantErr   bool
+		// restores attempted: at least, at most
+		min, max int32
+	}{
+		{"transient failure retried", 1, false, 1, false, 2, 2},
+		{"failing twice fails the fork", 2, false, 1, true, 2, 2},
+		{"permanent failure not retried", 1, true, 1, true, 1, 1},
+		// 4 children are made at a time: those under way when the first
+		// fails may still try, the others never start.
+		{"permanent failure stops the rest", 100, true, 12, true, 1, 4},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, false)
+			e.create("src")
+			e.run("src", "set", "x", "1")
+			c := e.turn("src", state.ModeFull, false)
+			e.b.Faults.RestoreFailsForGood.Store(tc.permanent)
+			e.b.Faults.FailRestore.Store(tc.fails)
+			e.b.Faults.Restores.Store(0)
+			kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: tc.count, Prefix: "k"})
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("fork: %v, want error %v", err, tc.wantErr)
+			}
+			if n := e.b.Faults.Restores.Load(); n < tc.min || n > tc.max {
+				t.Errorf("%d restores attempted, want %d to %d", n, tc.min, tc.max)
+			}
+			if err != nil {
+				if !strings.Contains(err.Error(), "injected") {
+					t.Errorf("fork error %q does not name the child's failure", err)
+				}
+				for _, sb := range e.m.List() {
+					if strings.HasPrefix(sb.Name, "k") {
+						t.Errorf("a failed fork left %s behind", sb.Name)
+					}
+				}
+				return
+			}
+			if got := e.run(kids[0].Name, "get", "x"); got != "1" {
+				t.Errorf("child's x = %q", got)
+			}
+		})
+	}
+}
+
 func TestForkNoWait(t *testing.T) {
 	e := newEnv(t, false)
 	e.create("a")

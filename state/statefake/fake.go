@@ -90,8 +90,14 @@ type Faults struct {
 	FailSwitch     atomic.Int32
 	FailCheckpoint atomic.Bool
 	FailRestore    atomic.Int32
-	FailPersist    atomic.Bool
-	FailStart      atomic.Bool
+	// RestoreFailsForGood makes FailRestore's failures permanent ones
+	// (their error's Permanent method says so, as for a process image
+	// that names a file the sandbox lacks).
+	RestoreFailsForGood atomic.Bool
+	// Restores counts process restores attempted (fork children's too).
+	Restores    atomic.Int32
+	FailPersist atomic.Bool
+	FailStart   atomic.Bool
 	// FailStarts fails the next N process starts.
 	FailStarts atomic.Int32
 	// FailAwait makes FS.AwaitCheckpoint fail (an fs checkpoint whose
@@ -579,7 +585,11 @@ func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart, switchFS func
 	if err := switchFS(); err != nil {
 		return "", err
 	}
+	s.p.Faults.Restores.Add(1)
 	if s.p.Faults.FailRestore.Add(-1) >= 0 {
+		if s.p.Faults.RestoreFailsForGood.Load() {
+			return "", permanentError{errors.New("fake proc: injected permanent restore failure")}
+		}
 		return "", errors.New("fake proc: injected restore failure")
 	}
 	s.mu.Lock()
@@ -592,6 +602,14 @@ func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart, switchFS func
 	s.mu.Unlock()
 	return path, nil
 }
+
+// permanentError is a failure that the same call would meet again.
+type permanentError struct{ error }
+
+func (e permanentError) Unwrap() error { return e.error }
+
+// Permanent reports that trying again cannot help.
+func (permanentError) Permanent() bool { return true }
 
 // Close implements state.ProcSandbox.
 func (s *Sandbox) Close() error {
