@@ -2,6 +2,7 @@ package daemon_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"maps"
 	"math/rand/v2"
@@ -14,7 +15,9 @@ import (
 	"github.com/rewind-sandbox/rewind/api"
 	"github.com/rewind-sandbox/rewind/client"
 	"github.com/rewind-sandbox/rewind/conformance"
+	"github.com/rewind-sandbox/rewind/daemon"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/state"
 )
 
 // TestRealRandomSessions drives a daemon's sandbox (the eBPF probe, the
@@ -46,7 +49,7 @@ func TestRealRandomSessions(t *testing.T) {
 				} else {
 					d = startReal(t, t.TempDir())
 				}
-				randomSessions(t, d.c, nil, "a", tc.fs, seed, 90)
+				randomSessions(t, d.c, "a", sessionOpts{fs: tc.fs, seed: seed, n: 90})
 			})
 		}
 	}
@@ -80,17 +83,32 @@ func TestCrashRandomSessions(t *testing.T) {
 				cmd, c2 = spawnDaemon(t, stateDir, sock, "real")
 				return c2
 			}
-			randomSessions(t, c, crash, "a", "", seed, 90)
+			randomSessions(t, c, "a", sessionOpts{seed: seed, n: 90, crash: crash})
 		})
 	}
 }
 
-func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client, name, fsKind string, seed uint64, n int) {
+// sessionOpts say what randomSessions runs.
+type sessionOpts struct {
+	fs   string // the sandbox's file-system kind ("" for the daemon's choice)
+	seed uint64 // GenerateProcess's seed
+	n    int    // and step count
+	// crash, if set, kills the daemon and starts it again (see
+	// TestCrashRandomSessions), returning the new daemon's client.
+	crash func() *client.Client
+	// gc pins every checkpoint id handed out and, now and then, unpins
+	// some (the run never restores them again) and collects garbage
+	// (see TestGCRandomSessions).
+	gc bool
+}
+
+func randomSessions(t *testing.T, c *client.Client, name string, o sessionOpts) {
 	ctx := context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: name, Policy: "effects", FS: fsKind}); err != nil {
+	crash, seed := o.crash, o.seed
+	if _, err := c.Create(ctx, api.CreateRequest{Name: name, Policy: "effects", FS: o.fs}); err != nil {
 		t.Fatal(err)
 	}
-	w := conformance.GenerateProcess(seed, n)
+	w := conformance.GenerateProcess(seed, o.n)
 	type session struct{ id, marker, state string }
 	var sessions []session
 	sendTo := func(s session, text string) string {
@@ -139,6 +157,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 		return r.ID
 	}
 	restores, forks := 0, 0
+	paths := map[string]int{} // restores by path
 	crashAt, crashed := -1, false
 	preCrash := map[string]bool{} // ids handed out before the crash
 	const shmFile = "/dev/shm/ro" // GenerateProcess's file on the sandbox's /dev/shm
@@ -153,6 +172,75 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 			t.Fatalf("%s has no restore in its second half to crash before", w.Name)
 		}
 		crashAt = late[rng.IntN(len(late))]
+	}
+	// With o.gc: every label's id is pinned when it is handed out; now and
+	// then one label (and every label sharing its id) is dropped: its id
+	// unpinned and never restored again, and garbage collected. GC must
+	// free no id still pinned or the head, a freed id must be refused as
+	// not found without touching the sandbox, and every later restore of
+	// a pinned one must still give back its turn's state (through CRIU
+	// images once the daemon's few templates are evicted).
+	dropped := map[string]bool{}
+	collected, gcRuns := 0, 0
+	collect := func(i int, newest string) {
+		t.Helper()
+		id := labels[newest]
+		if _, err := c.Pin(ctx, []string{id}); err != nil {
+			t.Fatalf("step %d: pin %s: %v", i, id, err)
+		}
+		var live []string
+		for _, l := range slices.Sorted(maps.Keys(labels)) {
+			if !dropped[l] && labels[l] != id {
+				live = append(live, l)
+			}
+		}
+		if len(live) < 2 || rng.IntN(2) != 0 {
+			return
+		}
+		drop := labels[live[rng.IntN(len(live))]]
+		for l, x := range labels {
+			if x == drop {
+				dropped[l] = true
+			}
+		}
+		if _, err := c.Unpin(ctx, []string{drop}); err != nil {
+			t.Fatalf("step %d: unpin %s: %v", i, drop, err)
+		}
+		res, err := c.GC(ctx, false)
+		if err != nil {
+			t.Fatalf("step %d: gc: %v", i, err)
+		}
+		if len(res.Errors) > 0 {
+			t.Fatalf("step %d: gc errors: %v", i, res.Errors)
+		}
+		sb, err := c.Get(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range res.Freed {
+			for l, x := range labels {
+				if x == f && !dropped[l] {
+					t.Fatalf("step %d: gc freed %s, the id of pinned label %s", i, f, l)
+				}
+			}
+			if f == sb.Head {
+				t.Fatalf("step %d: gc freed the head %s", i, f)
+			}
+		}
+		collected += len(res.Freed)
+		gcRuns++
+		t.Logf("step %d: unpinned %s; gc freed %d, kept %d", i, drop, len(res.Freed), res.Kept)
+		if len(res.Freed) == 0 {
+			return
+		}
+		before := record()
+		f := res.Freed[rng.IntN(len(res.Freed))]
+		if _, err := c.Restore(ctx, name, f, 0); !errors.Is(err, state.ErrNotFound) {
+			t.Fatalf("step %d: restore of %s, freed by gc: %v, want not found", i, f, err)
+		}
+		if now := record(); now != before {
+			t.Fatalf("step %d: a refused restore changed the state:\n%s", i, diffLines(before, now))
+		}
 	}
 	for i, s := range w.Steps {
 		switch s.Op {
@@ -175,8 +263,21 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 			turn(i)
 		case "checkpoint":
 			labels[s.Label] = turn(i)
+			if o.gc {
+				collect(i, s.Label)
+			}
 		case "restore":
 			id := labels[s.Label]
+			if dropped[s.Label] {
+				// Unpinned and perhaps collected: restore the first
+				// label still pinned instead.
+				for _, l := range slices.Sorted(maps.Keys(labels)) {
+					if !dropped[l] {
+						id = labels[l]
+						break
+					}
+				}
+			}
 			if i == crashAt {
 				c = crash()
 				crashed = true
@@ -237,6 +338,7 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 				t.Fatalf("step %d: restore %s (%s, crashed before: %v): %v", i, s.Label, id, crashed, err)
 			}
 			restores++
+			paths[r.Path]++
 			if got := record(); got != states[id] {
 				t.Fatalf("step %d: restore of %s (%s, path %s, crashed before: %v) gives another state than its turn's:\n%s",
 					i, s.Label, id, r.Path, crashed, diffLines(states[id], got))
@@ -251,7 +353,10 @@ func randomSessions(t *testing.T, c *client.Client, crash func() *client.Client,
 	if crash != nil && !crashed {
 		t.Fatal("the daemon was not crashed")
 	}
-	t.Logf("%s: decisions %v over %d ids, %d restores, %d forks", w.Name, decisions, len(states), restores, forks)
+	t.Logf("%s: decisions %v over %d ids, %d restores (paths %v), %d forks, %d ids collected in %d gc runs", w.Name, decisions, len(states), restores, paths, forks, collected, gcRuns)
+	if o.gc && gcRuns == 0 {
+		t.Errorf("%s: gc never ran", w.Name)
+	}
 }
 
 // diffLines lists the lines of a and b that differ, side by side.
@@ -273,6 +378,25 @@ func diffLines(a, b string) string {
 	return out.String()
 }
 
+// TestGCRandomSessions is TestRealRandomSessions under garbage collection,
+// as a tree search that drops the nodes it will not revisit runs it: every
+// checkpoint the workload labels is pinned, and now and then a label is
+// unpinned, never to be restored again, and GC runs. GC must free none of
+// the ids still pinned, a freed id must be refused without touching the
+// sandbox, and every restore of a pinned id must give back its turn's
+// state. The daemon keeps only two checkpoints' templates and merges layers
+// two deep, so restores also go through CRIU images and merged layers.
+func TestGCRandomSessions(t *testing.T) {
+	d := startRealWith(t, t.TempDir(), func(c *daemon.Config) {
+		c.MaxTemplates, c.CompactDepth = 2, 2
+	})
+	for _, seed := range []uint64{10, 11} {
+		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) {
+			randomSessions(t, d.c, fmt.Sprintf("g%d", seed), sessionOpts{seed: seed, n: 90, gc: true})
+		})
+	}
+}
+
 // TestConcurrentRandomSessions is TestRealRandomSessions with several
 // sandboxes of one daemon driven at once, as a trainer's rollouts or a
 // search's parallel workers drive them: each runs its own random session
@@ -285,7 +409,7 @@ func TestConcurrentRandomSessions(t *testing.T) {
 		fsKind := []string{"fuse", "kernel"}[i%2]
 		t.Run(fmt.Sprintf("%s/seed%d", fsKind, seed), func(t *testing.T) {
 			t.Parallel()
-			randomSessions(t, d.c, nil, fmt.Sprintf("s%d", seed), fsKind, seed, 60)
+			randomSessions(t, d.c, fmt.Sprintf("s%d", seed), sessionOpts{fs: fsKind, seed: seed, n: 60})
 		})
 	}
 }
