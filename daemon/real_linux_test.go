@@ -539,3 +539,37 @@ func TestRealRestoreReopensFilesInTheRestoredView(t *testing.T) {
 		})
 	}
 }
+
+// A harness that forks right after its turn, without waiting for the
+// checkpoint to be durable (a trainer's checkpoint-then-fan-out), gets its
+// children: the fork waits for the process image they are restored from
+// (it used to fail "has no image yet" in 4 forks of 5).
+func TestRealForkRightAfterTurn(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, "x", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		send(t, c, "x", "b", fmt.Sprintf("v=%d; echo @@done@@", i))
+		r, err := c.Turn(ctx, "x", api.TurnRequest{Mode: "full"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := c.Fork(ctx, r.ID, api.ForkRequest{Count: 2, Prefix: fmt.Sprintf("k%d-", i)})
+		if err != nil {
+			t.Fatalf("fork %d right after its turn: %v", i, err)
+		}
+		for _, k := range res.Sandboxes {
+			if got := send(t, c, k, "b", "echo v=$v; echo @@done@@"); got != fmt.Sprintf("v=%d", i) {
+				t.Errorf("fork %d: child %s says %q", i, k, got)
+			}
+			if err := c.Remove(ctx, k); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}

@@ -772,6 +772,10 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 	start := time.Now()
 	var ph RestorePhases
 	m.mu.Lock()
+	if m.ckpts[c.rec.ID] != c {
+		m.mu.Unlock()
+		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(c.rec.ID)+" (garbage collected meanwhile)", nil)
+	}
 	if c.rec.Status != CkptReady {
 		m.mu.Unlock()
 		return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" is "+c.rec.Status, nil)
@@ -1062,6 +1066,11 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 		m.mu.Unlock()
 		return nil, errf(CodeNotReady, "checkpoint "+c.rec.ID+" failed", nil)
 	}
+	m.mu.Unlock()
+	if err := m.awaitImage(ctx, c, req.NoWait); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
 	var base Sandbox
 	if src != nil {
 		base = *cloneSandbox(&src.rec)
@@ -1097,6 +1106,10 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	defer m.gcMu.RUnlock()
 	start := time.Now()
 	m.mu.Lock()
+	if m.ckpts[c.rec.ID] != c {
+		m.mu.Unlock()
+		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(c.rec.ID)+" (garbage collected meanwhile)", nil)
+	}
 	part, err := m.procPartFor(c)
 	m.mu.Unlock()
 	if err != nil {
@@ -1206,6 +1219,35 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	m.obs.Forked(req.Count, time.Since(start))
 	m.log.Info("forked", "checkpoint", c.rec.ID, "count", req.Count, "prepared", len(wasWarm), "took", time.Since(start))
 	return out, nil
+}
+
+// awaitImage waits until the process image of ready checkpoint c is
+// written: fork children are restored from it, and it is written after
+// the checkpoint is ready, in its durable phase. With noWait it fails
+// (not ready) instead of waiting; it fails for good when the image could
+// not be written.
+func (m *Manager) awaitImage(ctx context.Context, c *ckpt, noWait bool) error {
+	m.mu.Lock()
+	part, err := m.procPartFor(c)
+	m.mu.Unlock()
+	if err != nil || part.ImageReady {
+		return nil // the caller's own lookup reports a missing part
+	}
+	if noWait {
+		return errf(CodeNotReady, "checkpoint "+c.rec.ID+"'s process image is not written yet (retry, or drop --no-wait)", nil)
+	}
+	select {
+	case <-c.durable:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	m.mu.Lock()
+	part, err = m.procPartFor(c)
+	m.mu.Unlock()
+	if err == nil && !part.ImageReady && part.Processes > 0 {
+		return errf(CodeInternal, "checkpoint "+c.rec.ID+" cannot be forked: its process image could not be written (the daemon's log says why); it restores only in its own sandbox", nil)
+	}
+	return nil
 }
 
 // permanent reports whether err says that trying the same again cannot

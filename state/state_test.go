@@ -441,6 +441,62 @@ func TestForkChildFailures(t *testing.T) {
 	}
 }
 
+// A fork right after a turn, before the checkpoint's process image is
+// written (its durable phase), waits for the image its children are
+// restored from; with NoWait it is refused as not ready; and a checkpoint
+// whose image could not be written cannot be forked, saying why.
+func TestForkWaitsForImage(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("src")
+	e.run("src", "set", "x", "7")
+	e.b.Faults.PersistDelay.Store(int64(300 * time.Millisecond))
+	c := e.turn("src", state.ModeFull, false)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		ck, err := e.m.GetCheckpoint(c.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ck.Status == state.CkptReady {
+			if ck.Durable {
+				t.Fatal("the image was written before the fork could try")
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("checkpoint still %s", ck.Status)
+		}
+	}
+	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 1, Prefix: "n", NoWait: true}); !errors.Is(err, state.ErrNotReady) || !strings.Contains(err.Error(), "image") {
+		t.Fatalf("no-wait fork of a ready checkpoint before its image: %v, want not ready", err)
+	}
+	kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "k"})
+	if err != nil {
+		t.Fatalf("fork before the image is written: %v", err)
+	}
+	for _, k := range kids {
+		if got := e.run(k.Name, "get", "x"); got != "7" {
+			t.Errorf("%s: x = %q", k.Name, got)
+		}
+	}
+
+	e.b.Faults.PersistDelay.Store(0)
+	e.b.Faults.FailPersist.Store(true)
+	e.run("src", "set", "x", "8")
+	c2 := e.turn("src", state.ModeFull, false)
+	_, err = e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c2.ID, Count: 1, Prefix: "f"})
+	if err == nil || !strings.Contains(err.Error(), "process image could not be written") {
+		t.Fatalf("fork of a checkpoint without an image: %v", err)
+	}
+	// It still restores in its own sandbox (templates).
+	e.run("src", "set", "x", "9")
+	if _, err := e.m.Restore(e.ctx, "src", c2.ID, 0); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.run("src", "get", "x"); got != "8" {
+		t.Errorf("x after the restore = %q", got)
+	}
+}
+
 func TestForkNoWait(t *testing.T) {
 	e := newEnv(t, false)
 	e.create("a")

@@ -525,10 +525,15 @@ func (m *Manager) PrepareFork(ctx context.Context, id string, count int) (int, e
 		return 0, ctx.Err()
 	}
 	m.mu.Lock()
-	if c.rec.Status != CkptReady {
-		m.mu.Unlock()
+	failed := c.rec.Status != CkptReady
+	m.mu.Unlock()
+	if failed {
 		return 0, errf(CodeNotReady, "checkpoint "+id+" failed", nil)
 	}
+	if err := m.awaitImage(ctx, c, false); err != nil {
+		return 0, err
+	}
+	m.mu.Lock()
 	n := min(count, m.cfg.WarmForks)
 	m.warm.want[id] = max(m.warm.want[id], n)
 	delete(m.warm.failed, id)

@@ -103,6 +103,8 @@ type Faults struct {
 	// FailAwait makes FS.AwaitCheckpoint fail (an fs checkpoint whose
 	// layer could not be written after it returned).
 	FailAwait atomic.Bool
+	// PersistDelay slows every process image write (nanoseconds).
+	PersistDelay atomic.Int64
 	// CheckpointDelay slows every fs checkpoint (nanoseconds).
 	CheckpointDelay atomic.Int64
 }
@@ -293,6 +295,7 @@ type Proc struct {
 	Prefetches atomic.Int64
 	mu         sync.Mutex
 	tpls       map[string]map[string]string
+	tplOwner   map[string]string // template -> the sandbox it was taken in
 }
 
 var (
@@ -534,13 +537,24 @@ func (s *Sandbox) Checkpoint(_ context.Context, barrier func() error) (*state.Pr
 		s.p.tpls = map[string]map[string]string{}
 	}
 	s.p.tpls[t] = snap
+	if s.p.tplOwner == nil {
+		s.p.tplOwner = map[string]string{}
+	}
+	s.p.tplOwner[t] = s.id
 	s.p.mu.Unlock()
 	return &state.ProcPart{Templates: []string{t}, TemplateReady: true, Processes: 1,
 		Bytes: int64(len(snap)) * 64, FrozenUS: max(1, time.Since(start).Microseconds())}, nil
 }
 
+func (p *Proc) owner(tpl string) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.tplOwner[tpl]
+}
+
 // Persist implements state.ProcSandbox.
 func (s *Sandbox) Persist(_ context.Context, part *state.ProcPart) (*state.ProcPart, error) {
+	time.Sleep(time.Duration(s.p.Faults.PersistDelay.Load()))
 	if s.p.Faults.FailPersist.Load() {
 		return nil, errors.New("fake proc: injected persist failure")
 	}
@@ -566,10 +580,16 @@ func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart, switchFS func
 	var snap map[string]string
 	path := ""
 	s.p.mu.Lock()
-	if part.TemplateReady && len(part.Templates) > 0 {
+	foreign := len(part.Templates) > 0 && s.p.tplOwner[part.Templates[0]] != s.id
+	if part.TemplateReady && len(part.Templates) > 0 && !foreign {
 		snap, path = s.p.tpls[part.Templates[0]], "template"
 	}
 	s.p.mu.Unlock()
+	if foreign && !part.ImageReady {
+		// As the real engine: another sandbox's templates cannot be
+		// forked into this one; its image can be restored here.
+		return "", fmt.Errorf("fake proc: %s was taken in sandbox %s and has no image yet", part.Templates[0], s.p.owner(part.Templates[0]))
+	}
 	if snap == nil && part.ImageReady {
 		s.p.Disk.mu.Lock()
 		snap, path = s.p.Disk.images[part.ImageDir], "criu"
