@@ -126,7 +126,7 @@ func (e *Engine) ShellDigest(ctx context.Context, t Target, pid int) (*ShellStat
 		err := ip.Detach()
 		stopped = time.Since(t0)
 		return err
-	})
+	}, nil)
 	if err != nil {
 		return nil, fmt.Errorf("shell digest of %d: %w", pid, err)
 	}
@@ -138,9 +138,9 @@ func (e *Engine) ShellDigest(ctx context.Context, t Target, pid int) (*ShellStat
 // of process origPID (its pid when checkpointed) holds, the same way as
 // ShellDigest does for a live shell. The two are equal when the live shell
 // is in the state the checkpoint saved. The sandbox's lock is held only
-// until the template's copy exists: the copy prints its state while the
-// sandbox's restores and checkpoints go on (it is a helper, which they
-// leave alone).
+// until the template's copy exists and is set up: the copy prints its
+// state while the sandbox's restores and checkpoints go on (it is a
+// helper, which they leave alone).
 func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int) (*ShellState, error) {
 	e.mu.Lock()
 	c, ok := e.ckpts[id]
@@ -171,7 +171,7 @@ func (e *Engine) TemplateShellDigest(ctx context.Context, id string, origPID int
 	if err := isBash(tm.proc.Pid()); err != nil {
 		return nil, fmt.Errorf("shell digest of checkpoint %s: %w", id, err)
 	}
-	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, tm.files, unlock)
+	st, err := e.digestFrom(ctx, c.rec.Sandbox, tm.proc, tm.files, nil, unlock)
 	if err != nil {
 		return nil, fmt.Errorf("shell digest of checkpoint %s process %d: %w", id, origPID, err)
 	}
@@ -192,14 +192,24 @@ func isBash(pid int) error {
 
 // digestFrom takes the digest from src, a stopped process; files are a
 // template's files (see kernelShellState), nil for a live shell; release
-// (if set) lets src run on as soon as its copy exists.
-func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, files []viewFD, release func() error) (st *ShellState, err error) {
-	released := false
+// (if set) lets src run on as soon as its copy exists. unlock (if set)
+// releases the caller's hold of the sandbox's lock once the copy is set up
+// and runs on its own: every injection into a process of the sandbox must
+// be made under that lock, or a checkpoint's freeze of the sandbox's
+// cgroup could stop the copy in the middle of one, and the tracer thread,
+// waiting for the step, would never serve the checkpoint that waits for it
+// to seize the sandbox's processes (found by a run of concurrent calls:
+// a daemon hung for good).
+func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, files []viewFD, release func() error, unlock func() error) (st *ShellState, err error) {
+	released, unlocked := false, false
 	defer func() {
 		if release != nil && !released {
 			if rerr := release(); err == nil && rerr != nil {
 				st, err = nil, rerr
 			}
+		}
+		if unlock != nil && !unlocked {
+			_ = unlock()
 		}
 	}()
 	regs := src.Regs()
@@ -235,6 +245,10 @@ func (e *Engine) digestFrom(ctx context.Context, sb string, src *inject.Proc, fi
 		return nil, err
 	}
 	w, r, err := cp.RunConfined(filter)
+	if unlock != nil {
+		unlocked = true
+		_ = unlock()
+	}
 	if err != nil {
 		return nil, err
 	}
