@@ -95,6 +95,14 @@ type Engine struct {
 	// sbMu serialises process-creating operations per sandbox, so a
 	// process being forked is never mistaken for a live one.
 	sbMu map[string]*sync.Mutex
+	// nsMu keeps a sandbox's mount namespace still while criu dumps a
+	// copy in it without the sandbox's lock (read) against a restore that
+	// replaces the namespace's root (write, RestoreOptions.Reroot): criu
+	// reads the namespace's mounts and /proc throughout a dump, and a
+	// pivot_root in the middle failed 6 background dumps in 40 of
+	// checkpoints restored away from at once ("Can't read link of fd",
+	// "Can't lookup mount").
+	nsMu map[string]*sync.RWMutex
 	// runner is the CRIU runner, made on first use.
 	runner *criu.Runner
 	// bg tracks background spare creation; closing stops new ones.
@@ -173,6 +181,18 @@ func (e *Engine) sandboxLock(id string) *sync.Mutex {
 	if !ok {
 		m = &sync.Mutex{}
 		e.sbMu[id] = m
+	}
+	return m
+}
+
+// nsLock is sandbox id's nsMu.
+func (e *Engine) nsLock(id string) *sync.RWMutex {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	m, ok := e.nsMu[id]
+	if !ok {
+		m = &sync.RWMutex{}
+		e.nsMu[id] = m
 	}
 	return m
 }
@@ -464,6 +484,7 @@ func New(cfg Config) (*Engine, error) {
 		tracer: inject.NewTracer(),
 		ckpts:  map[string]*ckpt{},
 		sbMu:   map[string]*sync.Mutex{},
+		nsMu:   map[string]*sync.RWMutex{},
 		aux:    map[int]string{},
 
 		collapsing:   map[int]string{},
@@ -1323,6 +1344,16 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 	}
 	defer e.releaseCk(c)
 	ph.mark("lock")
+	if sw := opts.SwitchFS; opts.Reroot && sw != nil {
+		// No background dump may run in the namespace while its root
+		// is replaced (see nsMu).
+		opts.SwitchFS = func() error {
+			ns := e.nsLock(t.ID())
+			ns.Lock()
+			defer ns.Unlock()
+			return sw()
+		}
+	}
 	start := time.Now()
 	// The quiet processes a template restore stops are killed once it
 	// is done (see signalLive), whatever its outcome.

@@ -139,10 +139,14 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 			return fmt.Errorf("dump copy %d: %w", cp, err)
 		}
 		dir := e.imageDir(c, i)
+		// The namespace's root stays in place while criu reads it (nsMu).
+		ns := e.nsLock(t.ID())
+		ns.RLock()
 		// The template may hold files of a root mount replaced since it
 		// was taken (RestoreOptions.Reroot): dumped as externals.
 		ext, err := criu.Externals(t.InitPID(), []int{cp})
 		if err != nil {
+			ns.RUnlock()
 			_ = unix.Kill(cp, unix.SIGKILL)
 			e.forgetAux(tm, cp)
 			return err
@@ -150,6 +154,7 @@ func (e *Engine) doDumpTemplates(c *ckpt, t Target) error {
 		dctx, cancel := context.WithTimeout(e.life, dumpTimeout)
 		derr := r.Dump(dctx, criu.DumpOptions{NSInit: t.InitPID(), Pid: p.NSPID, Dir: dir, External: ext})
 		cancel()
+		ns.RUnlock()
 		if derr != nil {
 			_ = unix.Kill(cp, unix.SIGKILL)
 		}

@@ -32,7 +32,7 @@ func TestConcurrentCalls(t *testing.T) {
 	for _, tc := range []struct {
 		fs   string
 		seed uint64
-	}{{"fuse", 2}, {"fuse", 4}} {
+	}{{"fuse", 2}, {"fuse", 4}, {"kernel", 3}, {"kernel", 5}} {
 		t.Run(fmt.Sprintf("%s/seed%d", tc.fs, tc.seed), func(t *testing.T) {
 			concurrentCalls(t, tc.fs, tc.seed)
 		})
