@@ -174,27 +174,21 @@ func (e *Engine) goDump(c *ckpt, t Target) {
 // closes.
 var errClosing = errors.New("engine closing: no image written")
 
-func (e *Engine) sandboxLock(id string) *sync.Mutex {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	m, ok := e.sbMu[id]
-	if !ok {
-		m = &sync.Mutex{}
-		e.sbMu[id] = m
-	}
-	return m
-}
+func (e *Engine) sandboxLock(id string) *sync.Mutex { return lockOf(e, e.sbMu, id) }
 
 // nsLock is sandbox id's nsMu.
-func (e *Engine) nsLock(id string) *sync.RWMutex {
+func (e *Engine) nsLock(id string) *sync.RWMutex { return lockOf(e, e.nsMu, id) }
+
+// lockOf returns sandbox id's lock in m, made on first use (under e.mu).
+func lockOf[L any](e *Engine, m map[string]*L, id string) *L {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	m, ok := e.nsMu[id]
+	l, ok := m[id]
 	if !ok {
-		m = &sync.RWMutex{}
-		e.nsMu[id] = m
+		l = new(L)
+		m[id] = l
 	}
-	return m
+	return l
 }
 
 // Mode says how a checkpoint's processes are kept.
