@@ -45,6 +45,8 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		return nil, errors.New("the daemon needs root (namespaces, FUSE, cgroups)")
 	}
 	dir := cfg.StateDir
+	// Before anything waits on what a dead daemon's process may hold.
+	abortStaleFUSE(filepath.Join(dir, "mnt"), log)
 	var closers []func()
 	fail := func(err error) (*backendSet, error) {
 		for i := len(closers) - 1; i >= 0; i-- {

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -17,6 +19,7 @@ import (
 	"github.com/rewind-sandbox/rewind/internal/testenv"
 	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/state"
+	"golang.org/x/sys/unix"
 )
 
 // spawnDaemon starts this test binary as a daemon process.
@@ -178,5 +181,82 @@ func unmountTree(dir string) {
 	}
 	for i := len(mps) - 1; i >= 0; i-- {
 		syscall.Unmount(mps[i], syscall.MNT_DETACH)
+	}
+}
+
+// A FUSE connection of a killed daemon that something else still holds
+// (the daemon's own child, forked to exec a helper in a sandbox's
+// namespaces and blocked in that exec on the sandbox's root, was seen
+// holding it, with every other descriptor the daemon had) keeps whoever
+// waits on it blocked for ever, SIGKILL or not. The next daemon on the
+// state dir aborts the connections of the mounts the dead one left, so the
+// waiter gets an error and goes. Here the test holds a duplicate of the
+// daemon's /dev/fuse descriptor (pidfd_getfd) and a process waits on the
+// mount while the daemon is stopped and then killed.
+func TestCrashAbortsStaleFUSEConnections(t *testing.T) {
+	testenv.RequireRoot(t)
+	_, err := os.Stat("/dev/fuse")
+	testenv.Require(t, err == nil, "/dev/fuse")
+	dir := t.TempDir()
+	stateDir, sock := filepath.Join(dir, "state"), filepath.Join(dir, "run", "rewind.sock")
+	cmd, c := spawnDaemon(t, stateDir, sock, "real")
+	ctx := context.Background()
+	sb, err := c.Create(ctx, api.CreateRequest{Name: "a", FS: "fuse"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mnt := filepath.Join(stateDir, "mnt", sb.ID)
+	// Hold the daemon's connections: duplicates of its /dev/fuse fds.
+	pid := cmd.Process.Pid
+	pfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(pfd)
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := 0
+	for _, e := range ents {
+		if l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name())); l == "/dev/fuse" {
+			n, _ := strconv.Atoi(e.Name())
+			fd, err := unix.PidfdGetfd(pfd, n, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(fd)
+			held++
+		}
+	}
+	if held == 0 {
+		t.Fatal("the daemon holds no /dev/fuse descriptor")
+	}
+	// A request nobody will answer: the server is stopped, then killed.
+	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	waiter := exec.Command("stat", filepath.Join(mnt, fmt.Sprintf("nothing-%d", time.Now().UnixNano())))
+	if err := waiter.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- waiter.Wait() }()
+	time.Sleep(200 * time.Millisecond)
+	killDaemon(t, cmd)
+	select {
+	case err := <-waited:
+		t.Fatalf("the waiter returned while its connection was still held open: %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	_, c2 := spawnDaemon(t, stateDir, sock, "real")
+	select {
+	case <-waited: // the connection was aborted: stat failed and exited
+	case <-time.After(20 * time.Second):
+		waiter.Process.Kill()
+		t.Fatal("the new daemon left the dead one's FUSE connection alive: its waiter is still blocked")
+	}
+	if _, err := c2.List(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
