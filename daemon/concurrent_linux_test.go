@@ -43,12 +43,7 @@ func TestConcurrentCalls(t *testing.T) {
 func concurrentCalls(t *testing.T, fsKind string, seed uint64) {
 	d := startKernelDaemon(t)
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "x", FS: fsKind, Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "x", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
+	bashSandbox(t, c, api.CreateRequest{Name: "x", FS: fsKind, Policy: "effects"})
 	send(t, c, "x", "b", "mkdir -p /w; cd /w; n=0; echo @@done@@")
 	r0, err := c.Turn(ctx, "x", api.TurnRequest{Mode: "full", Wait: true})
 	if err != nil {

@@ -46,12 +46,7 @@ func crashCalls(t *testing.T, seed int) {
 	stateDir, sock := filepath.Join(dir, "state"), filepath.Join(dir, "run", "rewind.sock")
 	cmd, c := spawnDaemon(t, stateDir, sock, "real")
 	ctx := context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "x", Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "x", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
+	bashSandbox(t, c, api.CreateRequest{Name: "x", Policy: "effects"})
 	send(t, c, "x", "b", "mkdir -p /w; cd /w; n=0; echo @@done@@")
 	r0, err := c.Turn(ctx, "x", api.TurnRequest{Mode: "full", Wait: true})
 	if err != nil {

@@ -195,12 +195,7 @@ func TestRealIdleTurnsSkip(t *testing.T) {
 
 func idleTurnsSkip(t *testing.T, d *realDaemon, fsKind string) {
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: fsKind, Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "k", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
+	bashSandbox(t, c, api.CreateRequest{Name: "k", FS: fsKind, Policy: "effects"})
 	run := func(cmd string) string { return send(t, c, "k", "b", cmd+"\necho @@done@@") }
 	turn := func(when string, want state.Mode) *api.TurnResult {
 		t.Helper()
@@ -241,12 +236,7 @@ func idleTurnsSkip(t *testing.T, d *realDaemon, fsKind string) {
 func TestRealKernelImageDuringReroot(t *testing.T) {
 	d := startKernelDaemon(t)
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: "kernel"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "k", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
+	bashSandbox(t, c, api.CreateRequest{Name: "k", FS: "kernel"})
 	send(t, c, "k", "b", "mkdir -p /w; cd /w; echo @@done@@")
 	r0, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
 	if err != nil {

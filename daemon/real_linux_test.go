@@ -547,12 +547,7 @@ func TestRealRestoreReopensFilesInTheRestoredView(t *testing.T) {
 func TestRealForkRightAfterTurn(t *testing.T) {
 	d := startReal(t, t.TempDir())
 	c, ctx := d.c, context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "x"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "x", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: []string{"PS1="}}); err != nil {
-		t.Fatal(err)
-	}
+	bashSandbox(t, c, api.CreateRequest{Name: "x"})
 	for i := range 3 {
 		send(t, c, "x", "b", fmt.Sprintf("v=%d; echo @@done@@", i))
 		r, err := c.Turn(ctx, "x", api.TurnRequest{Mode: "full"})

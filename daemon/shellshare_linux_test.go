@@ -40,14 +40,21 @@ func turn(t *testing.T, c *client.Client, name string) (string, *state.Checkpoin
 // function that runs one command line in it and returns its output.
 func shellSandbox(t *testing.T, c *client.Client, env ...string) func(cmd string) string {
 	t.Helper()
-	ctx := context.Background()
-	if _, err := c.Create(ctx, api.CreateRequest{Name: "sh", Policy: "effects"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := c.StartSession(ctx, "sh", api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: append([]string{"PS1="}, env...)}); err != nil {
-		t.Fatal(err)
-	}
+	bashSandbox(t, c, api.CreateRequest{Name: "sh", Policy: "effects"}, env...)
 	return func(cmd string) string { return send(t, c, "sh", "b", cmd+"\necho @@done@@") }
+}
+
+// bashSandbox creates sandbox req with a persistent bash as session "b"
+// (env added to PS1=).
+func bashSandbox(t *testing.T, c *client.Client, req api.CreateRequest, env ...string) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := c.Create(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.StartSession(ctx, req.Name, api.SessionRequest{ID: "b", Argv: []string{"bash", "--noprofile", "--norc"}, Env: append([]string{"PS1="}, env...)}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // TestRealUnchangedShellSharesItsProcessPart drives a persistent bash in a
