@@ -305,7 +305,11 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 		raise()
 	}
 	for attempt := 1; ; attempt++ {
-		if err := waitPidsFree(ctx, t.InitPID(), need, e.liveHelperPids(t.ID())); err != nil {
+		err := waitPidsFree(ctx, t.InitPID(), need, e.liveHelperPids(t.ID()))
+		if err != nil && e.freeHelperPids(t, need) {
+			err = waitPidsFree(ctx, t.InitPID(), need, e.liveHelperPids(t.ID()))
+		}
+		if err != nil {
 			return 0, err
 		}
 		nspid, err := r.Restore(ctx, o)
@@ -332,6 +336,73 @@ func (e *Engine) restoreImage(ctx context.Context, r *criu.Runner, t Target, o c
 		}
 		time.Sleep(time.Duration(attempt) * time.Millisecond)
 	}
+}
+
+// freeHelperPids makes the engine's helpers in t give up the pids of need
+// they hold, where nothing is lost by it, and reports whether it took any
+// away: a warm spare is killed (a restore of its checkpoint forks the
+// template instead), and the templates of a checkpoint whose image is
+// written are dropped (its restores take the image, as after an eviction).
+// The killed helpers are no longer live helpers (liveHelperPids), so
+// waitPidsFree then waits for their pids to free.
+//
+// Images' pids come from the upper half of the pid range (dumpCopy), which
+// a long run goes round: after a restart, the templates restored from one
+// checkpoint's image, and their spares, can hold pids another image needs.
+// The templates of a checkpoint in use (a fork from it), or whose image is
+// not written yet, stay: the restore then fails, naming them.
+func (e *Engine) freeHelperPids(t Target, need []int) bool {
+	hs, err := pidHolders(t.InitPID(), need, e.liveHelperPids(t.ID()))
+	if err != nil {
+		return false
+	}
+	held := map[int]bool{}
+	for _, h := range hs {
+		if h.helper {
+			held[h.host] = true
+		}
+	}
+	if len(held) == 0 {
+		return false
+	}
+	var drop []*ckpt
+	var spares retired
+	e.mu.Lock()
+	for _, c := range e.ckpts {
+		if c.rec.Sandbox != t.ID() || c.busy > 0 {
+			continue
+		}
+		holds := false
+		for _, tm := range c.templates {
+			holds = holds || held[tm.proc.Pid()]
+		}
+		if holds {
+			if c.image.Image {
+				drop = append(drop, c)
+			}
+			continue
+		}
+		for _, tm := range c.templates {
+			if tm.spare == nil || !held[tm.spare.Pid()] {
+				continue
+			}
+			e.aux[tm.spare.Pid()] = tm.sandbox
+			spares.spares = append(spares.spares, tm.spare)
+			spares.io = append(spares.io, tm.spareIO)
+			tm.spare, tm.spareIO = nil, nil
+			tm.measured = false
+		}
+	}
+	e.mu.Unlock()
+	for _, sp := range spares.spares {
+		e.log.Info("kill a spare holding a pid an image needs", "sandbox", t.ID(), "pid", sp.Pid())
+	}
+	e.kill(spares)
+	for _, c := range drop {
+		e.log.Info("drop templates holding pids an image needs (the checkpoint keeps its image)", "sandbox", t.ID(), "checkpoint", c.rec.ID)
+		e.dropTemplates(c)
+	}
+	return len(drop) > 0 || len(spares.spares) > 0
 }
 
 // ImagePidsFree reports whether a restore of checkpoint id from its image

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -290,5 +291,121 @@ func TestPidHoldersInitThread(t *testing.T) {
 	err = waitPidsFree(context.Background(), os.Getpid(), []int{tid}, nil)
 	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("pid %d is the thread of the sandbox's init", tid)) {
 		t.Fatalf("waitPidsFree: %v", err)
+	}
+}
+
+// setLastPID sets the last pid handed out in init's PID namespace, so that
+// the namespace's next fork gets pid v+1.
+func setLastPID(t *testing.T, init, v int) {
+	t.Helper()
+	out, err := exec.Command("nsenter", "-t", strconv.Itoa(init), "-p", "--",
+		"/bin/sh", "-c", fmt.Sprintf("echo %d >/proc/sys/kernel/ns_last_pid", v)).CombinedOutput()
+	if err != nil {
+		t.Fatalf("set ns_last_pid: %v: %s", err, out)
+	}
+}
+
+// TestRestoreImageFreesHelperPids: an image's pids come from the upper half
+// of the pid range, which a long run goes round, so a helper of another
+// checkpoint (a template restored from its own image after a restart, or
+// that template's warm spare) can hold a pid the image needs. A restore
+// gets it back where nothing is lost: a spare is killed, and the templates
+// of a checkpoint whose image is written are dropped (that checkpoint then
+// restores from its image). Each case puts a helper of checkpoint a on the
+// pid b's image needs, with ns_last_pid, before restoring b.
+func TestRestoreImageFreesHelperPids(t *testing.T) {
+	needCRIU(t)
+	cases := []struct {
+		name  string
+		warm  bool
+		holds string // which helper of a takes b's pid: "template" or "spare"
+		// wantA is the path a's restore takes afterwards.
+		wantA string
+	}{
+		{"template", false, "template", "criu"},
+		{"template with spare", true, "template", "criu"},
+		{"spare", true, "spare", "template"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			sb := startSandbox(t, "bash", "--norc", "--noprofile")
+			live := session{in: sb.in, out: sb.out}
+			e := newEngine(t, Config{ImagesDir: t.TempDir(), Warm: tc.warm})
+			ctx := ctxT(t)
+			bashChat(t, live, "cd /tmp; V=b")
+			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "b"}); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.WaitImage(ctx, "b"); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Evict("b"); err != nil {
+				t.Fatal(err)
+			}
+			e.mu.Lock()
+			dir := e.ckpts["b"].images[0].dir
+			e.mu.Unlock()
+			need, err := imagePids(dir)
+			if err != nil || len(need) != 1 {
+				t.Fatalf("b's image pids %v, %v", need, err)
+			}
+			bashChat(t, live, "V=a")
+			release := func() {}
+			if tc.holds == "spare" {
+				// a's template takes the pid before b's, its spare b's
+				// own; a's image dump (which forks a copy) waits until
+				// the spare is made, and until the end.
+				hold := make(chan struct{})
+				release = sync.OnceFunc(func() { close(hold) })
+				t.Cleanup(release)
+				e.beforeDump = func() { <-hold }
+				setLastPID(t, sb.InitPID(), need[0]-2)
+			} else {
+				setLastPID(t, sb.InitPID(), need[0]-1)
+			}
+			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "a"}); err != nil {
+				t.Fatal(err)
+			}
+			if tc.warm && !waitUntil(ctx, 30*time.Second, func() bool { return e.SparesReady(sb.ID()) }) {
+				t.Fatal("no spare for a's template")
+			}
+			if tc.holds != "spare" {
+				if err := e.WaitImage(ctx, "a"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			e.mu.Lock()
+			tm := e.ckpts["a"].templates[0]
+			holder := tm.proc.Pid()
+			if tc.holds == "spare" {
+				holder = tm.spare.Pid()
+			}
+			e.mu.Unlock()
+			if p, err := readProc(holder); err != nil || p.NSPID != need[0] {
+				t.Fatalf("a's %s is pid %d in the sandbox (%v), want %d, the pid b's image needs", tc.holds, p.NSPID, err, need[0])
+			}
+			restore := func(id, wantPath, want string) {
+				t.Helper()
+				stdio, sessions := freshStdio(t, sb)
+				res, err := e.Restore(ctx, sb, id, RestoreOptions{Stdio: stdio})
+				if err != nil {
+					t.Fatalf("restore %s: %v", id, err)
+				}
+				if res.Path != wantPath {
+					t.Fatalf("restore %s: path %s, want %s", id, res.Path, wantPath)
+				}
+				live = <-sessions
+				if got := bashChat(t, live, `echo "$PWD $V"`); got != want {
+					t.Fatalf("after restore %s: %q, want %q", id, got, want)
+				}
+				checkSessions(t, sb, e)
+			}
+			restore("b", "criu", "/tmp b")
+			release()
+			if err := e.WaitImage(ctx, "a"); err != nil {
+				t.Fatal(err)
+			}
+			restore("a", tc.wantA, "/tmp a")
+		})
 	}
 }
