@@ -9,6 +9,10 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/fs"
 )
 
 // abortStaleFUSE ends the FUSE connections of the mounts under mntDir,
@@ -29,8 +33,7 @@ func abortStaleFUSE(mntDir string, log *slog.Logger) int {
 	}
 	n := 0
 	for _, m := range staleFUSEMounts(b, mntDir) {
-		p := filepath.Join("/sys/fs/fuse/connections", strconv.Itoa(m.minor), "abort")
-		if err := os.WriteFile(p, []byte("1"), 0); err != nil {
+		if err := fs.AbortConnection(unix.Mkdev(0, uint32(m.minor))); err != nil {
 			log.Warn("abort a stale FUSE connection", "mount", m.point, "err", err)
 			continue
 		}

@@ -333,6 +333,11 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		if err := setReadahead(f.dev, maxIO); err != nil {
 			f.log.Warn("mount: kernel readahead stays at its default", "mount", mp, "err", err)
 		}
+		// WaitIdle and Unmount's abort read and write the connection's
+		// files in fusectl, which a fresh machine may not have mounted.
+		if _, err := os.Stat(connFile(f.dev, "waiting")); err != nil {
+			f.log.Warn("mount: no fusectl entry for the connection: WaitIdle cannot wait for write-back", "mount", mp, "err", err)
+		}
 	}
 	f.kickSpare()
 	return f, nil
@@ -1058,7 +1063,7 @@ func (f *FS) waitServer() bool {
 	}
 	// Named before the abort, which unblocks them.
 	why := fuseHolders(f.dev)
-	f.log.Error("unmount: the FUSE connection is still in use; aborting it", "mount", f.mountpoint, "holders", why, "err", abortFUSE(f.dev))
+	f.log.Error("unmount: the FUSE connection is still in use; aborting it", "mount", f.mountpoint, "holders", why, "err", AbortConnection(f.dev))
 	select {
 	case <-done:
 		return true
@@ -1102,18 +1107,36 @@ func setReadahead(dev uint64, size int) error {
 	return nil
 }
 
-// abortFUSE aborts the FUSE connection of device dev (fusectl's
-// connections/<minor>/abort), mounting fusectl first if needed.
-func abortFUSE(dev uint64) error {
+// fusectl is where the FUSE control file system shows each connection, by
+// its device's minor number.
+const fusectl = "/sys/fs/fuse/connections"
+
+// connFile returns the path of file name of FUSE connection dev in
+// fusectl, mounting fusectl first when the connection is not there (a
+// fresh machine may not have it mounted; systemd mounts it only when the
+// fuse module loads).
+func connFile(dev uint64, name string) string {
+	dir := filepath.Join(fusectl, strconv.FormatUint(uint64(unix.Minor(dev)), 10))
+	if _, err := os.Stat(dir); err != nil {
+		_ = unix.Mount("fusectl", fusectl, "fusectl", 0, "")
+	}
+	return filepath.Join(dir, name)
+}
+
+// AbortConnection aborts FUSE connection dev (the device number of a FUSE
+// mount, as stat gives it), through fusectl: every request waiting on it
+// fails at once with ECONNABORTED, and every later one too, whoever still
+// holds the connection's /dev/fuse. For connections no server will answer
+// any more (a dead daemon's): a process blocked on one waits for ever,
+// and SIGKILL does not free it.
+func AbortConnection(dev uint64) error {
 	if dev == 0 {
-		return errors.New("no device number recorded")
+		return errors.New("abort FUSE connection: no device number")
 	}
-	const ctl = "/sys/fs/fuse/connections"
-	p := filepath.Join(ctl, strconv.FormatUint(uint64(unix.Minor(dev)), 10), "abort")
-	if _, err := os.Stat(p); err != nil {
-		_ = unix.Mount("fusectl", ctl, "fusectl", 0, "")
+	if err := os.WriteFile(connFile(dev, "abort"), []byte("1"), 0o200); err != nil {
+		return fmt.Errorf("abort FUSE connection %d: %w", unix.Minor(dev), err)
 	}
-	return os.WriteFile(p, []byte("1"), 0o200)
+	return nil
 }
 
 // Unmount implements layer.FS.
