@@ -192,7 +192,11 @@ func unmountTree(dir string) {
 // state dir aborts the connections of the mounts the dead one left, so the
 // waiter gets an error and goes. Here the test holds a duplicate of the
 // daemon's /dev/fuse descriptor (pidfd_getfd) and a process waits on the
-// mount while the daemon is stopped and then killed.
+// mount while the daemon is stopped and then killed. The waiter holds the
+// state dir's lock too, as that child did (and as a daemon does that was
+// killed while one of its own threads waited on its own mount, which then
+// cannot finish dying): the next daemon sees that the lock's taker is dead,
+// aborts the connections first, and gets the lock once they let go of it.
 func TestCrashAbortsStaleFUSEConnections(t *testing.T) {
 	testenv.RequireRoot(t)
 	_, err := os.Stat("/dev/fuse")
@@ -218,28 +222,41 @@ func TestCrashAbortsStaleFUSEConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	held := 0
+	var lockFile *os.File
 	for _, e := range ents {
-		if l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name())); l == "/dev/fuse" {
-			n, _ := strconv.Atoi(e.Name())
-			fd, err := unix.PidfdGetfd(pfd, n, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
+		l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name()))
+		if l != "/dev/fuse" && l != filepath.Join(stateDir, "daemon.lock") {
+			continue
+		}
+		n, _ := strconv.Atoi(e.Name())
+		fd, err := unix.PidfdGetfd(pfd, n, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l == "/dev/fuse" {
 			defer unix.Close(fd)
 			held++
+			continue
 		}
+		lockFile = os.NewFile(uintptr(fd), l)
 	}
-	if held == 0 {
-		t.Fatal("the daemon holds no /dev/fuse descriptor")
+	if held == 0 || lockFile == nil {
+		t.Fatalf("the daemon holds %d /dev/fuse descriptors and its lock %v", held, lockFile != nil)
 	}
 	// A request nobody will answer: the server is stopped, then killed.
 	if err := cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
+	// The waiter also holds the state dir's lock (the daemon's open file
+	// description of it), as the daemon's own child or its own stuck
+	// thread would: the next daemon must see that its taker is dead and
+	// abort the connections that keep it held.
 	waiter := exec.Command("stat", filepath.Join(mnt, fmt.Sprintf("nothing-%d", time.Now().UnixNano())))
+	waiter.ExtraFiles = []*os.File{lockFile}
 	if err := waiter.Start(); err != nil {
 		t.Fatal(err)
 	}
+	lockFile.Close()
 	waited := make(chan error, 1)
 	go func() { waited <- waiter.Wait() }()
 	time.Sleep(200 * time.Millisecond)

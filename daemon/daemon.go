@@ -143,6 +143,9 @@ func Run(ctx context.Context, cfg Config) error {
 		return fmt.Errorf("state dir: %w", err)
 	}
 	lock, err := lockStateDir(cfg.StateDir)
+	if err != nil && breakDeadLock(cfg.StateDir, log) {
+		lock, err = lockStateDir(cfg.StateDir)
+	}
 	if err != nil {
 		return err
 	}
