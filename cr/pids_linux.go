@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -156,7 +157,7 @@ type pidHolder struct {
 	nspid  int
 	host   int
 	how    string // "pid", "thread", "group" or "session"
-	helper bool
+	helper string // what the engine holds the process for ("" if nothing)
 	zombie bool
 	init   bool // a thread of the sandbox's init: it never frees
 }
@@ -166,8 +167,8 @@ func (h pidHolder) String() string {
 	switch {
 	case h.init:
 		who = "the sandbox's init"
-	case h.helper:
-		who = "cr helper (template, spare or dump copy)"
+	case h.helper != "":
+		who = "cr helper (" + h.helper + ")"
 	case h.zombie:
 		who = "zombie"
 	}
@@ -176,7 +177,7 @@ func (h pidHolder) String() string {
 
 // pidHolders returns, for the pids in need, the processes below init that
 // still hold them (as their pid, a thread id, or their group or session id).
-func pidHolders(init int, need []int, helpers map[int]bool) ([]pidHolder, error) {
+func pidHolders(init int, need []int, helpers map[int]string) ([]pidHolder, error) {
 	want := map[int]bool{}
 	for _, p := range need {
 		want[p] = true
@@ -223,7 +224,7 @@ func pidHolders(init int, need []int, helpers map[int]bool) ([]pidHolder, error)
 // session id. A pid held by one of the engine's helpers or by a thread of
 // the sandbox's init never frees by itself: that fails at once. The error
 // names every holder.
-func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]bool) error {
+func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]string) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		hs, err := pidHolders(init, need, helpers)
@@ -235,7 +236,7 @@ func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]boo
 		}
 		stuck := false
 		for _, h := range hs {
-			if h.helper || h.init {
+			if h.helper != "" || h.init {
 				stuck = true
 			}
 		}
@@ -250,23 +251,45 @@ func waitPidsFree(ctx context.Context, init int, need []int, helpers map[int]boo
 	}
 }
 
-// liveHelperPids is templatePids without the helpers already killed or
-// being dumped (e.aux but for parked processes): their pids free by
-// themselves, once they are gone. A killed template may still look alive
-// for a while under load (SIGKILL takes effect when it is next scheduled).
-func (e *Engine) liveHelperPids(sb string) map[int]bool {
-	m := e.templatePids(sb)
+// liveHelperPids are the engine's helpers in sandbox sb that keep their
+// pids until the engine lets them go, each with what it is held for:
+// templates, spares, spares being warmed, parked processes. Helpers
+// already killed or being dumped (e.aux but for parked processes) are not:
+// their pids free by themselves, once they are gone. A killed template may
+// still look alive for a while under load (SIGKILL takes effect when it is
+// next scheduled).
+func (e *Engine) liveHelperPids(sb string) map[int]string {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	parked := map[int]bool{}
+	m := map[int]string{}
 	for _, c := range e.ckpts {
-		for _, tm := range c.parked {
-			parked[tm.proc.Pid()] = true
+		if c.rec.Sandbox != sb {
+			continue
 		}
-	}
-	for p := range e.aux {
-		if !parked[p] {
-			delete(m, p)
+		var state string
+		switch {
+		case c.busy > 0:
+			state = "in use"
+		case c.image.Image:
+			state = "image written"
+		case c.imageDone == nil:
+			state = "no image"
+		case c.image.ImageErr != nil:
+			state = "image failed"
+		default:
+			state = "image being written"
+		}
+		for _, t := range c.templates {
+			m[t.proc.Pid()] = fmt.Sprintf("template of %s, %s", c.rec.ID, state)
+			if t.spare != nil {
+				m[t.spare.Pid()] = "spare of " + c.rec.ID
+			}
+			if t.warming != nil {
+				m[t.warming.Pid()] = "spare being warmed of " + c.rec.ID
+			}
+		}
+		for _, t := range c.parked {
+			m[t.proc.Pid()] = "parked process of " + c.rec.ID
 		}
 	}
 	return m
@@ -358,7 +381,7 @@ func (e *Engine) freeHelperPids(t Target, need []int) bool {
 	}
 	held := map[int]bool{}
 	for _, h := range hs {
-		if h.helper {
+		if h.helper != "" {
 			held[h.host] = true
 		}
 	}
@@ -414,6 +437,18 @@ func (e *Engine) freeHelperPids(t Target, need []int) bool {
 // CRIU step still gets its exact pids. False when id has no image or its
 // pids cannot be read (the caller takes the safe way).
 func (e *Engine) ImagePidsFree(t Target, id string) bool {
+	need, err := e.ownImagePids(t, id)
+	if err != nil || len(need) == 0 {
+		return false
+	}
+	hs, err := pidHolders(t.InitPID(), need, nil)
+	return err == nil && len(hs) == 0
+}
+
+// ownImagePids returns the pids a restore of checkpoint id of t from its
+// image recreates, sorted; none when it has no image (or is another
+// sandbox's).
+func (e *Engine) ownImagePids(t Target, id string) ([]int, error) {
 	e.mu.Lock()
 	c, ok := e.ckpts[id]
 	var dirs []string
@@ -423,17 +458,37 @@ func (e *Engine) ImagePidsFree(t Target, id string) bool {
 		}
 	}
 	e.mu.Unlock()
-	if len(dirs) == 0 {
-		return false
-	}
 	var need []int
 	for _, d := range dirs {
 		p, err := imagePids(d)
 		if err != nil {
-			return false
+			return nil, err
 		}
 		need = append(need, p...)
 	}
-	hs, err := pidHolders(t.InitPID(), need, nil)
-	return err == nil && len(hs) == 0
+	slices.Sort(need)
+	return need, nil
+}
+
+// MakeRoomForImage moves t's pid counter past the pids checkpoint id's
+// image recreates, when it is below the highest of them, so that the
+// processes forked before that restore (the templates of the restore's
+// undo point, which hold their pids until the restore is done) do not
+// take one: a restore would fail on them. After a restart a sandbox's
+// counter sits just past the pids of the last image restored, and the
+// next image's pids are often above it (images take their pids from the
+// upper half of the range, which a long run goes round). Nothing to do
+// for a checkpoint without an image.
+func (e *Engine) MakeRoomForImage(t Target, id string) error {
+	need, err := e.ownImagePids(t, id)
+	if err != nil || len(need) == 0 {
+		return err
+	}
+	top := need[len(need)-1]
+	if cur, err := nsTopID(t.InitPID()); err == nil && cur >= top {
+		return nil
+	}
+	e.lastPIDMu.Lock()
+	defer e.lastPIDMu.Unlock()
+	return criu.RaiseLastPIDTo(t.InitPID(), top)
 }

@@ -409,3 +409,68 @@ func TestRestoreImageFreesHelperPids(t *testing.T) {
 		})
 	}
 }
+
+// TestMakeRoomForImage: a restore's undo point is taken before the
+// restore, as templates (Ephemeral) that hold their pids until the restore
+// is done and have no image, so nothing can take those pids back. After a
+// restart the sandbox's pid counter can sit just below the pids of the
+// image to restore: MakeRoomForImage, called before the undo point, moves
+// it past them.
+func TestMakeRoomForImage(t *testing.T) {
+	needCRIU(t)
+	sb := startSandbox(t, "bash", "--norc", "--noprofile")
+	live := session{in: sb.in, out: sb.out}
+	e := newEngine(t, Config{ImagesDir: t.TempDir()})
+	ctx := ctxT(t)
+	bashChat(t, live, "cd /tmp; V=b")
+	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitImage(ctx, "b"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Evict("b"); err != nil {
+		t.Fatal(err)
+	}
+	need, err := e.ownImagePids(sb, "b")
+	if err != nil || len(need) != 1 {
+		t.Fatalf("b's image pids %v, %v", need, err)
+	}
+	bashChat(t, live, "V=u")
+	// The counter where the undo point's template would take b's pid.
+	setLastPID(t, sb.InitPID(), need[0]-1)
+	if err := e.MakeRoomForImage(sb, "b"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "u", Ephemeral: true}); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	tpid := e.ckpts["u"].templates[0].proc.Pid()
+	e.mu.Unlock()
+	if p, err := readProc(tpid); err != nil || p.NSPID <= need[0] {
+		t.Fatalf("the undo point's template is pid %d in the sandbox (%v), want one above %d, the pid b's image needs", p.NSPID, err, need[0])
+	}
+	stdio, sessions := freshStdio(t, sb)
+	if _, err := e.Restore(ctx, sb, "b", RestoreOptions{Stdio: stdio}); err != nil {
+		t.Fatalf("restore b: %v", err)
+	}
+	live = <-sessions
+	if got := bashChat(t, live, `echo "$PWD $V"`); got != "/tmp b" {
+		t.Fatalf("after restore b: %q", got)
+	}
+	// Without the move the same steps fail: the template takes the pid.
+	bashChat(t, live, "V=b2")
+	e.Drop("u")
+	if err := e.Evict("b"); err != nil {
+		t.Fatal(err)
+	}
+	setLastPID(t, sb.InitPID(), need[0]-1)
+	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "u2", Ephemeral: true}); err != nil {
+		t.Fatal(err)
+	}
+	stdio, _ = freshStdio(t, sb)
+	if _, err := e.Restore(ctx, sb, "b", RestoreOptions{Stdio: stdio}); err == nil || !strings.Contains(err.Error(), "template of u2, no image") {
+		t.Fatalf("restore b with u2's template on its pid: %v, want it refused naming u2's template", err)
+	}
+}

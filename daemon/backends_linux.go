@@ -1029,7 +1029,22 @@ func (p *procSandbox) Checkpoint(ctx context.Context, barrier func() error) (*st
 // stopped (cr.ModeParked), for any process tree: no template fork and no
 // CRIU dump of a tree.
 func (p *procSandbox) CheckpointUndo(ctx context.Context, target *state.ProcPart, barrier func() error) (*state.ProcPart, error) {
-	return p.checkpoint(ctx, barrier, true, p.canPark(target))
+	park := p.canPark(target)
+	if !park && target != nil {
+		// The undo point's templates, forked now, must not take a pid
+		// the target's image recreates (a restore from the image
+		// would fail on them).
+		id := target.Data["cr"]
+		p.mu.Lock()
+		mine := p.ckpts[id]
+		p.mu.Unlock()
+		if parts, err := p.b.eng.Parts(id); mine && err == nil && parts.Image && !parts.Template {
+			if err := p.b.eng.MakeRoomForImage(p.sb, id); err != nil {
+				p.b.log.Debug("make room for an image's pids", "checkpoint", id, "err", err)
+			}
+		}
+	}
+	return p.checkpoint(ctx, barrier, true, park)
 }
 
 // canPark reports whether a restore to target leaves the pids of the
