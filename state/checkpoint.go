@@ -830,6 +830,17 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			ph.WindowUS += time.Since(t).Microseconds()
 			return m.restored(s, c, "fs", start, ph)
 		}
+		// The processes change. The last restore's undo point goes
+		// first: until released, its processes (templates) hold their
+		// pids, and a process part restored from an image needs its
+		// exact pids (the undo point taken next is told to keep clear
+		// of them, the last one was not).
+		m.mu.Lock()
+		released := s.undoReleased
+		m.mu.Unlock()
+		if released != nil {
+			<-released
+		}
 		if why != "" {
 			ph.Undo = "checkpoint"
 			if m.log.Enabled(bg, slog.LevelDebug) && rep != nil {
@@ -849,10 +860,17 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			}
 			defer func() {
 				// Off the caller's path: releasing may wait for the back
-				// end's asynchronous work on the undo point (an image dump).
+				// end's asynchronous work on the undo point (an image
+				// dump). The sandbox's next restore of its processes
+				// waits for it (above).
+				done := make(chan struct{})
+				m.mu.Lock()
+				s.undoReleased = done
+				m.mu.Unlock()
 				m.wg.Add(1)
 				go func() {
 					defer m.wg.Done()
+					defer close(done)
 					m.cfg.FS.Delete(bg, undoFS)
 					m.cfg.Proc.Release(bg, undo)
 				}()

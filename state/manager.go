@@ -115,6 +115,10 @@ type sbox struct {
 	policy     Policy
 	removed    bool
 	reports    reportRing // recent turn reports (m.mu)
+	// undoReleased is closed when the last restore's undo point has been
+	// released (that runs after the restore returned); nil before the
+	// first (m.mu).
+	undoReleased chan struct{}
 }
 
 type ckpt struct {

@@ -1053,3 +1053,49 @@ func TestRestoreUndoSeesUnseenWrite(t *testing.T) {
 		t.Fatalf("/late after the failed restore = %q", got)
 	}
 }
+
+// TestRestoreWaitsForLastUndoRelease: a restore's undo point is released
+// after the restore returned, off the caller's path. Until then its
+// processes (templates) hold their pids, and a process part restored from
+// an image needs its exact pids: the next restore of the sandbox's
+// processes waits for that release before it takes its own undo point.
+func TestRestoreWaitsForLastUndoRelease(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.run("a", "set", "x", "1")
+	c1 := e.turn("a", state.ModeFull, true)
+	e.run("a", "set", "x", "2")
+	c2 := e.turn("a", state.ModeFull, true)
+	e.b.Faults.ReleaseDelay.Store(int64(200 * time.Millisecond))
+	e.run("a", "set", "x", "3")
+	n := len(e.b.Proc.Events())
+	e.restore("a", c1.ID)
+	var undo1 string
+	for _, ev := range e.b.Proc.Events()[n:] {
+		if tpl, ok := strings.CutPrefix(ev, "checkpoint "); ok {
+			undo1 = tpl
+			break
+		}
+	}
+	if undo1 == "" {
+		t.Fatalf("the first restore took no undo point: %v", e.b.Proc.Events()[n:])
+	}
+	e.run("a", "set", "x", "4")
+	e.restore("a", c2.ID)
+	if got := e.run("a", "get", "x"); got != "2" {
+		t.Fatalf("x = %q after the second restore", got)
+	}
+	evs := e.b.Proc.Events()[n:]
+	released, undo2 := -1, -1
+	for i, ev := range evs {
+		if ev == "release "+undo1 {
+			released = i
+		}
+		if tpl, ok := strings.CutPrefix(ev, "checkpoint "); ok && tpl != undo1 && undo2 < 0 {
+			undo2 = i
+		}
+	}
+	if released < 0 || undo2 < 0 || released > undo2 {
+		t.Fatalf("the first undo point (%s) was released at event %d, the second restore's undo point taken at %d: %v", undo1, released, undo2, evs)
+	}
+}

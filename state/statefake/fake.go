@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -107,6 +108,8 @@ type Faults struct {
 	PersistDelay atomic.Int64
 	// CheckpointDelay slows every fs checkpoint (nanoseconds).
 	CheckpointDelay atomic.Int64
+	// ReleaseDelay slows every process part's release (nanoseconds).
+	ReleaseDelay atomic.Int64
 }
 
 // FS is a fake state.FSBackend.
@@ -296,6 +299,24 @@ type Proc struct {
 	mu         sync.Mutex
 	tpls       map[string]map[string]string
 	tplOwner   map[string]string // template -> the sandbox it was taken in
+	events     []string          // see Events
+}
+
+// Events returns what the process back end did, in order: "checkpoint T"
+// (template T taken), "restore T" (a restore of T's part began) and
+// "release T" (T's part released, logged once the release is done).
+func (p *Proc) Events() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.events)
+}
+
+func (p *Proc) event(what string, tpls []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, t := range tpls {
+		p.events = append(p.events, what+" "+t)
+	}
 }
 
 var (
@@ -337,6 +358,8 @@ func (p *Proc) Start(_ context.Context, id, root string) (state.ProcSandbox, err
 
 // Release implements state.ProcBackend.
 func (p *Proc) Release(_ context.Context, part *state.ProcPart) error {
+	time.Sleep(time.Duration(p.Faults.ReleaseDelay.Load()))
+	defer p.event("release", part.Templates)
 	p.mu.Lock()
 	for _, t := range part.Templates {
 		delete(p.tpls, t)
@@ -542,6 +565,7 @@ func (s *Sandbox) Checkpoint(_ context.Context, barrier func() error) (*state.Pr
 	}
 	s.p.tplOwner[t] = s.id
 	s.p.mu.Unlock()
+	s.p.event("checkpoint", []string{t})
 	return &state.ProcPart{Templates: []string{t}, TemplateReady: true, Processes: 1,
 		Bytes: int64(len(snap)) * 64, FrozenUS: max(1, time.Since(start).Microseconds())}, nil
 }
@@ -577,6 +601,7 @@ func (s *Sandbox) Persist(_ context.Context, part *state.ProcPart) (*state.ProcP
 // processes die first, then the fs switches, then the copies start. With
 // FailRestore the processes are gone and the copies never come.
 func (s *Sandbox) Restore(_ context.Context, part *state.ProcPart, switchFS func() error) (string, error) {
+	s.p.event("restore", part.Templates)
 	var snap map[string]string
 	path := ""
 	s.p.mu.Lock()
