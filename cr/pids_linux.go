@@ -471,7 +471,8 @@ func (e *Engine) ownImagePids(t Target, id string) ([]int, error) {
 }
 
 // MakeRoomForImage moves t's pid counter past the pids checkpoint id's
-// image recreates, when it is below the highest of them, so that the
+// image recreates, when it is below the highest of them (a process started
+// in the sandbox's PID namespace reads and writes it), so that the
 // processes forked before that restore (the templates of the restore's
 // undo point, which hold their pids until the restore is done) do not
 // take one: a restore would fail on them. After a restart a sandbox's
@@ -484,11 +485,9 @@ func (e *Engine) MakeRoomForImage(t Target, id string) error {
 	if err != nil || len(need) == 0 {
 		return err
 	}
-	top := need[len(need)-1]
-	if cur, err := nsTopID(t.InitPID()); err == nil && cur >= top {
-		return nil
-	}
+	// The counter itself, not the highest pid held (nsTopID): a counter
+	// gone round the range sits below pids still held above it.
 	e.lastPIDMu.Lock()
 	defer e.lastPIDMu.Unlock()
-	return criu.RaiseLastPIDTo(t.InitPID(), top)
+	return criu.RaiseLastPIDTo(t.InitPID(), need[len(need)-1])
 }

@@ -436,8 +436,12 @@ func TestMakeRoomForImage(t *testing.T) {
 	if err != nil || len(need) != 1 {
 		t.Fatalf("b's image pids %v, %v", need, err)
 	}
-	bashChat(t, live, "V=u")
-	// The counter where the undo point's template would take b's pid.
+	// A process of the sandbox holds a pid above b's (an orphan, now
+	// init's child), and the counter is where the undo point's first
+	// template would take b's pid: a CRIU restore leaves the counter at
+	// the last pid it recreated, below pids held since.
+	setLastPID(t, sb.InitPID(), need[0]+9)
+	bashChat(t, live, "(sleep 1000 &); V=u")
 	setLastPID(t, sb.InitPID(), need[0]-1)
 	if err := e.MakeRoomForImage(sb, "b"); err != nil {
 		t.Fatal(err)
@@ -446,10 +450,18 @@ func TestMakeRoomForImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.mu.Lock()
-	tpid := e.ckpts["u"].templates[0].proc.Pid()
+	var tpids []int
+	for _, tm := range e.ckpts["u"].templates {
+		tpids = append(tpids, tm.proc.Pid())
+	}
 	e.mu.Unlock()
-	if p, err := readProc(tpid); err != nil || p.NSPID <= need[0] {
-		t.Fatalf("the undo point's template is pid %d in the sandbox (%v), want one above %d, the pid b's image needs", p.NSPID, err, need[0])
+	if len(tpids) != 2 {
+		t.Fatalf("the undo point has %d templates, want 2 (bash and the orphan sleep)", len(tpids))
+	}
+	for _, tpid := range tpids {
+		if p, err := readProc(tpid); err != nil || p.NSPID <= need[0] {
+			t.Fatalf("an undo point's template is pid %d in the sandbox (%v), want one above %d, the pid b's image needs", p.NSPID, err, need[0])
+		}
 	}
 	stdio, sessions := freshStdio(t, sb)
 	if _, err := e.Restore(ctx, sb, "b", RestoreOptions{Stdio: stdio}); err != nil {
