@@ -437,7 +437,7 @@ func (e *Engine) freeHelperPids(t Target, need []int) bool {
 // CRIU step still gets its exact pids. False when id has no image or its
 // pids cannot be read (the caller takes the safe way).
 func (e *Engine) ImagePidsFree(t Target, id string) bool {
-	need, err := e.ownImagePids(t, id)
+	need, err := e.imagePidsOf(id, t.ID())
 	if err != nil || len(need) == 0 {
 		return false
 	}
@@ -445,14 +445,14 @@ func (e *Engine) ImagePidsFree(t Target, id string) bool {
 	return err == nil && len(hs) == 0
 }
 
-// ownImagePids returns the pids a restore of checkpoint id of t from its
-// image recreates, sorted; none when it has no image (or is another
-// sandbox's).
-func (e *Engine) ownImagePids(t Target, id string) ([]int, error) {
+// imagePidsOf returns the pids a restore of checkpoint id from its image
+// recreates, sorted; none when it has no image, or when sb is not empty
+// and id was taken in another sandbox than sb.
+func (e *Engine) imagePidsOf(id, sb string) ([]int, error) {
 	e.mu.Lock()
 	c, ok := e.ckpts[id]
 	var dirs []string
-	if ok && c.image.Image && c.rec.Sandbox == t.ID() {
+	if ok && c.image.Image && (sb == "" || c.rec.Sandbox == sb) {
 		for _, im := range c.images {
 			dirs = append(dirs, im.dir)
 		}
@@ -479,9 +479,19 @@ func (e *Engine) ownImagePids(t Target, id string) ([]int, error) {
 // counter sits just past the pids of the last image restored, and the
 // next image's pids are often above it (images take their pids from the
 // upper half of the range, which a long run goes round). Nothing to do
-// for a checkpoint without an image.
+// for a checkpoint without an image, or one of t whose restore forks its
+// templates. The checkpoint may be another
+// sandbox's (an image restores into any sandbox, and after a restart the
+// sandbox is a new one).
 func (e *Engine) MakeRoomForImage(t Target, id string) error {
-	need, err := e.ownImagePids(t, id)
+	e.mu.Lock()
+	c, ok := e.ckpts[id]
+	viaTemplates := ok && len(c.templates) > 0 && c.rec.Sandbox == t.ID()
+	e.mu.Unlock()
+	if !ok || viaTemplates {
+		return nil
+	}
+	need, err := e.imagePidsOf(id, "")
 	if err != nil || len(need) == 0 {
 		return err
 	}

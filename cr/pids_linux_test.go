@@ -432,7 +432,7 @@ func TestMakeRoomForImage(t *testing.T) {
 	if err := e.Evict("b"); err != nil {
 		t.Fatal(err)
 	}
-	need, err := e.ownImagePids(sb, "b")
+	need, err := e.imagePidsOf("b", sb.ID())
 	if err != nil || len(need) != 1 {
 		t.Fatalf("b's image pids %v, %v", need, err)
 	}

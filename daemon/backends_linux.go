@@ -1033,12 +1033,9 @@ func (p *procSandbox) CheckpointUndo(ctx context.Context, target *state.ProcPart
 	if !park && target != nil {
 		// The undo point's templates, forked now, must not take a pid
 		// the target's image recreates (a restore from the image
-		// would fail on them).
-		id := target.Data["cr"]
-		p.mu.Lock()
-		mine := p.ckpts[id]
-		p.mu.Unlock()
-		if parts, err := p.b.eng.Parts(id); mine && err == nil && parts.Image && !parts.Template {
+		// would fail on them). The target may be a checkpoint an
+		// earlier daemon took, of the sandbox as it was then.
+		if id := target.Data["cr"]; id != "" {
 			if err := p.b.eng.MakeRoomForImage(p.sb, id); err != nil {
 				p.b.log.Debug("make room for an image's pids", "checkpoint", id, "err", err)
 			}
