@@ -111,19 +111,7 @@ func TestCRIURestoreAfterTemplateCheckpoints(t *testing.T) {
 	}
 	restore := func(id, wantPath, want string) {
 		t.Helper()
-		stdio, sessions := freshStdio(t, sb)
-		res, err := e.Restore(ctx, sb, id, RestoreOptions{Stdio: stdio})
-		if err != nil {
-			t.Fatalf("restore %s: %v", id, err)
-		}
-		if res.Path != wantPath {
-			t.Fatalf("restore %s: path %s, want %s", id, res.Path, wantPath)
-		}
-		live = <-sessions
-		if got := bashChat(t, live, `echo "$PWD $V $(jobs -r | wc -l)"`); got != want {
-			t.Fatalf("after restore %s: %q, want %q", id, got, want)
-		}
-		checkSessions(t, sb, e)
+		live = restoreAsk(t, e, sb, id, wantPath, `echo "$PWD $V $(jobs -r | wc -l)"`, want)
 	}
 	restore("b", "criu", "/tmp b 1")
 	restore("a", "template", "/tmp a 0")
@@ -294,6 +282,27 @@ func TestPidHoldersInitThread(t *testing.T) {
 	}
 }
 
+// restoreAsk restores checkpoint id into sb, checks the path the restore
+// took and the restored shell's answer to cmd, and the sessions
+// (checkSessions); it returns the restored shell's session.
+func restoreAsk(t *testing.T, e *Engine, sb *testSandbox, id, wantPath, cmd, want string) session {
+	t.Helper()
+	stdio, sessions := freshStdio(t, sb)
+	res, err := e.Restore(ctxT(t), sb, id, RestoreOptions{Stdio: stdio})
+	if err != nil {
+		t.Fatalf("restore %s: %v", id, err)
+	}
+	if res.Path != wantPath {
+		t.Fatalf("restore %s: path %s, want %s", id, res.Path, wantPath)
+	}
+	live := <-sessions
+	if got := bashChat(t, live, cmd); got != want {
+		t.Fatalf("after restore %s: %q, want %q", id, got, want)
+	}
+	checkSessions(t, sb, e)
+	return live
+}
+
 // setLastPID sets the last pid handed out in init's PID namespace, so that
 // the namespace's next fork gets pid v+1.
 func setLastPID(t *testing.T, init, v int) {
@@ -384,28 +393,12 @@ func TestRestoreImageFreesHelperPids(t *testing.T) {
 			if p, err := readProc(holder); err != nil || p.NSPID != need[0] {
 				t.Fatalf("a's %s is pid %d in the sandbox (%v), want %d, the pid b's image needs", tc.holds, p.NSPID, err, need[0])
 			}
-			restore := func(id, wantPath, want string) {
-				t.Helper()
-				stdio, sessions := freshStdio(t, sb)
-				res, err := e.Restore(ctx, sb, id, RestoreOptions{Stdio: stdio})
-				if err != nil {
-					t.Fatalf("restore %s: %v", id, err)
-				}
-				if res.Path != wantPath {
-					t.Fatalf("restore %s: path %s, want %s", id, res.Path, wantPath)
-				}
-				live = <-sessions
-				if got := bashChat(t, live, `echo "$PWD $V"`); got != want {
-					t.Fatalf("after restore %s: %q, want %q", id, got, want)
-				}
-				checkSessions(t, sb, e)
-			}
-			restore("b", "criu", "/tmp b")
+			restoreAsk(t, e, sb, "b", "criu", `echo "$PWD $V"`, "/tmp b")
 			release()
 			if err := e.WaitImage(ctx, "a"); err != nil {
 				t.Fatal(err)
 			}
-			restore("a", tc.wantA, "/tmp a")
+			restoreAsk(t, e, sb, "a", tc.wantA, `echo "$PWD $V"`, "/tmp a")
 		})
 	}
 }
@@ -463,14 +456,7 @@ func TestMakeRoomForImage(t *testing.T) {
 			t.Fatalf("an undo point's template is pid %d in the sandbox (%v), want one above %d, the pid b's image needs", p.NSPID, err, need[0])
 		}
 	}
-	stdio, sessions := freshStdio(t, sb)
-	if _, err := e.Restore(ctx, sb, "b", RestoreOptions{Stdio: stdio}); err != nil {
-		t.Fatalf("restore b: %v", err)
-	}
-	live = <-sessions
-	if got := bashChat(t, live, `echo "$PWD $V"`); got != "/tmp b" {
-		t.Fatalf("after restore b: %q", got)
-	}
+	live = restoreAsk(t, e, sb, "b", "criu", `echo "$PWD $V"`, "/tmp b")
 	// Without the move the same steps fail: the template takes the pid.
 	bashChat(t, live, "V=b2")
 	e.Drop("u")
@@ -481,7 +467,7 @@ func TestMakeRoomForImage(t *testing.T) {
 	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "u2", Ephemeral: true}); err != nil {
 		t.Fatal(err)
 	}
-	stdio, _ = freshStdio(t, sb)
+	stdio, _ := freshStdio(t, sb)
 	if _, err := e.Restore(ctx, sb, "b", RestoreOptions{Stdio: stdio}); err == nil || !strings.Contains(err.Error(), "template of u2, no image") {
 		t.Fatalf("restore b with u2's template on its pid: %v, want it refused naming u2's template", err)
 	}
