@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -15,34 +16,50 @@ import (
 
 	"github.com/rewind-sandbox/rewind/api"
 	"github.com/rewind-sandbox/rewind/internal/testenv"
+	"github.com/rewind-sandbox/rewind/kernelpath"
 	"github.com/rewind-sandbox/rewind/state"
+	"golang.org/x/sys/unix"
 )
 
 // TestCrashCalls kills the daemon (SIGKILL) while four clients call one
 // sandbox at once (sends, auto turns waited for or not, restores, forks,
 // GC), starts a new daemon on the same state and restores every checkpoint
 // that was reported durable before the crash, asking the shell each time.
-// The crash lands at a random moment, so each run differs; the suite runs
-// 4 seeds (about 5 s each), REWIND_STRESS_N asks for more:
+// Odd seeds run the sandbox on FUSE, even ones on the kernel path (the
+// state dir on its own XFS). The crash lands at a random moment, so each
+// run differs; the suite runs 4 seeds (about 9 s each), REWIND_STRESS_N
+// asks for more:
 //
-//	REWIND_STRESS_N=100 go test -run TestCrashCalls -v ./daemon/
+//	REWIND_STRESS_N=100 go test -run 'TestCrashCalls$' -v ./daemon/
 func TestCrashCalls(t *testing.T) {
 	n := 4
 	if v, err := strconv.Atoi(os.Getenv("REWIND_STRESS_N")); err == nil && v > 0 {
 		n = v
 	}
 	for seed := 1; seed <= n; seed++ {
-		t.Run(fmt.Sprintf("seed%d", seed), func(t *testing.T) { crashCalls(t, seed) })
+		fsKind := "fuse"
+		if seed%2 == 0 {
+			fsKind = "kernel"
+		}
+		t.Run(fmt.Sprintf("seed%d-%s", seed, fsKind), func(t *testing.T) { crashCalls(t, seed, fsKind) })
 	}
 }
 
-func crashCalls(t *testing.T, seed int) {
+func crashCalls(t *testing.T, seed int, fsKind string) {
 	testenv.RequireRoot(t)
 	dir := t.TempDir()
 	stateDir, sock := filepath.Join(dir, "state"), filepath.Join(dir, "run", "rewind.sock")
+	if fsKind == "kernel" {
+		_, err := exec.LookPath("mkfs.xfs")
+		testenv.Require(t, err == nil, "mkfs.xfs (xfsprogs)")
+		if _, err := kernelpath.InitStore(kernelpath.StoreImage{Image: filepath.Join(dir, "store.img"), FS: "xfs", Size: kernelpath.MinImageSize, StateDir: stateDir}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Unmount(stateDir, unix.MNT_DETACH) })
+	}
 	cmd, c := spawnDaemon(t, stateDir, sock, "real")
 	ctx := context.Background()
-	bashSandbox(t, c, api.CreateRequest{Name: "x", Policy: "effects"})
+	bashSandbox(t, c, api.CreateRequest{Name: "x", FS: fsKind, Policy: "effects"})
 	send(t, c, "x", "b", "mkdir -p /w; cd /w; n=0; echo @@done@@")
 	r0, err := c.Turn(ctx, "x", api.TurnRequest{Mode: "full", Wait: true})
 	if err != nil {
