@@ -470,6 +470,19 @@ func (e *Engine) imagePidsOf(id, sb string) ([]int, error) {
 	return need, nil
 }
 
+// RestoresFromImage reports whether a restore of checkpoint id into t
+// would go through its CRIU image, which recreates the processes with
+// their exact pids: it has an image, and no templates of t to fork.
+func (e *Engine) RestoresFromImage(t Target, id string) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c, ok := e.ckpts[id]
+	if !ok || (len(c.templates) > 0 && c.rec.Sandbox == t.ID()) {
+		return false
+	}
+	return c.image.Image
+}
+
 // MakeRoomForImage moves t's pid counter past the pids checkpoint id's
 // image recreates, when it is below the highest of them (a process started
 // in the sandbox's PID namespace reads and writes it), so that the
@@ -484,11 +497,7 @@ func (e *Engine) imagePidsOf(id, sb string) ([]int, error) {
 // sandbox's (an image restores into any sandbox, and after a restart the
 // sandbox is a new one).
 func (e *Engine) MakeRoomForImage(t Target, id string) error {
-	e.mu.Lock()
-	c, ok := e.ckpts[id]
-	viaTemplates := ok && len(c.templates) > 0 && c.rec.Sandbox == t.ID()
-	e.mu.Unlock()
-	if !ok || viaTemplates {
+	if !e.RestoresFromImage(t, id) {
 		return nil
 	}
 	need, err := e.imagePidsOf(id, "")

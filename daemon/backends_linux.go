@@ -1044,6 +1044,13 @@ func (p *procSandbox) CheckpointUndo(ctx context.Context, target *state.ProcPart
 	return p.checkpoint(ctx, barrier, true, park)
 }
 
+// NeedsExactPids implements state.ExactPidsRestorer: a restore of part
+// goes through its CRIU image.
+func (p *procSandbox) NeedsExactPids(part *state.ProcPart) bool {
+	id := part.Data["cr"]
+	return id != "" && p.b.eng.RestoresFromImage(p.sb, id)
+}
+
 // canPark reports whether a restore to target leaves the pids of the
 // sandbox's processes alone, so they can be parked meanwhile: target is a
 // checkpoint of this sandbox that restores from its templates (or holds

@@ -60,6 +60,17 @@ type UndoCheckpointer interface {
 	CheckpointUndo(ctx context.Context, target *ProcPart, barrier func() error) (*ProcPart, error)
 }
 
+// ExactPidsRestorer is implemented by process sandboxes that can tell
+// whether restoring a process part recreates its processes with their
+// exact pids (from a CRIU image, where templates are forked with new
+// ones). Such a restore waits until the last restore's undo point, which
+// is released after that restore returned, has let go of its processes'
+// pids; one that does not need them does not wait. Without it, every
+// restore of the processes waits.
+type ExactPidsRestorer interface {
+	NeedsExactPids(part *ProcPart) bool
+}
+
 // UnchangedChecker is implemented by process sandboxes that can prove
 // that their processes are still in the state a checkpoint's process part
 // holds, although they ran (a persistent shell writes its own memory on

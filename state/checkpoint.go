@@ -830,16 +830,18 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			ph.WindowUS += time.Since(t).Microseconds()
 			return m.restored(s, c, "fs", start, ph)
 		}
-		// The processes change. The last restore's undo point goes
-		// first: until released, its processes (templates) hold their
-		// pids, and a process part restored from an image needs its
-		// exact pids (the undo point taken next is told to keep clear
-		// of them, the last one was not).
+		// The processes change. Until the last restore's undo point is
+		// released, its processes (templates) hold their pids: a
+		// process part restored from an image needs its exact pids
+		// (the undo point taken next is told to keep clear of them,
+		// the last one was not), so that restore waits for it.
 		m.mu.Lock()
 		released := s.undoReleased
 		m.mu.Unlock()
 		if released != nil {
-			<-released
+			if ep, ok := proc.(ExactPidsRestorer); !ok || ep.NeedsExactPids(part) {
+				<-released
+			}
 		}
 		if why != "" {
 			ph.Undo = "checkpoint"
@@ -862,7 +864,8 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 				// Off the caller's path: releasing may wait for the back
 				// end's asynchronous work on the undo point (an image
 				// dump). The sandbox's next restore of its processes
-				// waits for it (above).
+				// waits for the processes' release (above), not for the
+				// fs checkpoint's deletion, which comes after it.
 				done := make(chan struct{})
 				m.mu.Lock()
 				s.undoReleased = done
@@ -870,9 +873,9 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 				m.wg.Add(1)
 				go func() {
 					defer m.wg.Done()
-					defer close(done)
-					m.cfg.FS.Delete(bg, undoFS)
 					m.cfg.Proc.Release(bg, undo)
+					close(done)
+					m.cfg.FS.Delete(bg, undoFS)
 				}()
 			}()
 		}

@@ -110,6 +110,10 @@ type Faults struct {
 	CheckpointDelay atomic.Int64
 	// ReleaseDelay slows every process part's release (nanoseconds).
 	ReleaseDelay atomic.Int64
+	// TemplatesKeepNoPids makes sandboxes say that a restore through a
+	// template needs no exact pids (state.ExactPidsRestorer), as the real
+	// engine does; by default every restore needs them.
+	TemplatesKeepNoPids atomic.Bool
 }
 
 // FS is a fake state.FSBackend.
@@ -595,6 +599,12 @@ func (s *Sandbox) Persist(_ context.Context, part *state.ProcPart) (*state.ProcP
 	s.p.Disk.mu.Unlock()
 	np.ImageReady = true
 	return &np, nil
+}
+
+// NeedsExactPids implements state.ExactPidsRestorer: see
+// Faults.TemplatesKeepNoPids.
+func (s *Sandbox) NeedsExactPids(part *state.ProcPart) bool {
+	return !(s.p.Faults.TemplatesKeepNoPids.Load() && part.TemplateReady)
 }
 
 // Restore implements state.ProcSandbox like the real engine: the live
