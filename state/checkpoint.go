@@ -863,7 +863,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			defer func() {
 				// Off the caller's path: releasing may wait for the back
 				// end's asynchronous work on the undo point (an image
-				// dump). The sandbox's next restore of its processes
+				// dump). The sandbox's next restore through an image
 				// waits for the processes' release (above), not for the
 				// fs checkpoint's deletion, which comes after it.
 				done := make(chan struct{})
