@@ -282,6 +282,29 @@ func TestPidHoldersInitThread(t *testing.T) {
 	}
 }
 
+// imageOnly runs cmd in the shell, takes checkpoint id of sb, waits for
+// its image and evicts its templates, so that it restores from the image;
+// it returns the pid the image recreates (the shell's dump copy's).
+func imageOnly(t *testing.T, e *Engine, sb *testSandbox, live session, id, cmd string) []int {
+	t.Helper()
+	ctx := ctxT(t)
+	bashChat(t, live, cmd)
+	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: id}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitImage(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Evict(id); err != nil {
+		t.Fatal(err)
+	}
+	need, err := e.imagePidsOf(id, sb.ID())
+	if err != nil || len(need) != 1 {
+		t.Fatalf("%s's image pids %v, %v", id, need, err)
+	}
+	return need
+}
+
 // restoreAsk restores checkpoint id into sb, checks the path the restore
 // took and the restored shell's answer to cmd, and the sessions
 // (checkSessions); it returns the restored shell's session.
@@ -341,23 +364,7 @@ func TestRestoreImageFreesHelperPids(t *testing.T) {
 			live := session{in: sb.in, out: sb.out}
 			e := newEngine(t, Config{ImagesDir: t.TempDir(), Warm: tc.warm})
 			ctx := ctxT(t)
-			bashChat(t, live, "cd /tmp; V=b")
-			if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "b"}); err != nil {
-				t.Fatal(err)
-			}
-			if err := e.WaitImage(ctx, "b"); err != nil {
-				t.Fatal(err)
-			}
-			if err := e.Evict("b"); err != nil {
-				t.Fatal(err)
-			}
-			e.mu.Lock()
-			dir := e.ckpts["b"].images[0].dir
-			e.mu.Unlock()
-			need, err := imagePids(dir)
-			if err != nil || len(need) != 1 {
-				t.Fatalf("b's image pids %v, %v", need, err)
-			}
+			need := imageOnly(t, e, sb, live, "b", "cd /tmp; V=b")
 			bashChat(t, live, "V=a")
 			release := func() {}
 			if tc.holds == "spare" {
@@ -415,20 +422,7 @@ func TestMakeRoomForImage(t *testing.T) {
 	live := session{in: sb.in, out: sb.out}
 	e := newEngine(t, Config{ImagesDir: t.TempDir()})
 	ctx := ctxT(t)
-	bashChat(t, live, "cd /tmp; V=b")
-	if _, err := e.Checkpoint(ctx, sb, CheckpointOptions{ID: "b"}); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.WaitImage(ctx, "b"); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Evict("b"); err != nil {
-		t.Fatal(err)
-	}
-	need, err := e.imagePidsOf("b", sb.ID())
-	if err != nil || len(need) != 1 {
-		t.Fatalf("b's image pids %v, %v", need, err)
-	}
+	need := imageOnly(t, e, sb, live, "b", "cd /tmp; V=b")
 	// A process of the sandbox holds a pid above b's (an orphan, now
 	// init's child), and the counter is where the undo point's first
 	// template would take b's pid: a CRIU restore leaves the counter at
