@@ -2094,17 +2094,24 @@ func (e *Engine) retireLocked(c *ckpt) retired {
 	for _, tm := range r.tms {
 		tm.dropped = true
 		e.aux[tm.proc.Pid()] = tm.sandbox
-		if tm.spare != nil {
-			e.aux[tm.spare.Pid()] = tm.sandbox
-			r.spares = append(r.spares, tm.spare)
-			r.io = append(r.io, tm.spareIO)
-			tm.spareIO = nil
-		}
+		e.retireSpareLocked(tm, &r)
 		if tm.warming != nil {
 			e.aux[tm.warming.Pid()] = tm.sandbox
 		}
 	}
 	return r
+}
+
+// retireSpareLocked takes tm's warm spare, if it has one, into r (e.mu
+// held); it stays a helper until kill is done with it.
+func (e *Engine) retireSpareLocked(tm *template, r *retired) {
+	if tm.spare == nil {
+		return
+	}
+	e.aux[tm.spare.Pid()] = tm.sandbox
+	r.spares = append(r.spares, tm.spare)
+	r.io = append(r.io, tm.spareIO)
+	tm.spare, tm.spareIO = nil, nil
 }
 
 // kill kills retired templates and their spares.

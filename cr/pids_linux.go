@@ -406,14 +406,10 @@ func (e *Engine) freeHelperPids(t Target, need []int) bool {
 			continue
 		}
 		for _, tm := range c.templates {
-			if tm.spare == nil || !held[tm.spare.Pid()] {
-				continue
+			if tm.spare != nil && held[tm.spare.Pid()] {
+				e.retireSpareLocked(tm, &spares)
+				tm.measured = false
 			}
-			e.aux[tm.spare.Pid()] = tm.sandbox
-			spares.spares = append(spares.spares, tm.spare)
-			spares.io = append(spares.io, tm.spareIO)
-			tm.spare, tm.spareIO = nil, nil
-			tm.measured = false
 		}
 	}
 	e.mu.Unlock()

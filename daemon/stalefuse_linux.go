@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -15,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rewind-sandbox/rewind/fs"
+	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 )
 
 // abortStaleFUSE ends the FUSE connections of the mounts under mntDir,
@@ -54,53 +54,20 @@ type fuseMount struct {
 // dir.
 func staleFUSEMounts(b []byte, dir string) []fuseMount {
 	var out []fuseMount
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		sep := -1
-		for i, x := range f {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
-		if sep < 5 || sep+1 >= len(f) {
+	for _, m := range mountinfo.Parse(b) {
+		if m.FSType != "fuse" && !strings.HasPrefix(m.FSType, "fuse.") {
 			continue
 		}
-		if fstype := f[sep+1]; fstype != "fuse" && !strings.HasPrefix(fstype, "fuse.") {
-			continue
-		}
-		point := unescapeMountPath(f[4])
-		if rel, err := filepath.Rel(dir, point); err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		if rel, err := filepath.Rel(dir, m.MountPoint); err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
 			continue
 		}
 		var major, minor int
-		if _, err := fmt.Sscanf(f[2], "%d:%d", &major, &minor); err != nil || major != 0 {
+		if _, err := fmt.Sscanf(m.Dev, "%d:%d", &major, &minor); err != nil || major != 0 {
 			continue
 		}
-		out = append(out, fuseMount{point: point, minor: minor})
+		out = append(out, fuseMount{point: m.MountPoint, minor: minor})
 	}
 	return out
-}
-
-// unescapeMountPath undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMountPath(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // breakDeadLock is called when the state dir's lock is taken. A daemon

@@ -30,6 +30,7 @@ func Unescape(s string) string {
 
 // Mount is one line of a mountinfo file, the fields its readers use.
 type Mount struct {
+	Dev          string // the superblock's device, "major:minor"
 	MountPoint   string // unescaped
 	FSType       string
 	SuperOptions string // per-superblock options, comma-separated ("" if absent)
@@ -48,7 +49,7 @@ func Parse(b []byte) []Mount {
 		if len(pf) < 5 || len(qf) < 1 {
 			continue
 		}
-		m := Mount{MountPoint: Unescape(pf[4]), FSType: qf[0]}
+		m := Mount{Dev: pf[2], MountPoint: Unescape(pf[4]), FSType: qf[0]}
 		if len(qf) >= 3 {
 			m.SuperOptions = qf[2]
 		}

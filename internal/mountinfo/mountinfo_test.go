@@ -26,7 +26,7 @@ func TestParse(t *testing.T) {
 		"garbage line\n" +
 		"91 26 0:53 / /v rw - overlay overlay rw,lowerdir=/l\n"
 	got := Parse([]byte(in))
-	want := []Mount{{"/", "ext4", "rw"}, {"/tmp/a b", "fuse.rewind", "rw,user_id=0"}, {"/v", "overlay", "rw,lowerdir=/l"}}
+	want := []Mount{{"254:0", "/", "ext4", "rw"}, {"0:52", "/tmp/a b", "fuse.rewind", "rw,user_id=0"}, {"0:53", "/v", "overlay", "rw,lowerdir=/l"}}
 	if len(got) != len(want) {
 		t.Fatalf("Parse = %+v, want %+v", got, want)
 	}
