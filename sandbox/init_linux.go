@@ -8,6 +8,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/metrics"
 	"strconv"
 	"strings"
 	"sync"
@@ -142,6 +143,9 @@ func runInit() error {
 		// Every thread of the init exists once the signal thread does:
 		// sandbox processes get pids above them all (raisePIDFloor).
 		<-caught
+		if err := waitThreadsStarted(time.Second); err != nil {
+			return fail(err)
+		}
 		if err := raisePIDFloor(); err != nil {
 			return fail(err)
 		}
@@ -319,6 +323,38 @@ func prewarmThreads() {
 	locked.Wait()
 	release.Done()
 	done.Wait()
+}
+
+// waitThreadsStarted returns once every OS thread the Go runtime has
+// decided to make exists. A thread wanted by a locked thread (the init's
+// main one, or a goroutine of prewarmThreads) is made asynchronously, by
+// the runtime's template thread: it can appear after prewarmThreads
+// returns, and then, made after raisePIDFloor, took pid floor+1, the
+// first sandbox process's pid (a flake of TestPIDFloor: "init thread has
+// id 129"). The runtime counts a thread when it decides to make it
+// (/sched/threads/total), the kernel when it exists (/proc/self/task): the
+// two agree once none is pending.
+func waitThreadsStarted(timeout time.Duration) error {
+	s := []metrics.Sample{{Name: "/sched/threads/total:threads"}}
+	deadline := time.Now().Add(timeout)
+	for {
+		metrics.Read(s)
+		if s[0].Value.Kind() != metrics.KindUint64 {
+			return nil // not in this runtime: nothing to wait with
+		}
+		want := s[0].Value.Uint64()
+		tasks, err := os.ReadDir("/proc/self/task")
+		if err != nil {
+			return fmt.Errorf("pid floor: %w", err)
+		}
+		if uint64(len(tasks)) >= want {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("pid floor: the runtime wants %d threads, %d exist after %v", want, len(tasks), timeout)
+		}
+		time.Sleep(20 * time.Microsecond)
+	}
 }
 
 // raisePIDFloor moves the counter of the init's PID namespace to pidFloor,
