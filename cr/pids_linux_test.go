@@ -466,3 +466,58 @@ func TestMakeRoomForImage(t *testing.T) {
 		t.Fatalf("restore b with u2's template on its pid: %v, want it refused naming u2's template", err)
 	}
 }
+
+// TestPIDNSTranslatesThreads: the ids of every thread of a sandbox's
+// processes (the init's and a python's with ten threads) come out the same
+// through the namespace's ioctl as through each thread's status, and are
+// the namespace's ids, not the host's.
+func TestPIDNSTranslatesThreads(t *testing.T) {
+	sb := startSandbox(t, "python3", "-c", "import threading, time\nfor _ in range(10): threading.Thread(target=time.sleep, args=(100,), daemon=True).start()\ntime.sleep(100)")
+	ns := openPIDNS(sb.InitPID())
+	defer ns.close()
+	if ns.fd < 0 {
+		t.Fatal("cannot open the sandbox's PID namespace")
+	}
+	// The python's threads start after it does.
+	var py int
+	if !waitUntil(context.Background(), 10*time.Second, func() bool {
+		kids, _ := children(sb.InitPID())
+		if len(kids) == 0 {
+			return false
+		}
+		py = kids[0]
+		ents, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", py))
+		return len(ents) == 11
+	}) {
+		t.Fatal("python did not start its ten threads")
+	}
+	for _, pid := range []int{sb.InitPID(), py} {
+		viaIoctl, err := ns.read(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, ok, _ := ns.tid(pid); !ok {
+			t.Fatal("the kernel cannot translate ids (NS_GET_PID_IN_PIDNS, Linux 6.10): this test checks that path")
+		}
+		viaStatus, err := readNSIDs(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, b := slices.Sorted(slices.Values(viaIoctl.tids)), slices.Sorted(slices.Values(viaStatus.tids))
+		if !slices.Equal(a, b) || viaIoctl.pid != viaStatus.pid {
+			t.Errorf("process %d: thread ids %v through the ioctl, %v through the statuses", pid, a, b)
+		}
+		if pid == py && len(a) != 10 {
+			t.Errorf("python %d: %d other threads, want 10", pid, len(a))
+		}
+		for _, tid := range a {
+			if tid > 1000 {
+				t.Errorf("process %d: thread id %d is not the namespace's (a new namespace's ids are small)", pid, tid)
+			}
+		}
+	}
+	// A thread id that is not in the namespace: gone.
+	if _, ok, err := ns.tid(os.Getpid()); !ok || err != unix.ESRCH {
+		t.Errorf("a host thread outside the namespace: ok %v err %v, want ESRCH", ok, err)
+	}
+}
