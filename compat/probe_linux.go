@@ -21,6 +21,7 @@ import (
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/rewind-sandbox/rewind/internal/procfs"
 	"github.com/rewind-sandbox/rewind/kernelpath"
 	"golang.org/x/sys/unix"
 )
@@ -115,7 +116,26 @@ func probeKernel() []Check {
 	cs = append(cs, probeUserfaultfd())
 	cs = append(cs, probePagemapScan())
 	cs = append(cs, probeHugeCollapse())
+	cs = append(cs, probePidnsTranslate())
 	return cs
+}
+
+// probePidnsTranslate checks that a PID namespace's descriptor translates
+// a thread id into that namespace's (here the daemon's own namespace, so
+// the answer is the id itself), as the cr engine's scans of a sandbox's
+// processes do before a restore that recreates exact pids.
+func probePidnsTranslate() Check {
+	fd, err := unix.Open("/proc/self/ns/pid", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return degraded("pidns-translate", "open /proc/self/ns/pid: "+err.Error())
+	}
+	defer unix.Close(fd)
+	tid := unix.Gettid()
+	got, err := procfs.PIDInNS(fd, tid)
+	if err != nil || got != tid {
+		return degraded("pidns-translate", fmt.Sprintf("NS_GET_PID_IN_PIDNS: %d, %v: restores that recreate exact pids read each thread's /proc status instead (needs Linux >= 6.10)", got, err))
+	}
+	return ok("pidns-translate", "NS_GET_PID_IN_PIDNS translates thread ids into a PID namespace (one call per thread in the pid scans before image restores)")
 }
 
 func readMountinfo() ([]MountInfo, error) {

@@ -87,7 +87,7 @@ func (ns pidNS) processes(init int) ([]nsIDs, error) {
 
 // pidNS translates host thread ids into ids of one PID namespace, a
 // sandbox's, with the nsfs ioctl NS_GET_PID_IN_PIDNS (Linux 6.10) on the
-// namespace's descriptor: one system call per thread, where reading the
+// namespace's descriptor (procfs.PIDInNS): one system call per thread, where reading the
 // thread's /proc status took tens of microseconds (a sandbox's init has
 // some twenty threads, and a fork child's restore looked at them twice: 2-3
 // ms of a fork child's CPU, more under a fan-out's load). Without the
@@ -96,11 +96,6 @@ func (ns pidNS) processes(init int) ([]nsIDs, error) {
 type pidNS struct {
 	fd int // -1: read statuses
 }
-
-// nsGetPIDInPIDNS is NS_GET_PID_IN_PIDNS, _IOR(0xb7, 0x8, int) in
-// linux/nsfs.h: the id, in the namespace of the descriptor, of the task
-// with the caller's id given.
-const nsGetPIDInPIDNS = 0x8004b708
 
 // openPIDNS opens the PID namespace of init (-1 when it cannot: then the
 // statuses are read).
@@ -125,12 +120,12 @@ func (ns pidNS) tid(host int) (id int, ok bool, err error) {
 	if ns.fd < 0 {
 		return 0, false, nil
 	}
-	r, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(ns.fd), nsGetPIDInPIDNS, uintptr(host))
-	switch e {
-	case 0:
-		return int(r), true, nil
+	id, err = procfs.PIDInNS(ns.fd, host)
+	switch err {
+	case nil:
+		return id, true, nil
 	case unix.ESRCH:
-		return 0, true, e // gone, or not in the namespace
+		return 0, true, err // gone, or not in the namespace
 	}
 	return 0, false, nil
 }

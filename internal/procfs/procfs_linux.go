@@ -107,3 +107,20 @@ func open(path string) (int, error) {
 		return fd, nil
 	}
 }
+
+// nsGetPIDInPIDNS is NS_GET_PID_IN_PIDNS, _IOR(0xb7, 0x8, int) in
+// linux/nsfs.h (Linux 6.10).
+const nsGetPIDInPIDNS = 0x8004b708
+
+// PIDInNS returns the id, in the PID namespace whose descriptor is nsfd
+// (an open /proc/PID/ns/pid), of the task (a thread or a process) whose id
+// in the caller's namespace is id: one ioctl, where the id is otherwise
+// read from the task's status (NSpid). ESRCH: no such task, or it is not
+// in that namespace. ENOTTY or EINVAL: the kernel cannot translate.
+func PIDInNS(nsfd, id int) (int, error) {
+	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(nsfd), nsGetPIDInPIDNS, uintptr(id))
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(r), nil
+}

@@ -8,7 +8,13 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rewind-sandbox/rewind/internal/testenv"
 )
 
 func TestReadFile(t *testing.T) {
@@ -126,4 +132,28 @@ func BenchmarkReadStat(b *testing.B) {
 			}
 		}
 	})
+}
+
+// TestPIDInNS: a thread's id translated into its own PID namespace is
+// itself, and an id no task has is ESRCH.
+func TestPIDInNS(t *testing.T) {
+	fd, err := unix.Open("/proc/self/ns/pid", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	tid := unix.Gettid()
+	got, err := PIDInNS(fd, tid)
+	testenv.Require(t, err != unix.ENOTTY && err != unix.EINVAL, "a kernel that translates ids into a PID namespace (NS_GET_PID_IN_PIDNS, Linux 6.10)")
+	if err != nil || got != tid {
+		t.Fatalf("PIDInNS(own namespace, %d) = %d, %v; want %d", tid, got, err, tid)
+	}
+	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		t.Fatal(err)
+	}
+	max, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	if _, err := PIDInNS(fd, max+1); err != unix.ESRCH {
+		t.Fatalf("PIDInNS of an id past pid_max: %v, want ESRCH", err)
+	}
 }
