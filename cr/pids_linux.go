@@ -87,12 +87,12 @@ func (ns pidNS) processes(init int) ([]nsIDs, error) {
 
 // pidNS translates host thread ids into ids of one PID namespace, a
 // sandbox's, with the nsfs ioctl NS_GET_PID_IN_PIDNS (Linux 6.10) on the
-// namespace's descriptor (procfs.PIDInNS): one system call per thread, where reading the
-// thread's /proc status took tens of microseconds (a sandbox's init has
-// some twenty threads, and a fork child's restore looked at them twice: 2-3
-// ms of a fork child's CPU, more under a fan-out's load). Without the
-// ioctl (an older kernel: ENOTTY) each thread's status is read, as
-// readNSIDs does.
+// namespace's descriptor (procfs.PIDInNS): one system call per thread,
+// where reading the thread's /proc status took tens of microseconds (a
+// sandbox's init has some twenty threads, and a fork child's restore
+// looked at them twice: 2-3 ms of a fork child's CPU, more under a
+// fan-out's load). Without the ioctl (an older kernel: ENOTTY) each
+// thread's status is read, as readNSIDs does.
 type pidNS struct {
 	fd int // -1: read statuses
 }
