@@ -88,8 +88,10 @@ func (p *Spares) refill() {
 			}
 			p.mu.Lock()
 			if p.closed {
+				// Closed while this spare was made: Close did not see it.
 				p.mu.Unlock()
 				ip.kill()
+				ip.removeCgroups()
 				return
 			}
 			p.ready = append(p.ready, ip)
