@@ -681,7 +681,24 @@ type tmplKey struct {
 }
 
 func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
+	return b.start(ctx, sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath})
+}
+
+// StartFor implements state.ProcStarterFor: the new sandbox's init moves
+// its pid counter past the pids of part's image while it sets up, so the
+// restore of part through that image starts no process in the sandbox to
+// do it (cr.PIDCounterTaker).
+func (b *procBackend) StartFor(ctx context.Context, id, root string, part *state.ProcPart) (state.ProcSandbox, error) {
 	cfg := sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath}
+	if ck := part.Data["cr"]; ck != "" {
+		if top, err := b.eng.ImageTopPID(ck); err == nil {
+			cfg.PIDCounterMin = top
+		}
+	}
+	return b.start(ctx, cfg)
+}
+
+func (b *procBackend) start(ctx context.Context, cfg sandbox.Config) (state.ProcSandbox, error) {
 	var sb *sandbox.Sandbox
 	var err error
 	if b.spares != nil {

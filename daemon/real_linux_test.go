@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -565,6 +566,50 @@ func TestRealForkRightAfterTurn(t *testing.T) {
 			if err := c.Remove(ctx, k); err != nil {
 				t.Fatal(err)
 			}
+		}
+	}
+}
+
+// TestRealForkChildPidsAboveImage: in a fork child, the processes started
+// after the restore get pids above every pid the checkpoint's image
+// recreated, so a later restore of that image into the child never finds
+// one of its pids taken by them. The image's pids come from the upper half
+// of the pid range (cr's dump copy); CRIU recreates them without moving
+// the namespace's counter, so the child's init moves it there at its setup
+// (sandbox.Config.PIDCounterMin), or cr starts a shell in the namespace to
+// do it. Without either, the child's next process got pid 132.
+func TestRealForkChildPidsAboveImage(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	b, err := os.ReadFile("/proc/sys/kernel/pid_max")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pidMax, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	bashSandbox(t, c, api.CreateRequest{Name: "x"})
+	send(t, c, "x", "b", "cd /tmp; echo @@done@@")
+	r, err := c.Turn(ctx, "x", api.TurnRequest{Mode: "full"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := c.Fork(ctx, r.ID, api.ForkRequest{Count: 2, Prefix: "k-"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range res.Sandboxes {
+		out := strings.Fields(execOut(t, c, k, "sh", "-c", `echo $$; for p in /proc/[0-9]*; do echo "${p#/proc/}"; done`))
+		if len(out) < 3 {
+			t.Fatalf("child %s: %q, want its shell's pid and the pids of its init, bash and itself", k, out)
+		}
+		self, _ := strconv.Atoi(out[0])
+		restored := 0
+		for _, f := range out[1:] {
+			if p, _ := strconv.Atoi(f); p != self && p != 1 {
+				restored = max(restored, p)
+			}
+		}
+		if self <= restored || self < pidMax/2 {
+			t.Errorf("child %s: a new process got pid %d (the child's processes: %v): want it above the restored ones and the image's, in the upper half of 1..%d", k, self, out[1:], pidMax)
 		}
 	}
 }

@@ -181,6 +181,15 @@ func runInit() error {
 			rootFD, fds = fds[0], nil
 		}
 		closeFDs(fds)
+		// Before the namespace's setup: it mounts /proc/sys read-only.
+		if m.Setup.PIDCounterMin > pidFloor {
+			if err := raisePIDCounter(m.Setup.PIDCounterMin); err != nil {
+				if rootFD >= 0 {
+					unix.Close(rootFD)
+				}
+				return fail(err)
+			}
+		}
 		err = setupNamespace(m.Setup, rootFD)
 		if rootFD >= 0 {
 			unix.Close(rootFD)
@@ -369,16 +378,25 @@ func waitThreadsStarted(timeout time.Duration) error {
 // the init holds until the setup's drop; it acts on the writer's own PID
 // namespace whatever /proc is mounted.
 func raisePIDFloor() error {
+	if err := raisePIDCounter(pidFloor); err != nil {
+		return fmt.Errorf("pid floor: %w", err)
+	}
+	return nil
+}
+
+// raisePIDCounter moves the counter of the init's PID namespace to to,
+// unless it is there or above already (see raisePIDFloor for who may).
+func raisePIDCounter(to int) error {
 	const f = "/proc/sys/kernel/ns_last_pid"
 	b, err := os.ReadFile(f)
 	if err != nil {
-		return fmt.Errorf("pid floor: %w", err)
+		return err
 	}
-	if cur, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && cur >= pidFloor {
+	if cur, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && cur >= to {
 		return nil
 	}
-	if err := os.WriteFile(f, []byte(strconv.Itoa(pidFloor)), 0); err != nil {
-		return fmt.Errorf("pid floor: %w", err)
+	if err := os.WriteFile(f, []byte(strconv.Itoa(to)), 0); err != nil {
+		return fmt.Errorf("pid counter to %d: %w", to, err)
 	}
 	return nil
 }

@@ -76,6 +76,8 @@ type setupConfig struct {
 	// RootFD: the message carries Root as a detached mount tree
 	// (open_tree), attached over Root in the init's namespace (a spare).
 	RootFD bool `json:"root_fd,omitempty"`
+	// PIDCounterMin: see Config.PIDCounterMin.
+	PIDCounterMin int `json:"pid_counter_min,omitempty"`
 }
 
 // conn is a SOCK_SEQPACKET unix connection carrying msg values. It works

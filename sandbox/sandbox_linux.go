@@ -93,6 +93,13 @@ type Config struct {
 	MemoryMax int64
 	// FreezerParent and CgroupV2Parent override the cgroup parents.
 	FreezerParent, CgroupV2Parent string
+	// PIDCounterMin, when above the init's pid floor, is where the init
+	// moves its PID namespace's pid counter during its setup, while it
+	// still holds the capability to: the first sandbox process then gets
+	// a pid above it. A sandbox made to restore a process image whose
+	// pids are all at most this (a fork child) needs no process of its
+	// own started for that later (see TakePIDCounterMin).
+	PIDCounterMin int
 	// Logger receives the init's log lines (default slog.Default()).
 	Logger *slog.Logger
 }
@@ -129,6 +136,9 @@ type Sandbox struct {
 	// keepDir is an empty freezer cgroup held frozen while the sandbox
 	// lives (keepFreezerActive); "" if it could not be made.
 	keepDir string
+	// counterMin is Config.PIDCounterMin as the init applied it, until
+	// TakePIDCounterMin takes it.
+	counterMin int
 }
 
 // ErrClosed is returned by calls on a closed sandbox.
@@ -249,6 +259,7 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 	setup := &setupConfig{
 		Root: cfg.Root, Hostname: cfg.Hostname, Net: !cfg.HostNet,
 		Tmpfs: cfg.Tmpfs, Hide: cfg.Hide, Binds: cfg.Binds, KeepCaps: cfg.KeepCaps,
+		PIDCounterMin: cfg.PIDCounterMin,
 	}
 	var fds []int
 	if spare != nil {
@@ -270,6 +281,7 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 		if r.Err != "" {
 			return nil, fmt.Errorf("start sandbox %s: init: %s", cfg.ID, r.Err)
 		}
+		s.counterMin = cfg.PIDCounterMin
 	case <-s.cli.dead:
 		return nil, fmt.Errorf("start sandbox %s: init exited during setup (see log)", cfg.ID)
 	case <-s.initDone:
@@ -505,6 +517,20 @@ func (s *Sandbox) ID() string { return s.cfg.ID }
 
 // InitPID returns the host pid of the sandbox's PID 1 (the rewind init).
 func (s *Sandbox) InitPID() int { return s.initPID }
+
+// TakePIDCounterMin returns Config.PIDCounterMin once (then 0): the
+// sandbox's pid counter was moved to at least that at its setup, and only
+// a run round the whole pid range moves it below. cr's first restore into
+// the sandbox (a fork child's, right after its start) takes it to skip
+// moving the counter itself, which costs a process started in the
+// sandbox's PID namespace.
+func (s *Sandbox) TakePIDCounterMin() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	v := s.counterMin
+	s.counterMin = 0
+	return v
+}
 
 // Root returns the host directory that is / inside the sandbox.
 func (s *Sandbox) Root() string { return s.cfg.Root }

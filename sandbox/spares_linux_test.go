@@ -308,3 +308,52 @@ func TestSparesCloseRemovesCgroups(t *testing.T) {
 		}
 	}
 }
+
+// TestPIDCounterMin: a sandbox started with Config.PIDCounterMin, on a
+// fresh init or a spare, gives its first process a pid above it (its init
+// moved the counter while it could), reports the value once, and leaves
+// its init's threads below the pid floor. Without it, the first process
+// gets the pid just above the floor.
+func TestPIDCounterMin(t *testing.T) {
+	requireSandbox(t)
+	sp := NewSpares(1, "", "test-counter-", nil)
+	defer sp.Close()
+	for _, tc := range []struct {
+		name  string
+		spare bool
+		min   int
+	}{
+		{"fresh", false, 5000},
+		{"spare", true, 7000},
+		{"none", false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root, binds := testRoot(t)
+			cfg := Config{Root: root, Binds: binds, PIDCounterMin: tc.min}
+			var sb *Sandbox
+			var err error
+			if tc.spare {
+				waitFor(t, "spares", func() bool { return sp.Ready() == 1 })
+				sb, err = sp.Start(testCtx(t), cfg)
+			} else {
+				cfg.ID = fmt.Sprintf("counter-%d-%s", os.Getpid(), tc.name)
+				sb, err = Start(testCtx(t), cfg)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { sb.Close() })
+			pid, _ := strconv.Atoi(strings.TrimSpace(sh(t, sb, "echo $$")))
+			want := max(tc.min, pidFloor)
+			if pid <= want || pid > want+50 {
+				t.Errorf("first process has pid %d, want just above %d", pid, want)
+			}
+			if got := sb.TakePIDCounterMin(); got != tc.min {
+				t.Errorf("TakePIDCounterMin() = %d, want %d", got, tc.min)
+			}
+			if got := sb.TakePIDCounterMin(); got != 0 {
+				t.Errorf("a second TakePIDCounterMin() = %d, want 0", got)
+			}
+		})
+	}
+}

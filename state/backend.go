@@ -95,6 +95,17 @@ type PartAdopter interface {
 	AdoptPart(ctx context.Context, from, to *ProcPart) (bool, string)
 }
 
+// ProcStarterFor is implemented by process back ends that can start a
+// sandbox made ready for the process part restored into it first (the
+// daemon's: its pid counter already past the part's image pids, which
+// spares the restore a process started in the sandbox). The manager uses
+// it, when present, for every sandbox it starts to restore a part into:
+// fork children, prepared children, sandboxes brought back after a
+// restart.
+type ProcStarterFor interface {
+	StartFor(ctx context.Context, id, root string, part *ProcPart) (ProcSandbox, error)
+}
+
 // MappedPrefetcher is implemented by process sandboxes that can read the
 // files their processes map into their file system's cache ahead of use
 // (Sandbox.PrefetchMapped in package sandbox). The manager asks a

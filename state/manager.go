@@ -597,7 +597,12 @@ func (m *Manager) spec(rec *Sandbox) FSSpec {
 // the probe; on error everything started is torn down, mount included.
 func (m *Manager) startLive(ctx context.Context, s *sbox, mount FSMount, part *ProcPart, runFiles map[string]string) (err error) {
 	t0 := time.Now()
-	proc, err := m.cfg.Proc.Start(ctx, s.rec.ID, mount.Root())
+	var proc ProcSandbox
+	if sf, ok := m.cfg.Proc.(ProcStarterFor); ok && part != nil {
+		proc, err = sf.StartFor(ctx, s.rec.ID, mount.Root(), part)
+	} else {
+		proc, err = m.cfg.Proc.Start(ctx, s.rec.ID, mount.Root())
+	}
 	if err != nil {
 		mount.Unmount()
 		return fmt.Errorf("start processes: %w", err)
