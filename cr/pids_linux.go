@@ -130,16 +130,12 @@ func (ns pidNS) tid(host int) (id int, ok bool, err error) {
 	return 0, false, nil
 }
 
-// read is readNSIDs with the threads' ids translated in ns.
-func (ns pidNS) read(pid int) (nsIDs, error) { return readNSIDsIn(ns, pid) }
-
 // readNSIDs reads pid's innermost-namespace ids from /proc/<pid>/status and
 // its threads' ids from /proc/<pid>/task/*/status.
-func readNSIDs(pid int) (nsIDs, error) { return readNSIDsIn(pidNS{fd: -1}, pid) }
+func readNSIDs(pid int) (nsIDs, error) { return pidNS{fd: -1}.read(pid) }
 
-// readNSIDsIn is readNSIDs with the threads' ids translated by ns where it
-// can.
-func readNSIDsIn(ns pidNS, pid int) (nsIDs, error) {
+// read is readNSIDs with the threads' ids translated in ns where it can.
+func (ns pidNS) read(pid int) (nsIDs, error) {
 	ids := nsIDs{host: pid}
 	b, err := procfs.ReadFile(procfs.PIDPath(pid, "status"))
 	if err != nil {

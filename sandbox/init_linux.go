@@ -181,16 +181,15 @@ func runInit() error {
 			rootFD, fds = fds[0], nil
 		}
 		closeFDs(fds)
-		// Before the namespace's setup: it mounts /proc/sys read-only.
+		// The counter before the namespace's setup, which mounts
+		// /proc/sys read-only.
+		err = nil
 		if m.Setup.PIDCounterMin > pidFloor {
-			if err := raisePIDCounter(m.Setup.PIDCounterMin); err != nil {
-				if rootFD >= 0 {
-					unix.Close(rootFD)
-				}
-				return fail(err)
-			}
+			err = raisePIDCounter(m.Setup.PIDCounterMin)
 		}
-		err = setupNamespace(m.Setup, rootFD)
+		if err == nil {
+			err = setupNamespace(m.Setup, rootFD)
+		}
 		if rootFD >= 0 {
 			unix.Close(rootFD)
 		}
