@@ -383,10 +383,18 @@ func (e *Engine) restoreForeign(ctx context.Context, c *ckpt, t Target, opts Res
 }
 
 // hostPID finds the host pid of the child of init whose pid in the
-// sandbox's namespace is nspid.
+// sandbox's namespace is nspid: one ioctl on the namespace
+// (NS_GET_PID_FROM_PIDNS, Linux 6.10), a walk of init's descendants on
+// older kernels.
 func hostPID(init, nspid int) (int, error) {
+	ns := openPIDNS(init)
+	defer ns.close()
 	var found int
 	waitUntil(context.Background(), 5*time.Second, func() bool {
+		if pid, ok := ns.host(nspid); ok {
+			found = pid
+			return pid > 0
+		}
 		ps, err := descendants(init, nil)
 		if err != nil {
 			return false

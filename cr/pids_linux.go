@@ -130,6 +130,24 @@ func (ns pidNS) tid(host int) (id int, ok bool, err error) {
 	return 0, false, nil
 }
 
+// host returns the host pid of the task whose id in the namespace is id;
+// ok is false when the kernel cannot say (no ioctl, or an error other than
+// no such task: then the caller walks the processes), pid is 0 when no
+// task has that id there (yet).
+func (ns pidNS) host(id int) (pid int, ok bool) {
+	if ns.fd < 0 {
+		return 0, false
+	}
+	pid, err := procfs.PIDFromNS(ns.fd, id)
+	switch err {
+	case nil:
+		return pid, true
+	case unix.ESRCH:
+		return 0, true
+	}
+	return 0, false
+}
+
 // readNSIDs reads pid's innermost-namespace ids from /proc/<pid>/status and
 // its threads' ids from /proc/<pid>/task/*/status.
 func readNSIDs(pid int) (nsIDs, error) { return pidNS{fd: -1}.read(pid) }

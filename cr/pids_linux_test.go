@@ -507,6 +507,15 @@ func TestPIDNSTranslatesThreads(t *testing.T) {
 		if !slices.Equal(a, b) || viaIoctl.pid != viaStatus.pid {
 			t.Errorf("process %d: thread ids %v through the ioctl, %v through the statuses", pid, a, b)
 		}
+		// And back: the namespace's pid names the host's process.
+		if host, ok := ns.host(viaIoctl.pid); !ok || host != pid {
+			t.Errorf("process %d (%d in the namespace): back through the ioctl %d (ok %v)", pid, viaIoctl.pid, host, ok)
+		}
+		if pid == py {
+			if host, err := hostPID(sb.InitPID(), viaIoctl.pid); err != nil || host != py {
+				t.Errorf("hostPID(init, %d) = %d, %v; want %d", viaIoctl.pid, host, err, py)
+			}
+		}
 		if pid == py && len(a) != 10 {
 			t.Errorf("python %d: %d other threads, want 10", pid, len(a))
 		}
@@ -516,8 +525,49 @@ func TestPIDNSTranslatesThreads(t *testing.T) {
 			}
 		}
 	}
+	// An id nothing has in the namespace.
+	if host, ok := ns.host(999999); !ok || host != 0 {
+		t.Errorf("an id nothing has in the namespace: host %d ok %v, want 0 true", host, ok)
+	}
 	// A thread id that is not in the namespace: gone.
 	if _, ok, err := ns.tid(os.Getpid()); !ok || err != unix.ESRCH {
 		t.Errorf("a host thread outside the namespace: ok %v err %v, want ESRCH", ok, err)
 	}
+}
+
+// BenchmarkHostPID: finding a restored process's host pid from its pid in
+// the sandbox's namespace, through the namespace's ioctl (hostPID) and
+// through the walk of the init's descendants it replaced, in a sandbox
+// whose init runs one sleep.
+func BenchmarkHostPID(b *testing.B) {
+	sb := startSandbox(b, "sleep", "100")
+	var child int
+	if !waitUntil(context.Background(), 10*time.Second, func() bool {
+		kids, _ := children(sb.InitPID())
+		if len(kids) == 1 {
+			child = kids[0]
+		}
+		return child != 0
+	}) {
+		b.Fatal("the sleep did not start")
+	}
+	ids, err := readNSIDs(child)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("ioctl", func(b *testing.B) {
+		for b.Loop() {
+			if pid, err := hostPID(sb.InitPID(), ids.pid); err != nil || pid != child {
+				b.Fatalf("hostPID = %d, %v; want %d", pid, err, child)
+			}
+		}
+	})
+	b.Run("walk", func(b *testing.B) {
+		for b.Loop() {
+			ps, err := descendants(sb.InitPID(), nil)
+			if err != nil || len(ps) != 1 || ps[0].NSPID != ids.pid {
+				b.Fatalf("descendants = %v, %v", ps, err)
+			}
+		}
+	})
 }

@@ -108,6 +108,22 @@ func open(path string) (int, error) {
 	}
 }
 
+// nsGetPIDFromPIDNS is NS_GET_PID_FROM_PIDNS, _IOR(0xb7, 0x6, int) in
+// linux/nsfs.h (Linux 6.10).
+const nsGetPIDFromPIDNS = 0x8004b706
+
+// PIDFromNS returns the id, in the caller's PID namespace, of the task
+// whose id in the namespace whose descriptor is nsfd (an open
+// /proc/PID/ns/pid) is id: PIDInNS the other way round. ESRCH: no task has
+// that id there. ENOTTY or EINVAL: the kernel cannot translate.
+func PIDFromNS(nsfd, id int) (int, error) {
+	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(nsfd), nsGetPIDFromPIDNS, uintptr(id))
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(r), nil
+}
+
 // nsGetPIDInPIDNS is NS_GET_PID_IN_PIDNS, _IOR(0xb7, 0x8, int) in
 // linux/nsfs.h (Linux 6.10).
 const nsGetPIDInPIDNS = 0x8004b708

@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -155,5 +157,50 @@ func TestPIDInNS(t *testing.T) {
 	max, _ := strconv.Atoi(strings.TrimSpace(string(b)))
 	if _, err := PIDInNS(fd, max+1); err != unix.ESRCH {
 		t.Fatalf("PIDInNS of an id past pid_max: %v, want ESRCH", err)
+	}
+}
+
+// TestPIDFromNS: pid 1 of a new PID namespace translates to the host pid
+// of that namespace's first process, and back (PIDInNS); an id nothing has
+// there is ESRCH.
+func TestPIDFromNS(t *testing.T) {
+	testenv.RequireRoot(t)
+	cmd := exec.Command("unshare", "--pid", "--fork", "sleep", "30")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}()
+	// unshare's one child is the namespace's pid 1.
+	var child int
+	deadline := time.Now().Add(5 * time.Second)
+	for child == 0 && time.Now().Before(deadline) {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", cmd.Process.Pid, cmd.Process.Pid))
+		if f := strings.Fields(string(b)); len(f) == 1 {
+			child, _ = strconv.Atoi(f[0])
+		} else {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	if child == 0 {
+		t.Fatal("unshare's child did not appear")
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/%d/ns/pid", child), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	got, err := PIDFromNS(fd, 1)
+	testenv.Require(t, err != unix.ENOTTY && err != unix.EINVAL, "a kernel that translates ids from a PID namespace (NS_GET_PID_FROM_PIDNS, Linux 6.10)")
+	if err != nil || got != child {
+		t.Fatalf("PIDFromNS(new namespace, 1) = %d, %v; want %d", got, err, child)
+	}
+	if back, err := PIDInNS(fd, child); err != nil || back != 1 {
+		t.Fatalf("PIDInNS(new namespace, %d) = %d, %v; want 1", child, back, err)
+	}
+	if _, err := PIDFromNS(fd, 2); err != unix.ESRCH {
+		t.Fatalf("PIDFromNS of an id nothing has in the namespace: %v, want ESRCH", err)
 	}
 }
