@@ -116,13 +116,7 @@ const nsGetPIDFromPIDNS = 0x8004b706
 // whose id in the namespace whose descriptor is nsfd (an open
 // /proc/PID/ns/pid) is id: PIDInNS the other way round. ESRCH: no task has
 // that id there. ENOTTY or EINVAL: the kernel cannot translate.
-func PIDFromNS(nsfd, id int) (int, error) {
-	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(nsfd), nsGetPIDFromPIDNS, uintptr(id))
-	if errno != 0 {
-		return 0, errno
-	}
-	return int(r), nil
-}
+func PIDFromNS(nsfd, id int) (int, error) { return nsIoctl(nsfd, nsGetPIDFromPIDNS, id) }
 
 // nsGetPIDInPIDNS is NS_GET_PID_IN_PIDNS, _IOR(0xb7, 0x8, int) in
 // linux/nsfs.h (Linux 6.10).
@@ -133,8 +127,11 @@ const nsGetPIDInPIDNS = 0x8004b708
 // in the caller's namespace is id: one ioctl, where the id is otherwise
 // read from the task's status (NSpid). ESRCH: no such task, or it is not
 // in that namespace. ENOTTY or EINVAL: the kernel cannot translate.
-func PIDInNS(nsfd, id int) (int, error) {
-	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(nsfd), nsGetPIDInPIDNS, uintptr(id))
+func PIDInNS(nsfd, id int) (int, error) { return nsIoctl(nsfd, nsGetPIDInPIDNS, id) }
+
+// nsIoctl is one of nsfs's id translations: the ioctl's result is the id.
+func nsIoctl(nsfd int, req uintptr, id int) (int, error) {
+	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(nsfd), req, uintptr(id))
 	if errno != 0 {
 		return 0, errno
 	}
