@@ -654,7 +654,8 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 	if opts.Park && opts.Ephemeral && parkable(procs) {
 		return e.parkCheckpoint(ctx, t, rec, opts.Barrier)
 	}
-	if why := templatable(t.InitPID(), procs); why != "" {
+	viaCRIU := func(procs []Proc, why string) (*Checkpoint, error) {
+		rec.Procs = procs
 		rec.Mode = ModeCRIU
 		rec.Reason = why
 		c := &ckpt{rec: rec}
@@ -664,6 +665,9 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		}
 		e.add(c)
 		return &c.rec, nil
+	}
+	if why := templatable(t.InitPID(), procs); why != "" {
+		return viaCRIU(procs, why)
 	}
 	// A process that exits while being stopped fails the attempt; as long
 	// as the barrier has not run, list again and retry.
@@ -679,6 +683,12 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 			return nil
 		}
 		tmpls, frozen, err = e.makeTemplates(ctx, t, procs, barrier)
+		var sh *sharedStateError
+		if errors.As(err, &sh) && !ran {
+			// Found while the processes were stopped, before the
+			// barrier: the CRIU path stops them again and dumps.
+			return viaCRIU(procs, sh.why)
+		}
 		if err == nil || ran || attempt == 2 || ctx.Err() != nil {
 			break
 		}
@@ -751,10 +761,27 @@ func (e *Engine) add(c *ckpt) {
 	e.ckpts[c.rec.ID] = c
 }
 
+// sharedStateError is makeTemplates's answer for processes holding state a
+// template would share with them (sharedState): nothing was checkpointed.
+type sharedStateError struct{ why string }
+
+func (e *sharedStateError) Error() string { return "template path impossible: " + e.why }
+
 // makeTemplates is the stop-the-world part of Checkpoint.
 func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barrier func() error) ([]*template, time.Duration, error) {
 	start := time.Now()
-	live, err := e.stopProcs(ctx, t, procs, barrier)
+	// While the processes are stopped and before the barrier (the fs
+	// checkpoint): state a template would share with its original sends
+	// the checkpoint to the CRIU path (see sharedState).
+	checked := func() error {
+		for _, p := range procs {
+			if why := sharedState(p.PID); why != "" {
+				return &sharedStateError{why: fmt.Sprintf("process %d (%s) holds %s, which a template would share with it", p.PID, p.Comm, why)}
+			}
+		}
+		return barrier()
+	}
+	live, err := e.stopProcs(ctx, t, procs, checked)
 	if err != nil {
 		return nil, 0, err
 	}

@@ -247,6 +247,11 @@ func baseOpts(log string) *rpc.CriuOpts {
 	}
 }
 
+// GhostLimit is the largest file without a name (deleted, O_TMPFILE) a
+// dump copies into its image; a process holding a larger one cannot be
+// dumped.
+const GhostLimit = 256 << 20
+
 // Dump dumps the subtree rooted at o.Pid into o.Dir.
 func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 	if err := os.MkdirAll(o.Dir, 0o700); err != nil {
@@ -264,6 +269,10 @@ func (r *Runner) Dump(ctx context.Context, o DumpOptions) error {
 	defer done()
 	opts := baseOpts(DumpLog)
 	opts.Pid = ptr(int32(o.Pid))
+	// A file the processes hold without a name (deleted, O_TMPFILE, a
+	// temporary file) has its content in the image: up to GhostLimit
+	// instead of criu's 1 MiB.
+	opts.GhostLimit = ptr(uint32(GhostLimit))
 	opts.LeaveRunning = ptr(o.LeaveRunning)
 	if err := writeExternals(o.Dir, o.External); err != nil {
 		return fmt.Errorf("criu dump: %w", err)

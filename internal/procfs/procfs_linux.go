@@ -13,7 +13,9 @@ package procfs
 
 import (
 	"io/fs"
+	"runtime"
 	"strconv"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -136,4 +138,72 @@ func nsIoctl(nsfd int, req uintptr, id int) (int, error) {
 		return 0, errno
 	}
 	return int(r), nil
+}
+
+// procmapQuery is struct procmap_query of linux/fs.h (Linux 6.11).
+type procmapQuery struct {
+	Size        uint64
+	QueryFlags  uint64
+	QueryAddr   uint64
+	VMAStart    uint64
+	VMAEnd      uint64
+	VMAFlags    uint64
+	VMAPageSize uint64
+	VMAOffset   uint64
+	Inode       uint64
+	DevMajor    uint32
+	DevMinor    uint32
+	VMANameSize uint32
+	BuildIDSize uint32
+	VMANameAddr uint64
+	BuildIDAddr uint64
+}
+
+// procmapQueryIoctl is PROCMAP_QUERY, _IOWR('f', 17, struct procmap_query).
+const procmapQueryIoctl = 0xc0686611
+
+// Flags of NextMapping's want (PROCMAP_QUERY_VMA_*): a mapping must have
+// all of them.
+const (
+	MapReadable = 0x01
+	MapWritable = 0x02
+	MapShared   = 0x08
+)
+
+// procmapCoveringOrNext is PROCMAP_QUERY_COVERING_OR_NEXT_VMA.
+const procmapCoveringOrNext = 0x10
+
+// Mapping is one memory mapping of a process.
+type Mapping struct {
+	Start, End uint64
+	// Name is the mapping's path (with " (deleted)" for a file without a
+	// name: a deleted file, a memfd, shared anonymous or SysV memory) or
+	// its kind ("[heap]"); empty for private anonymous memory.
+	Name string
+}
+
+// NextMapping returns the lowest mapping ending above addr that has every
+// flag of want (Map*), of the process whose maps file is open as mapsFD
+// (/proc/PID/maps): one ioctl, where the maps file formats every mapping
+// with its path. ENOENT: there is none. ENOTTY: the kernel has no
+// PROCMAP_QUERY (Linux 6.11), read the maps file instead.
+func NextMapping(mapsFD int, addr uint64, want uint64) (Mapping, error) {
+	name := make([]byte, 4096)
+	q := procmapQuery{
+		QueryFlags:  procmapCoveringOrNext | want,
+		QueryAddr:   addr,
+		VMANameSize: uint32(len(name)),
+		VMANameAddr: uint64(uintptr(unsafe.Pointer(&name[0]))),
+	}
+	q.Size = uint64(unsafe.Sizeof(q))
+	_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(mapsFD), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
+	runtime.KeepAlive(name)
+	if errno != 0 {
+		return Mapping{}, errno
+	}
+	m := Mapping{Start: q.VMAStart, End: q.VMAEnd}
+	if n := int(q.VMANameSize); n > 0 && n <= len(name) {
+		m.Name = string(name[:n-1]) // without its NUL
+	}
+	return m, nil
 }

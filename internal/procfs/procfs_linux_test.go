@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -202,5 +203,52 @@ func TestPIDFromNS(t *testing.T) {
 	}
 	if _, err := PIDFromNS(fd, 2); err != unix.ESRCH {
 		t.Fatalf("PIDFromNS of an id nothing has in the namespace: %v, want ESRCH", err)
+	}
+}
+
+// TestNextMapping: asked for shared mappings, the query finds a MAP_SHARED
+// anonymous region of this process, named as the maps file names it, and
+// not a private one.
+func TestNextMapping(t *testing.T) {
+	shared, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(shared)
+	private, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(private)
+	sharedAt := uint64(uintptr(unsafe.Pointer(&shared[0])))
+	privateAt := uint64(uintptr(unsafe.Pointer(&private[0])))
+	fd, err := unix.Open("/proc/self/maps", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	found := false
+	for addr := uint64(0); ; {
+		m, err := NextMapping(fd, addr, MapShared)
+		if err == unix.ENOENT {
+			break
+		}
+		testenv.Require(t, err != unix.ENOTTY && err != unix.EINVAL, "a kernel with PROCMAP_QUERY (Linux 6.11)")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m.Start <= privateAt && privateAt < m.End {
+			t.Errorf("the private mapping at %x came back as shared: %+v", privateAt, m)
+		}
+		if m.Start <= sharedAt && sharedAt < m.End {
+			found = true
+			if m.Name != "/dev/zero (deleted)" {
+				t.Errorf("the shared anonymous mapping is named %q, want %q (as in the maps file)", m.Name, "/dev/zero (deleted)")
+			}
+		}
+		addr = m.End
+	}
+	if !found {
+		t.Fatalf("the shared mapping at %x was not found", sharedAt)
 	}
 }
