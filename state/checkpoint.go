@@ -82,7 +82,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 		m.mu.Unlock()
 		return nil, err
 	}
-	win, pol, polName := s.win, s.policy, s.rec.Policy
+	win, pol, polName, polErr := s.win, s.policy, s.rec.Policy, s.policyErr
 	s.rec.Turns++
 	open := s.winOpen
 	m.mu.Unlock()
@@ -117,7 +117,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	}
 	tDecide := time.Now()
 	if mode == ModeAuto || mode == "" {
-		mode, reason = m.decide(ctx, win, rep, pol, &tr)
+		mode, reason = m.decide(ctx, win, rep, pol, polErr, &tr)
 		m.obs.Decided(polName, mode)
 		ph.DecideUS = time.Since(tDecide).Microseconds()
 	} else {
@@ -188,8 +188,9 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 }
 
 // decide is auto mode's decision on a window's report (tr gets the
-// policy's verdict).
-func (m *Manager) decide(ctx context.Context, win ProbeWindow, rep *effect.Report, pol Policy, tr *TurnReport) (Mode, string) {
+// policy's verdict). polErr, when pol is nil, says why the sandbox's
+// policy could not be loaded.
+func (m *Manager) decide(ctx context.Context, win ProbeWindow, rep *effect.Report, pol Policy, polErr error, tr *TurnReport) (Mode, string) {
 	var mode Mode
 	var reason string
 	switch {
@@ -197,6 +198,8 @@ func (m *Manager) decide(ctx context.Context, win ProbeWindow, rep *effect.Repor
 		mode, reason = ModeFull, "auto: no effect probe for this sandbox, so full"
 	case rep == nil:
 		mode, reason = ModeFull, "auto: the probe failed, so full"
+	case pol == nil && polErr != nil:
+		mode, reason = ModeFull, "auto: "+polErr.Error()+", so full"
 	case pol == nil:
 		mode, reason = ModeFull, "auto: no policy loaded, so full"
 	default:
@@ -275,7 +278,10 @@ func (m *Manager) decideDeferred(s *sbox, c *ckpt, win ProbeWindow, pol Policy, 
 	tr := TurnReport{Requested: ModeAuto}
 	rep := m.endWindow(ctx, s)
 	tr.Report = rep
-	mode, reason := m.decide(ctx, win, rep, pol, &tr)
+	m.mu.Lock()
+	polErr := s.policyErr
+	m.mu.Unlock()
+	mode, reason := m.decide(ctx, win, rep, pol, polErr, &tr)
 	m.obs.Decided(polName, mode)
 	var decided Mode
 	if mode == ModeSkip {
@@ -915,6 +921,11 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			return nil, fmt.Errorf("restore %s: %w", c.rec.ID, err)
 		}
 	} else {
+		// The sandbox comes back (after a daemon restart): with its
+		// policy, which recovery could not keep (see loadPolicy).
+		if err := m.loadPolicy(ctx, s); err != nil {
+			return nil, fmt.Errorf("restore %s: %w", c.rec.ID, err)
+		}
 		mnt, err := m.cfg.FS.MountFrom(bg, s.rec.ID, m.spec(&s.rec), fsID)
 		if err != nil {
 			m.obs.Restored("", time.Since(start), err)
@@ -1005,7 +1016,7 @@ func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph Re
 	if path != "fs" {
 		s.procsDiverged = false // the processes are the target's
 	}
-	s.rec.Status, s.rec.Note = StatusRunning, ""
+	s.rec.Status, s.rec.Note = StatusRunning, policyNote(s)
 	res := &RestoreResult{ID: c.rec.ID, Path: path, Epoch: s.rec.Epoch}
 	m.mu.Unlock()
 	t := time.Now()

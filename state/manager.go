@@ -112,9 +112,16 @@ type sbox struct {
 	// checkpoint or restore (m.mu).
 	fsAccepted bool
 	turnMu     sync.Mutex // serializes the synchronous part of turns
-	policy     Policy
-	removed    bool
-	reports    reportRing // recent turn reports (m.mu)
+	// policy decides auto turns (m.mu). A sandbox recovered from the
+	// store has only its record's name for it until a restore brings the
+	// sandbox back and loads it (loadPolicy).
+	policy Policy
+	// policyErr says why the policy the record names could not be loaded
+	// when the sandbox was brought back; auto turns then take full
+	// checkpoints and say why (m.mu).
+	policyErr error
+	removed   bool
+	reports   reportRing // recent turn reports (m.mu)
 	// undoReleased is closed when the last restore's undo point has been
 	// released (that runs after the restore returned); nil before the
 	// first (m.mu).
@@ -264,6 +271,9 @@ func (m *Manager) recover(ctx context.Context) error {
 			}
 			b.putSandboxes = append(b.putSandboxes, sb)
 		}
+		// No policy yet: the store keeps only its name, and the sandbox is
+		// stopped; the restore that brings it back loads it (loadPolicy),
+		// so a daemon start does not wait for policies nothing runs yet.
 		s := &sbox{rec: *sb, q: newQueue()}
 		for _, c := range m.ckpts {
 			if c.rec.Sandbox == sb.ID && c.rec.Seq > s.seq {
@@ -587,6 +597,46 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	m.log.Info("sandbox created", "sandbox", rec.Name, "id", rec.ID, "bases", rec.Bases, "fs", rec.FSKind)
 	out := cloneSandbox(&s.rec)
 	return out, nil
+}
+
+// loadPolicy loads the policy s's record names, with the loader Create
+// uses, when s has none loaded: a sandbox recovered from the store, which
+// keeps the policy's name only. A policy that cannot be loaded any more
+// (its .wasm file gone, say) does not keep the sandbox from coming back:
+// full checkpoints lose nothing. It is logged, and kept in s.policyErr,
+// which the sandbox's note and every auto turn's reason report. Only an
+// ended ctx fails the call (nothing was started then).
+func (m *Manager) loadPolicy(ctx context.Context, s *sbox) error {
+	m.mu.Lock()
+	name, loaded := s.rec.Policy, s.policy != nil
+	m.mu.Unlock()
+	if m.cfg.Policies == nil || name == "" || loaded {
+		return nil
+	}
+	p, err := m.cfg.Policies.Load(ctx, name)
+	if err != nil && ctx.Err() != nil {
+		return fmt.Errorf("load policy %s: %w", name, err)
+	}
+	m.mu.Lock()
+	if err != nil {
+		s.policy, s.policyErr = nil, fmt.Errorf("policy %s could not be loaded: %w", name, err)
+	} else {
+		s.policy, s.policyErr = p, nil
+	}
+	m.mu.Unlock()
+	if err != nil {
+		m.log.Error("policy could not be loaded; auto turns take full checkpoints", "sandbox", s.rec.Name, "policy", name, "err", err)
+	}
+	return nil
+}
+
+// policyNote is the sandbox note that reports s.policyErr ("" without
+// one). Call with m.mu held.
+func policyNote(s *sbox) string {
+	if s.policyErr == nil {
+		return ""
+	}
+	return s.policyErr.Error() + "; auto turns take full checkpoints"
 }
 
 func (m *Manager) spec(rec *Sandbox) FSSpec {
