@@ -59,15 +59,39 @@ type ExecRequest struct {
 	Env   []string `json:"env,omitempty"`
 	Dir   string   `json:"dir,omitempty"`
 	Stdin string   `json:"stdin,omitempty"`
-	Epoch uint64   `json:"epoch,omitempty"`
+	// StdinB64 is the command's standard input as bytes (base64 in
+	// JSON), for input that is not UTF-8 text; at most one of Stdin and
+	// StdinB64 may be set.
+	StdinB64 []byte `json:"stdin_b64,omitempty"`
+	Epoch    uint64 `json:"epoch,omitempty"`
 }
 
-// ExecFrame is one line of an exec stream.
+// ExecFrame is one line of an exec stream. A chunk of output that is not
+// valid UTF-8 (binary output, or a character split between two chunks)
+// comes in StdoutB64 or StderrB64 as well, exactly (base64 in JSON); its
+// Stdout or Stderr then holds the text JSON can carry, with U+FFFD for
+// the bytes it cannot.
 type ExecFrame struct {
-	Stdout string     `json:"stdout,omitempty"`
-	Stderr string     `json:"stderr,omitempty"`
-	Exit   *int       `json:"exit,omitempty"`
-	Error  *ErrorBody `json:"error,omitempty"`
+	Stdout    string     `json:"stdout,omitempty"`
+	Stderr    string     `json:"stderr,omitempty"`
+	StdoutB64 []byte     `json:"stdout_b64,omitempty"`
+	StderrB64 []byte     `json:"stderr_b64,omitempty"`
+	Exit      *int       `json:"exit,omitempty"`
+	Error     *ErrorBody `json:"error,omitempty"`
+}
+
+// Bytes returns the frame's output bytes, exactly, and whether they are
+// standard error's.
+func (f *ExecFrame) Bytes() (b []byte, stderr bool) {
+	switch {
+	case f.StdoutB64 != nil:
+		return f.StdoutB64, false
+	case f.StderrB64 != nil:
+		return f.StderrB64, true
+	case f.Stderr != "":
+		return []byte(f.Stderr), true
+	}
+	return []byte(f.Stdout), false
 }
 
 // SessionRequest is the body of POST /v1/sandboxes/{name}/sessions.
@@ -117,6 +141,10 @@ type SendRequest struct {
 // SendResult answers a send.
 type SendResult struct {
 	Output string `json:"output"`
+	// OutputB64 is the output exactly (base64 in JSON) when it is not
+	// valid UTF-8: Output then has U+FFFD for the bytes JSON text cannot
+	// carry.
+	OutputB64 []byte `json:"output_b64,omitempty"`
 	// ElapsedUS is the daemon's time of the send itself (writing the text
 	// and reading the answer), without the restore and the turn.
 	ElapsedUS int64 `json:"elapsed_us"`

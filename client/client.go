@@ -173,11 +173,13 @@ func (c *Client) Exec(ctx context.Context, name string, req api.ExecRequest, std
 		case f.Exit != nil:
 			return *f.Exit, nil
 		}
-		if f.Stdout != "" && stdout != nil {
-			io.WriteString(stdout, f.Stdout)
-		}
-		if f.Stderr != "" && stderr != nil {
-			io.WriteString(stderr, f.Stderr)
+		b, isErr := f.Bytes()
+		switch {
+		case len(b) == 0:
+		case isErr && stderr != nil:
+			stderr.Write(b)
+		case !isErr && stdout != nil:
+			stdout.Write(b)
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -195,20 +197,26 @@ func (c *Client) StartSession(ctx context.Context, name string, req api.SessionR
 
 // Send writes text and a newline to a session and returns its answer.
 func (c *Client) Send(ctx context.Context, name, session string, req api.SendRequest) (string, error) {
-	var r api.SendResult
-	err := c.do(ctx, "POST", "/v1/sandboxes/"+esc(name)+"/sessions/"+esc(session)+"/send", req, &r)
-	return r.Output, err
+	r, err := c.Step(ctx, name, session, req)
+	if err != nil {
+		return "", err
+	}
+	return r.Output, nil
 }
 
 // Step is Send with the whole answer: with req.Restore and req.Turn it is
 // one tree-search step in one call (restore, send, end the turn; see
-// api.SendRequest). The ElapsedUS of the answer's Restore and Turn are the
+// api.SendRequest). Output holds the exact bytes the session wrote (the
+// answer's OutputB64 when it is not UTF-8). The ElapsedUS of the answer's Restore and Turn are the
 // daemon's times of those steps; the call's own time is the caller's to
 // measure.
 func (c *Client) Step(ctx context.Context, name, session string, req api.SendRequest) (*api.SendResult, error) {
 	var r api.SendResult
 	if err := c.do(ctx, "POST", "/v1/sandboxes/"+esc(name)+"/sessions/"+esc(session)+"/send", req, &r); err != nil {
 		return nil, err
+	}
+	if r.OutputB64 != nil {
+		r.Output = string(r.OutputB64) // the exact bytes
 	}
 	return &r, nil
 }

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -187,8 +189,11 @@ func (f *frameWriter) Write(p []byte) (int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	fr := api.ExecFrame{Stdout: string(p)}
+	if !utf8.Valid(p) {
+		fr.StdoutB64 = p
+	}
 	if f.stderr {
-		fr = api.ExecFrame{Stderr: string(p)}
+		fr = api.ExecFrame{Stderr: fr.Stdout, StderrB64: fr.StdoutB64}
 	}
 	if err := f.enc.Encode(fr); err != nil {
 		return 0, err
@@ -219,8 +224,14 @@ func (s *server) exec(w http.ResponseWriter, r *http.Request) {
 	out := &frameWriter{mu: &mu, enc: enc, fl: fl}
 	errw := &frameWriter{mu: &mu, enc: enc, fl: fl, stderr: true}
 	var stdin io.Reader
-	if req.Stdin != "" {
+	switch {
+	case req.Stdin != "" && req.StdinB64 != nil:
+		writeErr(w, &state.Error{Code: state.CodeBadRequest, Msg: "exec: stdin and stdin_b64 are both set (send one)"})
+		return
+	case req.Stdin != "":
 		stdin = strings.NewReader(req.Stdin)
+	case req.StdinB64 != nil:
+		stdin = bytes.NewReader(req.StdinB64)
 	}
 	// Headers go out once the command starts (so early errors get a status).
 	lazy := &lazyStart{start: start, mu: &mu}
@@ -324,6 +335,9 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	res.Output, res.ElapsedUS = out, time.Since(sent).Microseconds()
+	if !utf8.ValidString(out) {
+		res.OutputB64 = []byte(out)
+	}
 	if req.Turn != nil {
 		treq := *req.Turn
 		treq.Epoch = epoch

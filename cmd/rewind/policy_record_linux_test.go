@@ -22,6 +22,13 @@ import (
 // policy host included) on a private state directory.
 func startRealDaemon(t *testing.T) *client.Client {
 	t.Helper()
+	c, _ := startRealDaemonAt(t)
+	return c
+}
+
+// startRealDaemonAt is startRealDaemon that also returns the socket.
+func startRealDaemonAt(t *testing.T) (*client.Client, string) {
+	t.Helper()
 	testenv.RequireRoot(t)
 	_, err := os.Stat("/dev/fuse")
 	testenv.Require(t, err == nil, "/dev/fuse")
@@ -50,7 +57,7 @@ func startRealDaemon(t *testing.T) *client.Client {
 	case <-time.After(60 * time.Second):
 		t.Fatal("daemon did not start")
 	}
-	return c
+	return c, sock
 }
 
 // TestPolicyRecordReplaysDaemonDecisions drives a real sandbox through

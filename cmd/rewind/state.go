@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -16,6 +17,7 @@ import (
 	"syscall"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/spf13/cobra"
 
@@ -190,19 +192,56 @@ func newCreateCmd() *cobra.Command {
 func newExecCmd() *cobra.Command {
 	var o clientOpts
 	var req api.ExecRequest
+	var stdin bool
 	cmd := &cobra.Command{
-		Use:     "exec NAME -- CMD...",
-		Short:   "Run a one-shot command in a sandbox; streams its output and returns its exit code",
-		Example: "  rewind exec agent1 -- ls -la /\n  rewind exec agent1 --dir /work -- python3 -m pytest -q",
-		Args:    cobra.MinimumNArgs(2),
+		Use:   "exec NAME -- CMD...",
+		Short: "Run a one-shot command in a sandbox; streams its output and returns its exit code",
+		Example: "  rewind exec agent1 -- ls -la /\n  rewind exec agent1 --dir /work -- python3 -m pytest -q\n" +
+			"  git diff | rewind exec agent1 -i -- git apply\n  rewind exec agent1 --json -- cat /work/a.bin   # {\"exit\",\"stdout\",\"stderr\"}",
+		Args: cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			for _, kv := range req.Env {
+				if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+					return fmt.Errorf("--env %q: want K=V", kv)
+				}
+			}
+			if stdin {
+				// The API takes the input whole: read it to its end first.
+				in, err := io.ReadAll(cmd.InOrStdin())
+				if err != nil {
+					return fmt.Errorf("read standard input: %w", err)
+				}
+				req.Stdin, req.StdinB64 = "", nil
+				if utf8.Valid(in) {
+					req.Stdin = string(in)
+				} else {
+					req.StdinB64 = in
+				}
+			}
 			c, err := o.connect(cmd)
 			if err != nil {
 				return err
 			}
 			req.Argv = args[1:]
-			code, err := c.Exec(cmd.Context(), args[0], req, cmd.OutOrStdout(), cmd.ErrOrStderr())
+			if !o.json {
+				code, err := c.Exec(cmd.Context(), args[0], req, cmd.OutOrStdout(), cmd.ErrOrStderr())
+				if err != nil {
+					return err
+				}
+				if code != 0 {
+					return exitError{code: code}
+				}
+				return nil
+			}
+			var stdout, stderr bytes.Buffer
+			code, err := c.Exec(cmd.Context(), args[0], req, &stdout, &stderr)
 			if err != nil {
+				return err
+			}
+			res := execJSON{Exit: code}
+			res.Stdout, res.StdoutB64 = textOrBytes(stdout.Bytes())
+			res.Stderr, res.StderrB64 = textOrBytes(stderr.Bytes())
+			if err := printJSON(cmd.OutOrStdout(), res); err != nil {
 				return err
 			}
 			if code != 0 {
@@ -214,8 +253,27 @@ func newExecCmd() *cobra.Command {
 	cmd.Flags().StringVar(&req.Dir, "dir", "", "working directory inside the sandbox")
 	cmd.Flags().StringArrayVar(&req.Env, "env", nil, "environment variable K=V (repeatable)")
 	cmd.Flags().Uint64Var(&req.Epoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
-	cmd.Flags().StringVar(&o.socket, "socket", "", "daemon socket (default $REWIND_SOCKET or "+api.DefaultSocket+")")
+	cmd.Flags().BoolVarP(&stdin, "stdin", "i", false, "send this command's standard input to the command (read to its end before the command starts)")
+	o.add(cmd)
 	return cmd
+}
+
+// execJSON is what exec --json prints once the command has ended. Output
+// that is not valid UTF-8 comes as base64 in the _b64 field instead.
+type execJSON struct {
+	Exit      int    `json:"exit"`
+	Stdout    string `json:"stdout"`
+	Stderr    string `json:"stderr"`
+	StdoutB64 []byte `json:"stdout_b64,omitempty"`
+	StderrB64 []byte `json:"stderr_b64,omitempty"`
+}
+
+// textOrBytes returns b as text when it is valid UTF-8, else as bytes.
+func textOrBytes(b []byte) (string, []byte) {
+	if utf8.Valid(b) {
+		return string(b), nil
+	}
+	return "", b
 }
 
 func newSessionCmd() *cobra.Command {
