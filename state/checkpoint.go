@@ -1110,12 +1110,17 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 		base = Sandbox{Name: c.rec.ID, FSKind: "auto"}
 	}
 	m.mu.Unlock()
+	// With the default prefix, a fork names its children after those of
+	// the forks before it (a trainer forks the same checkpoint at every
+	// step); an explicit prefix names them from 1, and must be free.
+	first := 1
 	if req.Prefix == "" {
 		req.Prefix = base.Name + "-"
+		first = m.nextNumber(req.Prefix)
 	}
 	names := make([]string, req.Count)
 	for i := range names {
-		names[i] = req.Prefix + strconv.Itoa(i+1)
+		names[i] = req.Prefix + strconv.Itoa(first+i)
 		if !nameRE().MatchString(names[i]) {
 			return nil, errf(CodeBadRequest, "invalid sandbox name "+strconv.Quote(names[i]), nil)
 		}

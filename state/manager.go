@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -455,6 +456,11 @@ func (m *Manager) lookup(name string, epoch uint64) (*sbox, error) {
 	if s == nil || s.removed {
 		return nil, errf(CodeNotFound, "no sandbox "+strconv.Quote(name), nil)
 	}
+	if epoch != 0 && epoch > s.rec.Epoch {
+		// Not stale: no answer of this sandbox ever carried it (another
+		// sandbox's, or made up).
+		return nil, errf(CodeStaleEpoch, fmt.Sprintf("sandbox %s: epoch %d is ahead of its current epoch %d: not one it handed out", s.rec.Name, epoch, s.rec.Epoch), nil)
+	}
 	if epoch != 0 && epoch != s.rec.Epoch {
 		return nil, errf(CodeStaleEpoch, fmt.Sprintf("sandbox %s: stale epoch %d (current %d): it was restored since", s.rec.Name, epoch, s.rec.Epoch), nil)
 	}
@@ -703,6 +709,28 @@ func (m *Manager) reserve(name string) error {
 	}
 	m.reserved[name] = true
 	return nil
+}
+
+// nextNumber is one more than the highest N of the sandboxes (and the
+// names reserved for ones being made) named prefix+N, or 1.
+func (m *Manager) nextNumber(prefix string) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	top := 0
+	see := func(name string) {
+		if rest, ok := strings.CutPrefix(name, prefix); ok {
+			if n, err := strconv.Atoi(rest); err == nil && n > top && strconv.Itoa(n) == rest {
+				top = n
+			}
+		}
+	}
+	for name := range m.byName {
+		see(name)
+	}
+	for name := range m.reserved {
+		see(name)
+	}
+	return top + 1
 }
 
 func (m *Manager) unreserve(name string) {

@@ -200,6 +200,12 @@ func TestStaleEpochRejected(t *testing.T) {
 	if _, err := e.m.Exec(e.ctx, "a", r.Epoch, state.ExecRequest{Argv: []string{"echo"}}); err != nil {
 		t.Fatalf("exec with the current epoch: %v", err)
 	}
+	// An epoch the sandbox never handed out is refused too, but not as
+	// one it was restored since.
+	_, err := e.m.Exec(e.ctx, "a", r.Epoch+1, state.ExecRequest{Argv: []string{"echo"}})
+	if !errors.Is(err, state.ErrStaleEpoch) || !strings.Contains(err.Error(), "ahead of") || strings.Contains(err.Error(), "restored since") {
+		t.Fatalf("exec with an epoch ahead of the sandbox's: %v", err)
+	}
 }
 
 func TestRestoreAllOrNothing(t *testing.T) {
@@ -374,6 +380,16 @@ func TestFork(t *testing.T) {
 	// Names in use.
 	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "r"}); !errors.Is(err, state.ErrExists) {
 		t.Fatalf("fork over existing names: %v", err)
+	}
+	// The default prefix numbers a fork's children after the last fork's.
+	for _, want := range [][]string{{"src-1", "src-2"}, {"src-3", "src-4"}} {
+		kids, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2})
+		if err != nil {
+			t.Fatalf("fork with the default prefix: %v", err)
+		}
+		if len(kids) != 2 || kids[0].Name != want[0] || kids[1].Name != want[1] {
+			t.Fatalf("fork with the default prefix: %+v, want %v", kids, want)
+		}
 	}
 	// All or nothing.
 	e.b.Faults.FailStart.Store(true)

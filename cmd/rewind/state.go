@@ -384,6 +384,21 @@ func printTurn(cmd *cobra.Command, o *clientOpts, r *api.TurnResult) error {
 	return nil
 }
 
+// notDurable is the error of a turn or checkpoint called with --wait whose
+// checkpoint did not become durable (nil when it did, or for a skip): the
+// call promised to block until it was. The checkpoint exists and can be
+// restored while this daemon runs; a crash would lose it.
+func notDurable(ctx context.Context, c *client.Client, r *api.TurnResult) error {
+	if r.Durable || r.Decision == state.ModeSkip {
+		return nil
+	}
+	why := "the daemon's log says why"
+	if ck, err := c.GetCheckpoint(ctx, r.ID); err == nil && ck.Error != "" {
+		why = ck.Error
+	}
+	return fmt.Errorf("checkpoint %s is not durable (%s): it can be restored while this daemon runs, a crash would lose it", r.ID, why)
+}
+
 func newTurnCmd() *cobra.Command {
 	var o clientOpts
 	var req api.TurnRequest
@@ -405,7 +420,13 @@ blocks until it is durable. A skip returns the previous checkpoint's id.`,
 			if err != nil {
 				return err
 			}
-			return printTurn(cmd, &o, r)
+			if err := printTurn(cmd, &o, r); err != nil {
+				return err
+			}
+			if req.Wait {
+				return notDurable(cmd.Context(), c, r)
+			}
+			return nil
 		},
 	}
 	cmd.Flags().StringVar(&req.Mode, "mode", "auto", "auto, skip, fs or full")
@@ -433,7 +454,13 @@ func newCheckpointCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return printTurn(cmd, &o, r)
+			if err := printTurn(cmd, &o, r); err != nil {
+				return err
+			}
+			if wait {
+				return notDurable(cmd.Context(), c, r)
+			}
+			return nil
 		},
 	}
 	cmd.Flags().BoolVar(&wait, "wait", false, "block until the checkpoint is durable")
@@ -508,7 +535,7 @@ func newForkCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().IntVar(&req.Count, "count", 1, "number of sandboxes")
-	cmd.Flags().StringVar(&req.Prefix, "prefix", "", "name prefix (default: the source sandbox's name and -)")
+	cmd.Flags().StringVar(&req.Prefix, "prefix", "", "name prefix, children numbered from 1 (default: the source sandbox's name and -, numbered on after earlier forks' children)")
 	cmd.Flags().BoolVar(&req.NoWait, "no-wait", false, "fail instead of waiting when the checkpoint is not ready yet")
 	cmd.Flags().BoolVar(&req.Prepare, "prepare", false, "make no sandboxes now: prepare --count children in the background, so later forks of CKPT only name them")
 	o.add(cmd)
