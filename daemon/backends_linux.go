@@ -92,8 +92,12 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 	}
 	log.Info("sandbox init", "path", initPath)
 	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb, initPath: initPath}
+	// Spares of a daemon that was killed left their cgroups.
+	if n := sandbox.RemoveStaleSpares(spareIDPrefix, time.Minute); n > 0 {
+		log.Info("removed the cgroups of spare inits left by an earlier daemon", "cgroups", n)
+	}
 	if cfg.SpareInits > 0 {
-		pb.spares = sandbox.NewSpares(cfg.SpareInits, initPath, "spare-", log)
+		pb.spares = sandbox.NewSpares(cfg.SpareInits, initPath, spareIDPrefix, log)
 		closers = append(closers, pb.spares.Close)
 	}
 	// Checkpoints whose CRIU images survived the previous daemon (or host)
@@ -233,11 +237,18 @@ func (b *fsBackend) lowers(spec state.FSSpec) []string {
 	return l
 }
 
-func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (state.FSMount, error) {
+func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (m state.FSMount, err error) {
 	mp := filepath.Join(b.mnt, id)
 	if err := os.MkdirAll(mp, 0o700); err != nil {
 		return nil, err
 	}
+	defer func() {
+		if err != nil {
+			// A failed create or fork child leaves no mount point (nothing
+			// is mounted on it; a non-empty one stays).
+			_ = os.Remove(mp)
+		}
+	}()
 	// A record left by a dead daemon is replaced: the sandbox comes back
 	// from a checkpoint, not from its last upper.
 	if _, err := b.st.Mount(id); err == nil {
@@ -1856,3 +1867,7 @@ func (a policyAdapter) Decide(ctx context.Context, r *effect.Report) (state.Deci
 	}
 	return state.Decision{Mode: state.Mode(d.Mode.String()), Reason: d.Reason, Fallback: d.Fallback}, nil
 }
+
+// spareIDPrefix starts the ids of the daemon's spare inits (and so the
+// names of their cgroups).
+const spareIDPrefix = "spare-"

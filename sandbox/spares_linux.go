@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -290,4 +291,36 @@ func (ip *initProc) waitHello(timeout time.Duration) error {
 		return fmt.Errorf("spare init: unexpected %q", m.Op)
 	}
 	return nil
+}
+
+// RemoveStaleSpares removes the empty cgroups of spares with ids idPrefix
+// followed by 12 hex digits (NewSpares) that are older than minAge: a
+// daemon killed while it had spares leaves theirs behind (the inits die
+// with the daemon, their cgroups stay). Non-empty ones (a running spare of
+// another daemon) cannot be removed and are left, as are younger ones (a
+// spare another daemon is making now, its init not in yet). It returns how
+// many it removed.
+func RemoveStaleSpares(idPrefix string, minAge time.Duration) int {
+	n := 0
+	for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent} {
+		ents, err := os.ReadDir(parent)
+		if err != nil {
+			continue
+		}
+		for _, e := range ents {
+			rest, ok := strings.CutPrefix(e.Name(), idPrefix)
+			if !ok || !e.IsDir() || len(rest) != 12 || strings.Trim(rest, "0123456789abcdef") != "" {
+				continue
+			}
+			dir := filepath.Join(parent, e.Name())
+			var st unix.Stat_t
+			if unix.Stat(dir, &st) != nil || time.Since(time.Unix(st.Ctim.Unix())) < minAge {
+				continue
+			}
+			if unix.Rmdir(dir) == nil {
+				n++
+			}
+		}
+	}
+	return n
 }

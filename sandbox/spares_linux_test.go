@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -355,5 +356,65 @@ func TestPIDCounterMin(t *testing.T) {
 				t.Errorf("a second TakePIDCounterMin() = %d, want 0", got)
 			}
 		})
+	}
+}
+
+// TestRemoveStaleSpares: the empty cgroups of a spare whose init died
+// (its daemon killed) are removed once old enough; a running spare's are
+// kept, and so are young ones and names that are not spare ids.
+func TestRemoveStaleSpares(t *testing.T) {
+	requireSandbox(t)
+	prefix := fmt.Sprintf("test-stale-%d-", os.Getpid())
+	// A running spare: its cgroups hold its init.
+	sp := NewSpares(1, "", prefix, nil)
+	defer sp.Close()
+	waitFor(t, "spares", func() bool { return sp.Ready() == 1 })
+	// A dead one: the empty cgroups a killed daemon leaves.
+	var dead, other []string
+	for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent} {
+		d := filepath.Join(parent, prefix+"0123456789ab")
+		o := filepath.Join(parent, prefix+"not-a-spare")
+		for _, dir := range []string{d, o} {
+			if err := os.Mkdir(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = syscall.Rmdir(dir) })
+		}
+		dead, other = append(dead, d), append(other, o)
+	}
+	live := func() int {
+		n := 0
+		for _, parent := range []string{DefaultFreezerParent, DefaultCgroupV2Parent, DefaultPidsParent} {
+			ents, _ := os.ReadDir(parent)
+			for _, e := range ents {
+				if rest, ok := strings.CutPrefix(e.Name(), prefix); ok && len(rest) == 12 && rest != "0123456789ab" {
+					n++
+				}
+			}
+		}
+		return n
+	}
+	before := live()
+	if before == 0 {
+		t.Fatal("the running spare has no cgroups")
+	}
+	if n := RemoveStaleSpares(prefix, time.Hour); n != 0 {
+		t.Fatalf("removed %d cgroups younger than the minimum age", n)
+	}
+	if n := RemoveStaleSpares(prefix, 0); n != len(dead) {
+		t.Fatalf("removed %d cgroups, want the dead spare's %d", n, len(dead))
+	}
+	for _, d := range dead {
+		if _, err := os.Stat(d); !os.IsNotExist(err) {
+			t.Errorf("%s is still there (%v)", d, err)
+		}
+	}
+	for _, o := range other {
+		if _, err := os.Stat(o); err != nil {
+			t.Errorf("%s, not a spare's, was removed (%v)", o, err)
+		}
+	}
+	if after := live(); after != before {
+		t.Fatalf("the running spare's cgroups: %d, before %d", after, before)
 	}
 }
