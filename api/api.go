@@ -145,6 +145,13 @@ type SendResult struct {
 	// valid UTF-8: Output then has U+FFFD for the bytes JSON text cannot
 	// carry.
 	OutputB64 []byte `json:"output_b64,omitempty"`
+	// Ended says what ended the read: "until" (the output matched),
+	// "idle" (quiet for idle_ms), "timeout" (timeout_ms passed: the
+	// process may still be busy, and what it prints later comes with the
+	// next send) or "exit" (the session's process exited; Exit is its
+	// status, 128 + the signal of one killed).
+	Ended string `json:"ended"`
+	Exit  *int   `json:"exit,omitempty"`
 	// ElapsedUS is the daemon's time of the send itself (writing the text
 	// and reading the answer), without the restore and the turn.
 	ElapsedUS int64 `json:"elapsed_us"`

@@ -999,29 +999,64 @@ func (p *procSandbox) StartSession(ctx context.Context, id string, argv, env []s
 	return err
 }
 
-func (p *procSandbox) Send(ctx context.Context, req state.SendRequest) (string, error) {
+func (p *procSandbox) Send(ctx context.Context, req state.SendRequest) (state.SendAnswer, error) {
 	ss := p.sb.Session(req.Session)
 	if ss == nil {
-		return "", &state.Error{Code: state.CodeNotFound, Msg: "no session " + strconv.Quote(req.Session)}
+		return state.SendAnswer{}, &state.Error{Code: state.CodeNotFound, Msg: "no session " + strconv.Quote(req.Session)}
 	}
 	opts := sandbox.SendOptions{Idle: req.Idle}
 	if req.Until != "" {
 		re, err := regexp.Compile(req.Until)
 		if err != nil {
-			return "", err
+			return state.SendAnswer{}, err
 		}
 		opts.Until = re
 	}
+	sctx := ctx
 	if req.Timeout > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, req.Timeout)
+		sctx, cancel = context.WithTimeout(ctx, req.Timeout)
 		defer cancel()
 	}
-	out, err := ss.Send(ctx, req.Text, opts)
-	if errors.Is(err, context.DeadlineExceeded) {
-		return out, nil // the answer so far; the process is still busy
+	ans, err := ss.SendAnswer(sctx, req.Text, opts)
+	a := state.SendAnswer{Output: ans.Output}
+	switch {
+	case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil:
+		// The answer so far; the process is still busy.
+		a.Ended, err = state.EndedTimeout, nil
+	case err != nil:
+	case ans.Matched:
+		a.Ended = state.EndedUntil
+	case exited(ss):
+		a.Ended = state.EndedExit
+		code := ss.ExitCode()
+		a.Exit = &code
+	default:
+		a.Ended = state.EndedIdle
 	}
-	return out, err
+	return a, err
+}
+
+// exited reports whether the session's process has exited, waiting a
+// moment for its status: the end of its output (its pipe's close) can
+// come just before the init reports the exit.
+func exited(ss *sandbox.Session) bool {
+	select {
+	case <-ss.Done():
+		return true
+	default:
+	}
+	if !ss.OutputClosed() {
+		return false
+	}
+	t := time.NewTimer(time.Second)
+	defer t.Stop()
+	select {
+	case <-ss.Done():
+		return true
+	case <-t.C:
+		return false
+	}
 }
 
 func (p *procSandbox) WriteRunFile(name string, data []byte) error {

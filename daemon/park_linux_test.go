@@ -54,9 +54,9 @@ func parkSandbox(t testing.TB) (*procSandbox, func(cmd string) string) {
 		t.Helper()
 		out, err := ps.Send(ctx, state.SendRequest{Session: "sh", Text: cmd + "; echo @@done@@", Until: "@@done@@", Timeout: 30 * time.Second})
 		if err != nil {
-			t.Fatalf("send %q: %v (%q)", cmd, err, out)
+			t.Fatalf("send %q: %v (%q)", cmd, err, out.Output)
 		}
-		return strings.TrimSpace(strings.ReplaceAll(out, "@@done@@", ""))
+		return strings.TrimSpace(strings.ReplaceAll(out.Output, "@@done@@", ""))
 	}
 	return ps, send
 }

@@ -334,9 +334,9 @@ func (s *server) send(w http.ResponseWriter, r *http.Request) {
 		writeErr(w, err)
 		return
 	}
-	res.Output, res.ElapsedUS = out, time.Since(sent).Microseconds()
-	if !utf8.ValidString(out) {
-		res.OutputB64 = []byte(out)
+	res.Output, res.Ended, res.Exit, res.ElapsedUS = out.Output, out.Ended, out.Exit, time.Since(sent).Microseconds()
+	if !utf8.ValidString(out.Output) {
+		res.OutputB64 = []byte(out.Output)
 	}
 	if req.Turn != nil {
 		treq := *req.Turn

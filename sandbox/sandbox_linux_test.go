@@ -259,6 +259,24 @@ func TestSession(t *testing.T) {
 	if out, err := ss.Send(ctx, "echo now", SendOptions{}); err != nil || out != "late\nnow\n" {
 		t.Fatalf("buffered output: %q %v", out, err)
 	}
+	// Until matches only what comes after the text: a match already in
+	// the buffered output (an earlier command's late answer, a prompt
+	// printed at start) does not end the read early.
+	if _, err := ss.Send(ctx, "(sleep 0.3; echo MARK-old) &", SendOptions{Idle: 50 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "background output to be buffered", func() bool {
+		ss.mu.Lock()
+		defer ss.mu.Unlock()
+		return strings.Contains(string(ss.buf), "MARK-old")
+	})
+	a, err := ss.SendAnswer(ctx, "sleep 0.3; echo MARK-new", SendOptions{Until: regexp.MustCompile(`MARK-\w+\n`)})
+	if err != nil || a.Output != "MARK-old\nMARK-new\n" || !a.Matched {
+		t.Fatalf("until over buffered output: %+v %v; want both lines, matched", a, err)
+	}
+	if a, err := ss.SendAnswer(ctx, "echo idle", SendOptions{Idle: 50 * time.Millisecond}); err != nil || a.Output != "idle\n" || a.Matched {
+		t.Fatalf("idle answer: %+v %v; want not matched", a, err)
+	}
 	// A signal to the session's process: bash survives a SIGINT aimed at it
 	// alone and reports the trap.
 	if _, err := ss.Send(ctx, "trap 'echo got-int' INT", SendOptions{Idle: 50 * time.Millisecond}); err != nil {

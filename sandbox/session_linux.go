@@ -384,6 +384,14 @@ func (ss *Session) PID() int {
 // Done is closed when the session's process has exited.
 func (ss *Session) Done() <-chan struct{} { return ss.exited }
 
+// OutputClosed reports whether the session's output has ended (every
+// writer of its pipe closed it: the process exited, or closed its output).
+func (ss *Session) OutputClosed() bool {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	return ss.eof
+}
+
 // ExitCode returns the exit code (128+signal if killed; -1 while running or
 // unknown).
 func (ss *Session) ExitCode() int {
@@ -415,11 +423,33 @@ func (ss *Session) isDoneLocked() bool {
 // calls), waiting until the output is idle or matches opts.Until, the process
 // exits, or ctx ends (then the output so far and ctx's error).
 func (ss *Session) Send(ctx context.Context, text string, opts SendOptions) (string, error) {
+	a, err := ss.SendAnswer(ctx, text, opts)
+	return a.Output, err
+}
+
+// Answer is a session's answer to SendAnswer.
+type Answer struct {
+	// Output is what the process printed since the previous Send or Read.
+	Output string
+	// Matched: the read ended because the output matched
+	// SendOptions.Until (else it was quiet for the idle time, the output
+	// ended, or the call's context ended with an error).
+	Matched bool
+}
+
+// SendAnswer is Send that also says what ended the read. Until is matched
+// against what the process prints once the text is written: output it
+// printed before (a prompt printed at its start, the rest of an earlier
+// command's answer) is returned, but cannot end the read.
+func (ss *Session) SendAnswer(ctx context.Context, text string, opts SendOptions) (Answer, error) {
 	ss.sendMu.Lock()
 	defer ss.sendMu.Unlock()
 	if err := ss.err(); err != nil {
-		return "", err
+		return Answer{}, err
 	}
+	ss.mu.Lock()
+	from := len(ss.buf)
+	ss.mu.Unlock()
 	t0 := time.Now()
 	if d, ok := ctx.Deadline(); ok {
 		_ = ss.stdin.SetWriteDeadline(d)
@@ -429,11 +459,11 @@ func (ss *Session) Send(ctx context.Context, text string, opts SendOptions) (str
 	if _, err := ss.stdin.Write([]byte(text + "\n")); err != nil {
 		out := ss.take()
 		if errors.Is(err, unix.EPIPE) || errors.Is(err, os.ErrClosed) {
-			return out, fmt.Errorf("send to session %s: %w", ss.id, ErrSessionExited)
+			return Answer{Output: out}, fmt.Errorf("send to session %s: %w", ss.id, ErrSessionExited)
 		}
-		return out, fmt.Errorf("send to session %s: %w", ss.id, err)
+		return Answer{Output: out}, fmt.Errorf("send to session %s: %w", ss.id, err)
 	}
-	return ss.collect(ctx, opts, t0)
+	return ss.collect(ctx, opts, t0, from)
 }
 
 // Read returns the output since the previous Send or Read, waiting like Send
@@ -444,7 +474,8 @@ func (ss *Session) Read(ctx context.Context, opts SendOptions) (string, error) {
 	if err := ss.err(); err != nil {
 		return "", err
 	}
-	return ss.collect(ctx, opts, time.Now())
+	a, err := ss.collect(ctx, opts, time.Now(), 0)
+	return a.Output, err
 }
 
 func (ss *Session) err() error {
@@ -464,7 +495,9 @@ func (ss *Session) take() string {
 	return out
 }
 
-func (ss *Session) collect(ctx context.Context, opts SendOptions, t0 time.Time) (string, error) {
+// collect waits for the answer; Until is matched against the output
+// from byte from of the buffer on.
+func (ss *Session) collect(ctx context.Context, opts SendOptions, t0 time.Time, from int) (Answer, error) {
 	idle := opts.Idle
 	if idle == 0 && opts.Until == nil {
 		idle = DefaultIdle
@@ -482,14 +515,17 @@ func (ss *Session) collect(ctx context.Context, opts SendOptions, t0 time.Time) 
 		if last.Before(t0) {
 			last = t0
 		}
-		if eof || (opts.Until != nil && opts.Until.Match(data)) {
-			return ss.take(), nil
+		if opts.Until != nil && len(data) >= from && opts.Until.Match(data[from:]) {
+			return Answer{Output: ss.take(), Matched: true}, nil
+		}
+		if eof {
+			return Answer{Output: ss.take()}, nil
 		}
 		var tc <-chan time.Time
 		if idle > 0 {
 			wait := idle - time.Since(last)
 			if wait <= 0 {
-				return ss.take(), nil
+				return Answer{Output: ss.take()}, nil
 			}
 			if timer == nil {
 				timer = time.NewTimer(wait)
@@ -502,7 +538,7 @@ func (ss *Session) collect(ctx context.Context, opts SendOptions, t0 time.Time) 
 		case <-notify:
 		case <-tc:
 		case <-ctx.Done():
-			return ss.take(), ctx.Err()
+			return Answer{Output: ss.take()}, ctx.Err()
 		}
 	}
 }

@@ -233,11 +233,35 @@ type SendRequest struct {
 	Timeout time.Duration
 }
 
+// What ended a send's read of a session's answer (SendAnswer.Ended).
+const (
+	// EndedUntil: the output matched SendRequest.Until.
+	EndedUntil = "until"
+	// EndedIdle: the output was quiet for SendRequest.Idle.
+	EndedIdle = "idle"
+	// EndedTimeout: SendRequest.Timeout passed first; the process may be
+	// busy still, and what it prints later comes with the next send.
+	EndedTimeout = "timeout"
+	// EndedExit: the session's process exited (SendAnswer.Exit).
+	EndedExit = "exit"
+)
+
+// SendAnswer is a session's answer to a send.
+type SendAnswer struct {
+	// Output is what the process printed since the previous send.
+	Output string
+	// Ended says what ended the read (Ended*).
+	Ended string
+	// Exit is the exit status of a session's process that exited (128 +
+	// the signal of one killed); nil while it runs.
+	Exit *int
+}
+
 // ProcSandbox is the live process side of one sandbox.
 type ProcSandbox interface {
 	Exec(ctx context.Context, req ExecRequest) (exitCode int, err error)
 	StartSession(ctx context.Context, session string, argv, env []string) error
-	Send(ctx context.Context, req SendRequest) (string, error)
+	Send(ctx context.Context, req SendRequest) (SendAnswer, error)
 	// WriteRunFile writes /run/rewind/<name> inside the sandbox (a
 	// per-sandbox file outside every checkpoint: a fork's copy number).
 	WriteRunFile(name string, data []byte) error

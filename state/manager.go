@@ -839,13 +839,13 @@ func (m *Manager) StartSession(ctx context.Context, name string, epoch uint64, s
 }
 
 // Send writes text and a newline to a session and returns its answer.
-func (m *Manager) Send(ctx context.Context, name string, epoch uint64, req SendRequest) (string, error) {
+func (m *Manager) Send(ctx context.Context, name string, epoch uint64, req SendRequest) (SendAnswer, error) {
 	if req.Until != "" {
 		if _, err := regexp.Compile(req.Until); err != nil {
-			return "", errf(CodeBadRequest, "--until", err)
+			return SendAnswer{}, errf(CodeBadRequest, "--until", err)
 		}
 	}
-	var out string
+	var out SendAnswer
 	err := m.op(ctx, name, epoch, func(s *sbox) error {
 		if err := m.running(s); err != nil {
 			return err

@@ -603,8 +603,8 @@ func TestSessions(t *testing.T) {
 	e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "sh", Text: "set cwd /elsewhere"})
 	e.restore("a", c.ID)
 	out, err := e.m.Send(e.ctx, "a", 0, state.SendRequest{Session: "sh", Text: "get cwd"})
-	if err != nil || out != "/work\n" {
-		t.Fatalf("session after restore: %q %v", out, err)
+	if err != nil || out.Output != "/work\n" {
+		t.Fatalf("session after restore: %q %v", out.Output, err)
 	}
 }
 

@@ -146,6 +146,7 @@ func lastLines(path string, n int) string {
 func printJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false) // a shell's ">" and "&" stay as they are
 	return enc.Encode(v)
 }
 
@@ -340,6 +341,9 @@ What the restore and the turn answered goes to stderr (or into the --json answer
 			}
 			sendReq.TimeoutMS = int(timeout.Milliseconds())
 			if cmd.Flags().Changed("turn") {
+				if turnDefer && turnMode != "auto" {
+					return fmt.Errorf("--defer needs --turn auto (a %s turn has nothing to decide)", turnMode)
+				}
 				sendReq.Turn = &api.TurnRequest{Mode: turnMode, Defer: turnDefer}
 			} else if turnDefer {
 				return fmt.Errorf("--defer needs --turn")
@@ -349,7 +353,10 @@ What the restore and the turn answered goes to stderr (or into the --json answer
 				return err
 			}
 			if o2.json {
-				return printJSON(cmd.OutOrStdout(), res)
+				if err := printJSON(cmd.OutOrStdout(), res); err != nil {
+					return err
+				}
+				return sendEnded(nil, args[1], timeout, res)
 			}
 			fmt.Fprint(cmd.OutOrStdout(), res.Output)
 			if r := res.Restore; r != nil {
@@ -358,7 +365,7 @@ What the restore and the turn answered goes to stderr (or into the --json answer
 			if t := res.Turn; t != nil {
 				fmt.Fprintf(cmd.ErrOrStderr(), "turn: %s %s (%s, %d us)\n", t.Decision, t.ID, t.Reason, t.ElapsedUS)
 			}
-			return nil
+			return sendEnded(cmd.ErrOrStderr(), args[1], timeout, res)
 		},
 	}
 	send.Flags().DurationVar(&idle, "idle", 300*time.Millisecond, "return once the output has been quiet this long (with --until: only if given)")
@@ -371,6 +378,32 @@ What the restore and the turn answered goes to stderr (or into the --json answer
 	o2.add(send)
 	cmd.AddCommand(start, send)
 	return cmd
+}
+
+// sendEnded is the outcome of a send whose read ended otherwise than by
+// its --until or --idle: a timeout exits 124 (as timeout(1)), a session
+// whose process exited exits with its status. It says so on w (nil: the
+// --json answer says it).
+func sendEnded(w io.Writer, session string, timeout time.Duration, res *api.SendResult) error {
+	switch res.Ended {
+	case state.EndedTimeout:
+		if w != nil {
+			fmt.Fprintf(w, "rewind: no complete answer within %v (--timeout): the process may still be busy; what it prints later comes with the next send\n", timeout)
+		}
+		return exitError{code: 124}
+	case state.EndedExit:
+		code := -1
+		if res.Exit != nil {
+			code = *res.Exit
+		}
+		if w != nil {
+			fmt.Fprintf(w, "rewind: session %s exited (status %d)\n", session, code)
+		}
+		if code != 0 {
+			return exitError{code: code}
+		}
+	}
+	return nil
 }
 
 func printTurn(cmd *cobra.Command, o *clientOpts, r *api.TurnResult) error {

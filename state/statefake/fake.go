@@ -512,9 +512,9 @@ func (s *Sandbox) StartSession(_ context.Context, id string, _, _ []string) erro
 }
 
 // Send implements state.ProcSandbox.
-func (s *Sandbox) Send(ctx context.Context, req state.SendRequest) (string, error) {
+func (s *Sandbox) Send(ctx context.Context, req state.SendRequest) (state.SendAnswer, error) {
 	out, _ := s.run(ctx, strings.Fields(req.Text))
-	return out, nil
+	return state.SendAnswer{Output: out, Ended: state.EndedIdle}, nil
 }
 
 // WriteRunFile implements state.ProcSandbox (the fake keeps it in the
