@@ -565,6 +565,9 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			return nil, errf(CodeBadRequest, "base "+strconv.Quote(b)+" is not an absolute path", nil)
 		}
 		req.Bases[i] = filepath.Clean(b)
+		if err := m.checkBase(req.Bases[i]); err != nil {
+			return nil, err
+		}
 	}
 	if req.Policy == "" {
 		req.Policy = m.cfg.DefaultPolicy
@@ -643,6 +646,34 @@ func policyNote(s *sbox) string {
 		return ""
 	}
 	return s.policyErr.Error() + "; auto turns take full checkpoints"
+}
+
+// checkBase refuses a base directory that would show a sandbox what
+// Config.Hide keeps from it (the daemon's state: other sandboxes' files,
+// process images, the database): a hidden path, one inside it, or one
+// holding it elsewhere than at its own path (the host's root, where it
+// is, hides it there). Symbolic links are resolved first.
+func (m *Manager) checkBase(base string) error {
+	real := func(p string) string {
+		if r, err := filepath.EvalSymlinks(p); err == nil {
+			return r
+		}
+		return p
+	}
+	b := real(base)
+	for _, h := range m.cfg.Hide {
+		h = real(filepath.Clean(h))
+		if b == "/" {
+			continue // the hidden path stays at its own path, hidden there
+		}
+		if rel, err := filepath.Rel(h, b); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
+			return errf(CodeBadRequest, "base "+strconv.Quote(base)+" is inside "+h+", which the daemon keeps from sandboxes (its state)", nil)
+		}
+		if rel, err := filepath.Rel(b, h); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
+			return errf(CodeBadRequest, "base "+strconv.Quote(base)+" holds "+h+", which the daemon keeps from sandboxes (its state): use a directory beside it", nil)
+		}
+	}
+	return nil
 }
 
 func (m *Manager) spec(rec *Sandbox) FSSpec {
