@@ -684,12 +684,19 @@ func (m *Manager) Restore(ctx context.Context, name, id string, epoch uint64) (*
 		return nil, errf(CodeNotFound, "no checkpoint "+strconv.Quote(id), nil)
 	}
 	if c.rec.Sandbox != s.rec.ID {
-		owner := c.rec.Sandbox
-		if o := m.byID[owner]; o != nil {
-			owner = o.rec.Name
+		owner := "sandbox " + c.rec.Sandbox + " (removed since)"
+		if o := m.byID[c.rec.Sandbox]; o != nil && !o.removed {
+			owner = "sandbox " + o.rec.Name
+		}
+		why := "use fork to start a new sandbox from it"
+		if s.rec.Origin == id {
+			// A fork child's origin is its first head, but its own
+			// checkpoints start after it: its files are the child's
+			// mount's, not the origin's.
+			why = "it is this fork child's origin: take a checkpoint right after the fork to come back to, or fork the origin again"
 		}
 		m.mu.Unlock()
-		return nil, errf(CodeBadRequest, fmt.Sprintf("checkpoint %s belongs to sandbox %s, not %s (use fork to start a new sandbox from it)", id, owner, s.rec.Name), nil)
+		return nil, errf(CodeBadRequest, fmt.Sprintf("checkpoint %s belongs to %s, not %s (%s)", id, owner, s.rec.Name, why), nil)
 	}
 	m.mu.Unlock()
 	var res *RestoreResult

@@ -738,6 +738,11 @@ func (m *Manager) reserve(name string) error {
 	if m.byName[name] != nil || m.reserved[name] {
 		return errf(CodeExists, "sandbox "+strconv.Quote(name)+" already exists", nil)
 	}
+	if isSandboxID(name) {
+		// Calls take a sandbox's id where they take its name: such a
+		// name would shadow the sandbox with that id.
+		return errf(CodeBadRequest, "invalid sandbox name "+strconv.Quote(name)+": it has the form of a sandbox id (sb- and 12 hex digits)", nil)
+	}
 	m.reserved[name] = true
 	return nil
 }
@@ -762,6 +767,12 @@ func (m *Manager) nextNumber(prefix string) int {
 		see(name)
 	}
 	return top + 1
+}
+
+// isSandboxID reports whether name has the form of a sandbox id (newID).
+func isSandboxID(name string) bool {
+	rest, ok := strings.CutPrefix(name, "sb-")
+	return ok && len(rest) == 12 && strings.Trim(rest, "0123456789abcdef") == ""
 }
 
 func (m *Manager) unreserve(name string) {

@@ -374,8 +374,12 @@ func TestFork(t *testing.T) {
 		t.Fatalf("child checkpoint: %+v", ck)
 	}
 	// Restoring another sandbox's checkpoint is refused.
-	if _, err := e.m.Restore(e.ctx, "r2", k1.ID, 0); !errors.Is(err, state.ErrBadRequest) {
+	if _, err := e.m.Restore(e.ctx, "r2", k1.ID, 0); !errors.Is(err, state.ErrBadRequest) || !strings.Contains(err.Error(), "sandbox r1") {
 		t.Fatalf("restore of another sandbox's checkpoint: %v", err)
+	}
+	// So is a child's own origin, with a word on why.
+	if _, err := e.m.Restore(e.ctx, "r2", c.ID, 0); !errors.Is(err, state.ErrBadRequest) || !strings.Contains(err.Error(), "origin") {
+		t.Fatalf("restore of a fork child to its origin: %v", err)
 	}
 	// Names in use.
 	if _, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "r"}); !errors.Is(err, state.ErrExists) {
@@ -538,6 +542,10 @@ func TestBadInput(t *testing.T) {
 		{"dup create", func() error { _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "a"}); return err }(), state.ErrExists},
 		{"bad name", func() error { _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "../x"}); return err }(), state.ErrBadRequest},
 		{"bad fs", func() error { _, err := e.m.Create(e.ctx, state.CreateRequest{Name: "z", FS: "zfs"}); return err }(), state.ErrBadRequest},
+		{"name of an id's form", func() error {
+			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "sb-0123456789ab"})
+			return err
+		}(), state.ErrBadRequest},
 		{"relative base", func() error {
 			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "z", Bases: []string{"rel"}})
 			return err
