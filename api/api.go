@@ -17,6 +17,12 @@ const DefaultSocket = "/run/rewind/rewind.sock"
 // DefaultStateDir is where the daemon keeps its state unless told otherwise.
 const DefaultStateDir = "/var/lib/rewind"
 
+// StateRecord is the file beside a daemon's socket that names the state
+// dir of the last daemon that listened there (written at its start, kept
+// after it stops or dies): a client that finds no daemon on the socket
+// starts one on that state dir again, not on another.
+func StateRecord(socket string) string { return socket + ".state" }
+
 // Error is the body of every non-2xx answer.
 type Error struct {
 	Error ErrorBody `json:"error"`

@@ -185,6 +185,11 @@ func Run(ctx context.Context, cfg Config) error {
 		mgr.Close(context.Background())
 		return err
 	}
+	if abs, err := filepath.Abs(cfg.StateDir); err == nil {
+		if err := os.WriteFile(api.StateRecord(cfg.Socket), []byte(abs+"\n"), 0o600); err != nil {
+			log.Warn("record the state dir beside the socket", "err", err)
+		}
+	}
 	info := api.VersionInfo{Version: cfg.Version, API: api.Version, PID: os.Getpid(), Backends: be.names, StateDir: cfg.StateDir}
 	srv := newServer(mgr, met, reg, log, info)
 	hs := &http.Server{Handler: srv.handler, ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}

@@ -72,6 +72,11 @@ func TestAPIEndToEndFake(t *testing.T) {
 	if err != nil || st.Mode().Perm() != 0o600 {
 		t.Fatalf("socket mode: %v %v", st.Mode(), err)
 	}
+	// The state dir is recorded beside the socket, for a client that
+	// finds no daemon there later (cmd/rewind's autostart).
+	if b, err := os.ReadFile(api.StateRecord(sock)); err != nil || strings.TrimSpace(string(b)) != filepath.Join(filepath.Dir(filepath.Dir(sock)), "state") {
+		t.Fatalf("state record beside the socket: %q %v", b, err)
+	}
 	if dst, _ := os.Stat(filepath.Dir(sock)); dst.Mode().Perm() != 0o700 {
 		t.Fatalf("socket dir mode %v", dst.Mode())
 	}

@@ -92,13 +92,36 @@ func (o *clientOpts) connect(cmd *cobra.Command) (*client.Client, error) {
 }
 
 // startDaemon starts `rewind daemon` detached, with the socket given and
-// the state dir from $REWIND_STATE (or the default).
+// the state dir of the last daemon on that socket (api.StateRecord), else
+// $REWIND_STATE, else the default. A $REWIND_STATE that names another
+// state dir than the last daemon's is refused: the new daemon would not
+// know the sandboxes of the last one, which stay until a daemon runs on
+// their state dir again.
 func startDaemon(sock string) (int, string, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return 0, "", err
 	}
 	stateDir := os.Getenv("REWIND_STATE")
+	if b, err := os.ReadFile(api.StateRecord(sock)); err == nil {
+		last := strings.TrimSpace(string(b))
+		want := stateDir
+		if want != "" {
+			if abs, err := filepath.Abs(want); err == nil {
+				want = abs
+			}
+		}
+		switch _, err := os.Stat(last); {
+		case err != nil:
+			// The last daemon's state dir is gone: nothing to go back to.
+		case want == "":
+			stateDir = last
+		case filepath.Clean(want) != filepath.Clean(last):
+			return 0, "", fmt.Errorf("no daemon runs on %s, and the last one there used the state dir %s, not $REWIND_STATE %s: "+
+				"start it again with `rewind daemon --socket %s --state %s` (or unset REWIND_STATE); to use %s, remove %s",
+				sock, last, stateDir, sock, last, stateDir, api.StateRecord(sock))
+		}
+	}
 	if stateDir == "" {
 		stateDir = api.DefaultStateDir
 	}
