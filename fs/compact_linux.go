@@ -21,10 +21,15 @@ import (
 func (f *FS) Compact() error {
 	f.mu.RLock()
 	run := append([]*layerDir(nil), f.st.frozen...)
-	f.mu.RUnlock()
 	if len(run) < 2 {
+		f.mu.RUnlock()
 		return nil
 	}
+	// The merge reads the run's layers without f.mu: their descriptors
+	// must stay open even if a switch leaves them meanwhile.
+	f.reg.ref(run...)
+	f.mu.RUnlock()
+	defer f.reg.release(run...)
 	runIDs := make([]string, len(run))
 	for i, l := range run {
 		runIDs[i] = l.id
@@ -59,8 +64,15 @@ func (f *FS) Compact() error {
 	cur := f.st
 	if len(cur.frozen) >= len(run) && slices.Equal(cur.frozen[:len(run)], run) {
 		frozen := append([]*layerDir{m}, cur.frozen[len(run):]...)
-		f.st = newStack(cur.upper, frozen, cur.lowers, cur.base)
-		f.upper.Store(f.st.upper)
+		next := newStack(cur.upper, frozen, cur.lowers, cur.base)
+		// next's references: m's from open, its own on the layers it
+		// shares with cur (cur's go with it, the run's among them).
+		for _, l := range next.top {
+			if l != m {
+				f.reg.ref(l)
+			}
+		}
+		f.setStack(next)
 		f.gen.Add(1)
 		if err := f.journal.Append(f.entry("compact", layer.Checkpoint{ID: cur.base})); err != nil {
 			f.log.Warn("journal compaction", "err", err)
@@ -68,6 +80,8 @@ func (f *FS) Compact() error {
 		if err := f.saveMount(true); err != nil {
 			f.log.Warn("save mount record", "err", err)
 		}
+	} else {
+		f.reg.release(m) // the stack changed meanwhile: m is not used
 	}
 	f.mu.Unlock()
 	// A checkpoint taken while the run was being merged still names the

@@ -244,8 +244,7 @@ func Mount(store *layer.Store, mountpoint string, opts Options) (*FS, error) {
 		f.reg.closeAll()
 		return nil, fmt.Errorf("mount %s: %w", mp, err)
 	}
-	f.st = st
-	f.upper.Store(f.st.upper)
+	f.setStack(st)
 	f.gen.Store(1)
 	// A resumed upper may hold a crashed session's changes.
 	f.dirty.Store(!dirEmpty(st.upper.path))
@@ -410,8 +409,17 @@ func (f *FS) freshStack(lowers, frozen []string, upper, base string) (*stack, er
 	return st, nil
 }
 
-func (f *FS) buildStack(lowers, frozen []string, upper, base string) (*stack, error) {
+// buildStack opens the layers of a stack. The stack holds a reference on
+// each of them (see layers): the caller makes it the current stack
+// (setStack) or releases them (f.reg.release(st.top...)).
+func (f *FS) buildStack(lowers, frozen []string, upper, base string) (_ *stack, err error) {
 	var fl, ll []*layerDir
+	defer func() {
+		if err != nil {
+			f.reg.release(fl...)
+			f.reg.release(ll...)
+		}
+	}()
 	for _, id := range frozen {
 		if !f.reg.has(id) {
 			if err := f.store.CheckLayer(id); err != nil {
@@ -439,6 +447,22 @@ func (f *FS) buildStack(lowers, frozen []string, upper, base string) (*stack, er
 		return nil, err
 	}
 	return newStack(ul, fl, ll, base), nil
+}
+
+// setStack makes next the current stack and releases the references of
+// the stack it replaces: a layer next does not have closes its descriptor
+// unless someone else holds it. next holds its own references (see
+// buildStack). The caller holds f.mu exclusively, so no request is using
+// the old stack; requests after it see next (a node resolved against the
+// old stack is resolved again first, as the caller bumps f.gen whenever
+// layers change).
+func (f *FS) setStack(next *stack) {
+	old := f.st
+	f.st = next
+	f.upper.Store(next.upper)
+	if old != nil {
+		f.reg.release(old.top...)
+	}
 }
 
 // entry describes the current stack (caller holds f.mu) as a journal entry.
@@ -628,11 +652,15 @@ func (f *FS) Checkpoint() (string, error) {
 		}
 		frozen = append(append([]*layerDir(nil), old.frozen...), old.upper)
 		next = newStack(ul, frozen, old.lowers, id)
+		// next's references: ul's from open, its own on the layers it
+		// shares with old.
+		f.reg.ref(next.top[1:]...)
 		err = inheritRootMeta(next)
 		if err == nil {
 			err = f.swapPassthrough(old, next)
 		}
 		if err != nil {
+			f.reg.release(next.top...)
 			f.spareMu.Lock()
 			if f.spare == "" {
 				f.spare = upID
@@ -645,6 +673,7 @@ func (f *FS) Checkpoint() (string, error) {
 		// Nothing changed since the last checkpoint: a new id for the
 		// same stack, no layer pushed.
 		next = newStack(old.upper, frozen, old.lowers, id)
+		f.reg.ref(next.top...)
 	}
 	cp := layer.Checkpoint{
 		ID: id, Mount: f.id, Parent: old.base, Created: time.Now().UTC(),
@@ -665,6 +694,7 @@ func (f *FS) Checkpoint() (string, error) {
 			}
 			f.spareMu.Unlock()
 		}
+		f.reg.release(next.top...)
 		f.mu.Unlock()
 		return "", fmt.Errorf("checkpoint: %w", err)
 	}
@@ -674,8 +704,7 @@ func (f *FS) Checkpoint() (string, error) {
 	}
 	f.pending[id] = cp
 	f.pendMu.Unlock()
-	f.st = next
-	f.upper.Store(f.st.upper)
+	f.setStack(next)
 	pushed := next.upper != old.upper
 	if pushed {
 		f.dirty.Store(f.hasPassthroughWriters())
@@ -754,6 +783,7 @@ func (f *FS) Switch(id string) error {
 			if err = f.store.CheckLayer(upID); err == nil {
 				var ul *layerDir
 				if ul, err = f.reg.open(upID, f.store.LayerPath(upID)); err == nil {
+					f.reg.release(next.upper)
 					next = newStack(ul, next.frozen, next.lowers, next.base)
 				}
 			}
@@ -763,11 +793,13 @@ func (f *FS) Switch(id string) error {
 		}
 		if err != nil {
 			f.mu.Unlock()
+			f.reg.release(next.top...)
 			return fmt.Errorf("switch to %s: %w", id, err)
 		}
 	}
 	if err := inheritRootMeta(next); err != nil {
 		f.mu.Unlock()
+		f.reg.release(next.top...)
 		if !keep {
 			f.putSpare(upID)
 		}
@@ -795,22 +827,27 @@ func (f *FS) Switch(id string) error {
 	f.retargetPassthrough(old, next)
 	if err := f.journal.Append(layer.JournalEntry{Op: "switch", Checkpoint: cp, Upper: next.upper.id}); err != nil {
 		f.mu.Unlock()
+		f.reg.release(next.top...)
 		if !keep {
 			f.putSpare(upID)
 		}
 		return fmt.Errorf("switch to %s: %w", id, err)
 	}
-	f.st = next
-	f.upper.Store(f.st.upper)
+	// The layers the switch leaves lose the old stack's references: their
+	// descriptors close (they stay registered, idle, for a switch back).
+	f.setStack(next)
 	f.gen.Add(1)
 	f.viewGen.Add(1)
 	f.dirty.Store(f.hasPassthroughWriters())
 	f.mu.Unlock()
 	if keep {
-		f.bg <- f.saveMountBG
+		f.bg <- func() {
+			f.saveMountBG()
+			f.reg.prune()
+		}
 	} else {
 		// Discard the old upper (nothing references it any more).
-		f.reg.drop(old.upper)
+		f.reg.forget(old.upper)
 		oldUpper := old.upper.id
 		f.kickSpare()
 		f.bg <- func() {
@@ -821,6 +858,7 @@ func (f *FS) Switch(id string) error {
 				_ = os.RemoveAll(tmp)
 				_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", oldUpper+".json"))
 			}
+			f.reg.prune()
 		}
 	}
 	if terr != nil || !sameLowers {

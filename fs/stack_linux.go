@@ -19,7 +19,16 @@ import (
 type layerDir struct {
 	id   string
 	path string
-	fd   int // O_PATH directory fd of the layer root
+	// fd is an O_PATH descriptor of the layer root, open while the layer
+	// is referenced (refs > 0) and -1 otherwise. Whoever reads it holds a
+	// reference: the current stack holds one on each of its layers (and
+	// its users hold f.mu), other users take their own (layers.ref).
+	fd int
+	// refs counts the references; guarded by the registry's mu.
+	refs int
+	// dev and ino identify the root directory, so that a layer opened
+	// again is known to be the same directory as before.
+	dev, ino uint64
 
 	// Frozen layers never change: their directory listings and the
 	// entries looked up in them are cached, so a lookup through hundreds
@@ -194,61 +203,190 @@ func (s *stack) lowerPaths() []string {
 	return ps
 }
 
-// layers is the registry of open layer directories of one FS, so that the
-// same layer in two stacks is the same *layerDir (inode keys stay stable).
+// layers is the registry of the layer directories of one FS, so that the
+// same layer in two stacks is the same *layerDir (inode keys stay stable,
+// and what a frozen layer's caches and walk learnt is kept).
+//
+// A layerDir's descriptor is open only while the layer is referenced: by
+// the current stack, or by a user outside f.mu (a compaction merging it).
+// A layer a switch leaves stays registered without a descriptor, because a
+// tree search often switches back to it; it is opened again then. The
+// registry forgets such idle layers once their directories are gone (the
+// store's GC removed them: prune) or when the mount discards them itself
+// (forget): a mount that restores thousands of times keeps only the
+// descriptors of its current stack.
 type layers struct {
 	mu   sync.Mutex
 	byID map[string]*layerDir
+	// pruneAt is the registry size at which prune next looks for idle
+	// layers that are gone.
+	pruneAt int
 	// lowers, if set, holds the caches of external lowers.
 	lowers *LowerCache
 }
 
-func (r *layers) open(id, p string) (*layerDir, error) {
-	key := id
-	if key == "" {
-		key = "ext:" + p
+// pruneMin is the smallest registry size at which prune looks for idle
+// layers that are gone; past it, it looks again each time the registry
+// has doubled, so that its stat calls cost O(1) per registered layer.
+const pruneMin = 64
+
+// regKey is the registry key of store layer id, or, with id "", of the
+// external lower directory p.
+func regKey(id, p string) string {
+	if id == "" {
+		return "ext:" + p
 	}
+	return id
+}
+
+// open returns the layer at p (store layer id, or an external lower when
+// id is "") with a reference for the caller, which releases it. A layer no
+// one references is opened again; if its path now holds another directory
+// it gets a new layerDir (nothing cached about the old one holds).
+func (r *layers) open(id, p string) (*layerDir, error) {
+	key := regKey(id, p)
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if l := r.byID[key]; l != nil {
+	l := r.byID[key]
+	if l != nil && l.refs > 0 {
+		l.refs++
 		return l, nil
 	}
 	fd, err := unix.Open(p, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open layer %s: %w", p, err)
 	}
-	l := &layerDir{id: id, path: p, fd: fd, cache: &dirCache{}}
-	if id == "" {
-		l.cache = r.lowers.forDir(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("open layer %s: %w", p, err)
 	}
-	r.byID[key] = l
+	if l == nil || l.dev != st.Dev || l.ino != st.Ino {
+		l = &layerDir{id: id, path: p, cache: &dirCache{}, dev: st.Dev, ino: st.Ino}
+		if id == "" {
+			l.cache = r.lowers.forDir(fd)
+		}
+		r.byID[key] = l
+	}
+	l.fd, l.refs = fd, 1
 	return l, nil
 }
 
+// ref adds a reference to each of ls, which the caller already holds
+// (directly or through the current stack, under f.mu) and which it
+// releases when done.
+func (r *layers) ref(ls ...*layerDir) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, l := range ls {
+		l.refs++
+	}
+}
+
+// release drops a reference to each of ls; a layer's descriptor is closed
+// with its last reference.
+func (r *layers) release(ls ...*layerDir) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, l := range ls {
+		if l.refs <= 0 {
+			continue // closed by closeAll (an unmount) already
+		}
+		if l.refs--; l.refs == 0 {
+			unix.Close(l.fd)
+			l.fd = -1
+		}
+	}
+}
+
+// has reports whether store layer id is open (referenced).
 func (r *layers) has(id string) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.byID[id] != nil
+	l := r.byID[id]
+	return l != nil && l.refs > 0
 }
 
-func (r *layers) drop(l *layerDir) {
+// forget removes l from the registry: the mount is discarding the layer.
+// Its descriptor stays open until its last reference is released.
+func (r *layers) forget(l *layerDir) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	key := l.id
-	if key == "" {
-		key = "ext:" + l.path
-	}
-	if r.byID[key] == l {
+	key := regKey(l.id, l.path)
+	mine := r.byID[key] == l
+	if mine {
 		delete(r.byID, key)
-		unix.Close(l.fd)
+	}
+	r.mu.Unlock()
+	if mine {
+		l.dropCaches()
 	}
 }
 
+// prune forgets the idle layers (no references) whose directories are
+// gone, once the registry has grown enough since it last looked
+// (pruneMin). Called off the critical paths (the background worker).
+func (r *layers) prune() {
+	r.mu.Lock()
+	if len(r.byID) < max(r.pruneAt, pruneMin) {
+		r.mu.Unlock()
+		return
+	}
+	var idle []*layerDir
+	for _, l := range r.byID {
+		if l.refs == 0 {
+			idle = append(idle, l)
+		}
+	}
+	r.mu.Unlock()
+	var gone []*layerDir
+	for _, l := range idle {
+		// A directory that cannot be looked at is forgotten too: if it
+		// is still a layer, the next open registers it afresh.
+		var st unix.Stat_t
+		if unix.Stat(l.path, &st) != nil || st.Dev != l.dev || st.Ino != l.ino {
+			gone = append(gone, l)
+		}
+	}
+	var dropped []*layerDir
+	r.mu.Lock()
+	for _, l := range gone {
+		if key := regKey(l.id, l.path); l.refs == 0 && r.byID[key] == l {
+			delete(r.byID, key)
+			dropped = append(dropped, l)
+		}
+	}
+	r.pruneAt = 2 * len(r.byID)
+	r.mu.Unlock()
+	for _, l := range dropped {
+		l.dropCaches()
+	}
+}
+
+// dropCaches frees what l caches about a layer the registry forgot (the
+// layerDir itself may live on as an inode key).
+func (l *layerDir) dropCaches() {
+	l.entsMu.Lock()
+	l.ents = nil
+	l.entsMu.Unlock()
+	l.touchedMu.Lock()
+	l.touched = nil
+	l.touchedMu.Unlock()
+	if c := l.cache; !c.shared {
+		c.mu.Lock()
+		c.idx = nil
+		c.mu.Unlock()
+	}
+}
+
+// closeAll closes every descriptor and empties the registry (unmount).
 func (r *layers) closeAll() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for k, l := range r.byID {
-		unix.Close(l.fd)
+		if l.refs > 0 {
+			unix.Close(l.fd)
+			l.fd, l.refs = -1, 0
+		}
 		delete(r.byID, k)
 	}
 }

@@ -126,3 +126,37 @@ func (s *Store) journalCheckpoints() (map[string]Checkpoint, error) {
 	}
 	return out, nil
 }
+
+// settledLayers returns the layers a mount's journal names (as a frozen
+// layer or as the upper) in an entry that a later entry of the same
+// journal superseded: layers that were part of a mount's stack, whose
+// creation is over (see GC). The last entry of a journal is left out: a
+// mount being created journals its new upper before its mount record
+// names it, and only the layer's age protects it in between.
+func (s *Store) settledLayers() (map[string]bool, error) {
+	ents, err := os.ReadDir(filepath.Join(s.dir, "meta", "journal"))
+	if os.IsNotExist(err) {
+		return map[string]bool{}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("settled layers: %w", err)
+	}
+	out := map[string]bool{}
+	for _, e := range ents {
+		id, ok := strings.CutSuffix(e.Name(), ".log")
+		if !ok || !ValidID(id) {
+			continue
+		}
+		js, err := s.JournalEntries(id)
+		if err != nil {
+			return nil, fmt.Errorf("settled layers: journal %s: %w", id, err)
+		}
+		for i := 0; i+1 < len(js); i++ {
+			out[js[i].Upper] = true
+			for _, l := range js[i].Checkpoint.Layers {
+				out[l] = true
+			}
+		}
+	}
+	return out, nil
+}

@@ -607,7 +607,14 @@ func (s *Store) Referenced() (map[string]bool, error) {
 
 // GC removes every layer referenced by no checkpoint and no mount record
 // and returns the removed ids. Layers younger than minAge are kept, so a
-// layer being created concurrently by another process is never freed.
+// layer being created concurrently by another process is never freed;
+// except the layers a mount's journal names in an entry that a later
+// entry of the same journal superseded (settledLayers): they were part of
+// a mount's stack, so their creation is over, and once nothing references
+// them they are garbage whatever their age. A deletion's GC frees them at
+// once (such as the changed upper a restore froze as its undo point, when
+// that checkpoint is deleted right after the restore) instead of leaving
+// them to a GC that may never come.
 func (s *Store) GC(minAge time.Duration) ([]string, error) {
 	refs, err := s.Referenced()
 	if err != nil {
@@ -618,18 +625,31 @@ func (s *Store) GC(minAge time.Duration) ([]string, error) {
 		return nil, fmt.Errorf("gc: %w", err)
 	}
 	var removed []string
+	var settled map[string]bool // read when a young layer needs it
 	for _, e := range ents {
 		id := e.Name()
 		if refs[id] || !ValidID(id) {
 			continue
 		}
 		if s.layerYoung(id, minAge) {
-			continue
+			if settled == nil {
+				if settled, err = s.settledLayers(); err != nil {
+					return removed, fmt.Errorf("gc: %w", err)
+				}
+			}
+			if !settled[id] {
+				continue
+			}
 		}
 		// Rename first so a half-removed layer is never mistaken for a
 		// valid one.
 		tmp := filepath.Join(s.WorkDir(), "gc-"+id)
 		if err := os.Rename(s.LayerPath(id), tmp); err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				// Removed meanwhile: by its mount (an upper a switch
+				// discarded) or by another GC.
+				continue
+			}
 			return removed, fmt.Errorf("gc layer %s: %w", id, err)
 		}
 		if err := os.RemoveAll(tmp); err != nil {

@@ -353,3 +353,114 @@ func TestRecordCache(t *testing.T) {
 		}
 	}
 }
+
+// TestGCFreesSettledLayersAtOnce replays a restore's journal (the changed
+// upper frozen by an undo checkpoint, a switch back, the undo checkpoint
+// deleted) and checks that GC with a minimum age frees the undo point's
+// layer right away, as it was part of the mount's stack (a later journal
+// entry superseded it), while it still keeps every young layer whose
+// creation may not be over: one no journal names, and the upper a mount
+// being created journals before its mount record names it.
+func TestGCFreesSettledLayersAtOnce(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	newLayer := func() string {
+		id, err := st.NewLayer("")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	base, undone, upper, fresh, mounting := newLayer(), newLayer(), newLayer(), newLayer(), newLayer()
+	j, err := st.OpenJournal("m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j.Close()
+	c := Checkpoint{ID: NewID(), Mount: "m", Created: time.Now().UTC(), Layers: []string{base}}
+	undo := Checkpoint{ID: NewID(), Mount: "m", Parent: c.ID, Created: time.Now().UTC(), Layers: []string{base, undone}}
+	for _, e := range []JournalEntry{
+		{Op: "checkpoint", Checkpoint: c, Upper: undone},
+		{Op: "checkpoint", Checkpoint: undo, Upper: upper},
+		{Op: "switch", Checkpoint: c, Upper: upper},
+	} {
+		if err := j.Append(e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, r := range []Checkpoint{c, undo} {
+		if err := st.MaterializeCheckpoint(r, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.SaveMount(MountRecord{ID: "m", PID: os.Getpid(), Layers: []string{base}, Upper: upper}, false); err != nil {
+		t.Fatal(err)
+	}
+	// A second mount being created: its journal names its upper, its
+	// mount record is not written yet.
+	j2, err := st.OpenJournal("m2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer j2.Close()
+	if err := j2.Append(JournalEntry{Op: "mount", Checkpoint: Checkpoint{ID: c.ID, Layers: []string{base}}, Upper: mounting}); err != nil {
+		t.Fatal(err)
+	}
+	if removed, err := st.GC(time.Hour); err != nil || len(removed) != 0 {
+		t.Fatalf("GC before the deletion removed %v (%v)", removed, err)
+	}
+	if err := st.DeleteCheckpoint(undo.ID); err != nil {
+		t.Fatal(err)
+	}
+	removed, err := st.GC(time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(removed) != 1 || removed[0] != undone {
+		t.Fatalf("GC after the deletion removed %v, want [%s] (the undo point's layer)", removed, undone)
+	}
+	for _, id := range []string{base, upper, fresh, mounting} {
+		if err := st.CheckLayer(id); err != nil {
+			t.Errorf("GC freed %s: %v", id, err)
+		}
+	}
+}
+
+// TestGCSkipsLayersRemovedMeanwhile: a layer removed between GC's listing
+// and its removal (a mount discarding its upper, another GC) does not end
+// the pass.
+func TestGCSkipsLayersRemovedMeanwhile(t *testing.T) {
+	st, err := OpenStore(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for i := 0; i < 8; i++ {
+		id, err := st.NewLayer("")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	// Several collectors at once: each layer is renamed away by one of
+	// them, the others find it gone.
+	errs := make(chan error, 4)
+	for i := 0; i < cap(errs); i++ {
+		go func() {
+			_, err := st.GC(0)
+			errs <- err
+		}()
+	}
+	for i := 0; i < cap(errs); i++ {
+		if err := <-errs; err != nil {
+			t.Errorf("concurrent GC: %v", err)
+		}
+	}
+	for _, id := range ids {
+		if err := st.CheckLayer(id); err == nil {
+			t.Errorf("layer %s survived", id)
+		}
+	}
+}
