@@ -437,6 +437,11 @@ func (b *fsBackend) startGC() {
 		defer close(b.done)
 		t := time.NewTicker(5 * time.Second)
 		defer t.Stop()
+		const minAge = time.Minute
+		// again: a GC a deletion asked for keeps the layers younger than
+		// minAge, which nothing may ask to free later: one more GC runs
+		// once they are old enough.
+		var again time.Time
 		for {
 			select {
 			case <-b.stop:
@@ -447,8 +452,14 @@ func (b *fsBackend) startGC() {
 			d := b.dirty
 			b.dirty = false
 			b.mu.Unlock()
+			switch {
+			case d:
+				again = time.Now().Add(minAge)
+			case !again.IsZero() && time.Now().After(again):
+				d, again = true, time.Time{}
+			}
 			if d {
-				if ids, err := b.st.GC(time.Minute); err != nil {
+				if ids, err := b.st.GC(minAge); err != nil {
 					b.log.Warn("layer gc", "err", err)
 				} else if len(ids) > 0 {
 					b.log.Info("layer gc", "freed_layers", len(ids))
