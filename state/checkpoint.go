@@ -1278,7 +1278,13 @@ func (m *Manager) awaitImage(ctx context.Context, c *ckpt, noWait bool) error {
 		return nil // the caller's own lookup reports a missing part
 	}
 	if noWait {
-		return errf(CodeNotReady, "checkpoint "+c.rec.ID+"'s process image is not written yet (retry, or drop --no-wait)", nil)
+		select {
+		case <-c.durable:
+			// Its durable phase is over and the image is not ready: it
+			// never will be (below).
+		default:
+			return errf(CodeNotReady, "checkpoint "+c.rec.ID+"'s process image is not written yet (retry, or drop --no-wait)", nil)
+		}
 	}
 	select {
 	case <-c.durable:

@@ -507,6 +507,11 @@ func TestForkWaitsForImage(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "process image could not be written") {
 		t.Fatalf("fork of a checkpoint without an image: %v", err)
 	}
+	// With NoWait too: that image will not come, retrying cannot help.
+	_, err = e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c2.ID, Count: 1, Prefix: "g", NoWait: true})
+	if err == nil || !strings.Contains(err.Error(), "process image could not be written") {
+		t.Fatalf("fork with NoWait of a checkpoint without an image: %v", err)
+	}
 	// It still restores in its own sandbox (templates).
 	e.run("src", "set", "x", "9")
 	if _, err := e.m.Restore(e.ctx, "src", c2.ID, 0); err != nil {
