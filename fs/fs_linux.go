@@ -384,7 +384,9 @@ func (f *FS) initialStack() (*stack, error) {
 		if err != nil {
 			return nil, err
 		}
-		if st, err := os.Stat(a); err != nil || !st.IsDir() {
+		if st, err := os.Stat(a); err != nil {
+			return nil, fmt.Errorf("lower %s: %w", l, err)
+		} else if !st.IsDir() {
 			return nil, fmt.Errorf("lower %s: not a directory", l)
 		}
 		lowers = append(lowers, a)

@@ -1055,6 +1055,14 @@ func (st *initState) spawn(m *msg, fds []int) {
 		Sys:   sys,
 	})
 	if err != nil {
+		// ForkExec's child reports its chdir's failure like exec's: say
+		// which one failed.
+		if fi, serr := os.Stat(dir); serr != nil || !fi.IsDir() {
+			if serr == nil {
+				serr = syscall.ENOTDIR
+			}
+			err = fmt.Errorf("working directory %s: %w", dir, serr)
+		}
 		st.reply(m, &msg{Err: fmt.Sprintf("start %s: %v", m.Argv[0], err)})
 		return
 	}

@@ -65,6 +65,12 @@ func TestExec(t *testing.T) {
 			t.Fatalf("want not found error, got %v", err)
 		}
 	})
+	t.Run("missing directory", func(t *testing.T) {
+		_, err := sb.Exec(testCtx(t), ExecRequest{Argv: []string{"true"}, Dir: "/no-such-dir-xyz"})
+		if err == nil || !strings.Contains(err.Error(), "working directory /no-such-dir-xyz") {
+			t.Fatalf("want an error naming the working directory, got %v", err)
+		}
+	})
 	t.Run("cancel kills", func(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		go func() { time.Sleep(100 * time.Millisecond); cancel() }()
