@@ -6,8 +6,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"golang.org/x/sys/unix"
 )
 
 // openFDs lists this process's open descriptors with their targets.
@@ -148,17 +146,13 @@ func layerFD(f *FS, l *layerDir) int {
 
 // TestSwitchBackReopensLeftLayer: a layer a switch leaves loses its
 // descriptor but stays registered, and a switch back to a checkpoint
-// holding it opens it again as the same layerDir (the inode numbers of its
-// files and what was walked in it stay).
+// holding it opens it again as the same layerDir (what was cached and
+// walked in it stays).
 func TestSwitchBackReopensLeftLayer(t *testing.T) {
 	fx := mountT(t, nil, Options{})
 	c0 := fx.checkpoint(t)
 	mustWrite(t, fx.p("d/f"), "one")
 	c1 := fx.checkpoint(t)
-	var st unix.Stat_t
-	if err := unix.Stat(fx.p("d/f"), &st); err != nil {
-		t.Fatal(err)
-	}
 	fx.fs.mu.RLock()
 	left := fx.fs.st.frozen[len(fx.fs.st.frozen)-1]
 	fx.fs.mu.RUnlock()
@@ -181,13 +175,8 @@ func TestSwitchBackReopensLeftLayer(t *testing.T) {
 	if fd := layerFD(fx.fs, left); held[left.id] != left || fd < 0 {
 		t.Fatalf("switching back did not reopen layer %s as the same layerDir (fd %d)", left.id, fd)
 	}
-	var st2 unix.Stat_t
-	if err := unix.Stat(fx.p("d/f"), &st2); err != nil {
-		t.Fatal(err)
-	}
-	if st2.Ino != st.Ino {
-		t.Fatalf("d/f's inode number changed from %d to %d across the switches", st.Ino, st2.Ino)
-	}
+	// (Inode numbers are not compared: a node the kernel forgot gets a
+	// new number on its next lookup, before this change as after it.)
 }
 
 // TestRegistryForgetsRemovedLayers: the layers a mount left, once the
