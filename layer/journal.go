@@ -99,16 +99,15 @@ func (s *Store) JournalEntries(mountID string) ([]JournalEntry, error) {
 	return out, sc.Err()
 }
 
-// journalCheckpoints returns the checkpoint records found in every journal.
-func (s *Store) journalCheckpoints() (map[string]Checkpoint, error) {
+// eachJournal calls visit with the entries of every mount's journal.
+func (s *Store) eachJournal(visit func(js []JournalEntry)) error {
 	ents, err := os.ReadDir(filepath.Join(s.dir, "meta", "journal"))
 	if os.IsNotExist(err) {
-		return nil, nil
+		return nil
 	}
 	if err != nil {
-		return nil, err
+		return err
 	}
-	out := map[string]Checkpoint{}
 	for _, e := range ents {
 		id, ok := strings.CutSuffix(e.Name(), ".log")
 		if !ok || !ValidID(id) {
@@ -116,15 +115,24 @@ func (s *Store) journalCheckpoints() (map[string]Checkpoint, error) {
 		}
 		js, err := s.JournalEntries(id)
 		if err != nil {
-			return nil, err
+			return fmt.Errorf("journal %s: %w", id, err)
 		}
+		visit(js)
+	}
+	return nil
+}
+
+// journalCheckpoints returns the checkpoint records found in every journal.
+func (s *Store) journalCheckpoints() (map[string]Checkpoint, error) {
+	out := map[string]Checkpoint{}
+	err := s.eachJournal(func(js []JournalEntry) {
 		for _, je := range js {
 			if je.Op == "checkpoint" {
 				out[je.Checkpoint.ID] = je.Checkpoint
 			}
 		}
-	}
-	return out, nil
+	})
+	return out, err
 }
 
 // settledLayers returns the layers a mount's journal names (as a frozen
@@ -134,29 +142,17 @@ func (s *Store) journalCheckpoints() (map[string]Checkpoint, error) {
 // mount being created journals its new upper before its mount record
 // names it, and only the layer's age protects it in between.
 func (s *Store) settledLayers() (map[string]bool, error) {
-	ents, err := os.ReadDir(filepath.Join(s.dir, "meta", "journal"))
-	if os.IsNotExist(err) {
-		return map[string]bool{}, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("settled layers: %w", err)
-	}
 	out := map[string]bool{}
-	for _, e := range ents {
-		id, ok := strings.CutSuffix(e.Name(), ".log")
-		if !ok || !ValidID(id) {
-			continue
-		}
-		js, err := s.JournalEntries(id)
-		if err != nil {
-			return nil, fmt.Errorf("settled layers: journal %s: %w", id, err)
-		}
+	err := s.eachJournal(func(js []JournalEntry) {
 		for i := 0; i+1 < len(js); i++ {
 			out[js[i].Upper] = true
 			for _, l := range js[i].Checkpoint.Layers {
 				out[l] = true
 			}
 		}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("settled layers: %w", err)
 	}
 	return out, nil
 }
