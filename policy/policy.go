@@ -177,6 +177,12 @@ func (p *Policy) disable(reason, kind string) {
 	if kind != "" {
 		p.pm.failure(kind)
 	}
+	if kind == "load" {
+		// Its caller decides what follows (a create is refused, a
+		// sandbox brought back takes full checkpoints and says so).
+		p.h.opts.Logger.Warn("policy could not be loaded", "policy", p.name, "reason", reason)
+		return
+	}
 	p.h.opts.Logger.Error("policy disabled: every turn now gets a full checkpoint",
 		"policy", p.name, "reason", reason)
 }
