@@ -140,6 +140,9 @@ type FS struct {
 	inoMu   sync.Mutex
 	inos    map[inoKey]uint64
 	nextIno uint64
+	// inoGone are layers the registry forgot whose inos keys are still
+	// to be dropped (dropInos; the background worker only).
+	inoGone []*layerDir
 	nodes   map[uint64]*node
 	// inoGen is the generation of the newest node of an inode number,
 	// for numbers whose node was replaced while pinned (node.ptLower).
@@ -845,12 +848,13 @@ func (f *FS) Switch(id string) error {
 	if keep {
 		f.bg <- func() {
 			f.saveMountBG()
-			f.reg.prune()
+			f.dropInos(f.reg.prune())
 		}
 	} else {
 		// Discard the old upper (nothing references it any more).
-		f.reg.forget(old.upper)
-		oldUpper := old.upper.id
+		gone := old.upper
+		forgot := f.reg.forget(gone)
+		oldUpper := gone.id
 		f.kickSpare()
 		f.bg <- func() {
 			// The mount record names the new upper before the old one goes.
@@ -860,7 +864,11 @@ func (f *FS) Switch(id string) error {
 				_ = os.RemoveAll(tmp)
 				_ = os.Remove(filepath.Join(f.store.Dir(), "meta/layers", oldUpper+".json"))
 			}
-			f.reg.prune()
+			dropped := f.reg.prune()
+			if forgot {
+				dropped = append(dropped, gone)
+			}
+			f.dropInos(dropped)
 		}
 	}
 	if terr != nil || !sameLowers {
@@ -1289,6 +1297,35 @@ func (f *FS) inoFor(l *layerDir, ino uint64) uint64 {
 	f.inos[k] = v
 	return v
 }
+
+// dropInos forgets the inode numbers of entries of layers the registry
+// forgot (their directories are gone, or the mount discarded them): a
+// long tree search would otherwise keep a key for every file of every
+// layer it ever passed through. The map is scanned once a batch of such
+// layers has gathered (inoGoneBatch), so a switch does not pay for it.
+// Called by the background worker only.
+func (f *FS) dropInos(ls []*layerDir) {
+	f.inoGone = append(f.inoGone, ls...)
+	if len(f.inoGone) < inoGoneBatch {
+		return
+	}
+	gone := make(map[*layerDir]bool, len(f.inoGone))
+	for _, l := range f.inoGone {
+		gone[l] = true
+	}
+	f.inoGone = f.inoGone[:0]
+	f.inoMu.Lock()
+	for k := range f.inos {
+		if gone[k.l] {
+			delete(f.inos, k)
+		}
+	}
+	f.inoMu.Unlock()
+}
+
+// inoGoneBatch is how many forgotten layers dropInos gathers before it
+// scans the inode numbers.
+const inoGoneBatch = 32
 
 // freshIno allocates a new inode number for a newly created entry.
 func (f *FS) freshIno(l *layerDir, ino uint64) uint64 {

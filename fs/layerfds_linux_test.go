@@ -221,4 +221,15 @@ func TestRegistryForgetsRemovedLayers(t *testing.T) {
 		}
 	}
 	fx.fs.reg.mu.Unlock()
+	// The inode numbers of the forgotten layers' entries are dropped too
+	// (a batch at a time), not kept for every layer ever passed through.
+	fx.fs.inoMu.Lock()
+	layersWithInos := map[*layerDir]bool{}
+	for k := range fx.fs.inos {
+		layersWithInos[k.l] = true
+	}
+	fx.fs.inoMu.Unlock()
+	if limit := n + inoGoneBatch + 2; len(layersWithInos) > limit {
+		t.Fatalf("inode numbers kept for %d layers after %d restores (%d registered), want at most %d", len(layersWithInos), cycles, n, limit)
+	}
 }

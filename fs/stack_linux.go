@@ -308,8 +308,9 @@ func (r *layers) has(id string) bool {
 }
 
 // forget removes l from the registry: the mount is discarding the layer.
-// Its descriptor stays open until its last reference is released.
-func (r *layers) forget(l *layerDir) {
+// Its descriptor stays open until its last reference is released. It
+// reports whether l was registered.
+func (r *layers) forget(l *layerDir) bool {
 	r.mu.Lock()
 	key := regKey(l.id, l.path)
 	mine := r.byID[key] == l
@@ -320,16 +321,18 @@ func (r *layers) forget(l *layerDir) {
 	if mine {
 		l.dropCaches()
 	}
+	return mine
 }
 
 // prune forgets the idle layers (no references) whose directories are
 // gone, once the registry has grown enough since it last looked
-// (pruneMin). Called off the critical paths (the background worker).
-func (r *layers) prune() {
+// (pruneMin), and returns them. Called off the critical paths (the
+// background worker).
+func (r *layers) prune() []*layerDir {
 	r.mu.Lock()
 	if len(r.byID) < max(r.pruneAt, pruneMin) {
 		r.mu.Unlock()
-		return
+		return nil
 	}
 	var idle []*layerDir
 	for _, l := range r.byID {
@@ -360,6 +363,7 @@ func (r *layers) prune() {
 	for _, l := range dropped {
 		l.dropCaches()
 	}
+	return dropped
 }
 
 // dropCaches frees what l caches about a layer the registry forgot (the
