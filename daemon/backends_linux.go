@@ -1182,7 +1182,7 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 	// maybe before it is back in its read of the next command: give it a
 	// moment, so the checkpoint holds it waiting (and a shell's template
 	// can be asked for its state), not in the middle of that write.
-	settle(shells)
+	settle(shells, settleTimeout)
 	id := newCRID()
 	ck, err := p.b.eng.Checkpoint(ctx, p.sb, cr.CheckpointOptions{ID: id, Barrier: barrier, Ephemeral: undo, Park: park})
 	if err != nil {
@@ -1192,7 +1192,7 @@ func (p *procSandbox) checkpoint(ctx context.Context, barrier func() error, undo
 		// The processes were stopped for their templates: let the shells
 		// get back into their read before the next probe window opens.
 		// (Parked ones stay stopped.)
-		settle(shells)
+		settle(shells, settleTimeout)
 	}
 	p.mu.Lock()
 	p.ckpts[id] = true
@@ -1417,7 +1417,16 @@ func (p *procSandbox) Restore(ctx context.Context, part *state.ProcPart, switchF
 			shells = append(shells, r.PID)
 		}
 	}
-	settle(shells)
+	// A restore from an image (a fork child, a sandbox brought back) has a
+	// fresh mount whose page cache is empty: the released shell first
+	// waits for pages of its program through the daemon's FUSE server,
+	// and may wait longer than a template restore's copy, beside the
+	// other children of a fan-out.
+	wait := settleTimeout
+	if res.Path != "template" {
+		wait = settleImageTimeout
+	}
+	settle(shells, wait)
 	if res.Live != nil {
 		// Every process the restore left (a template restore's copies or
 		// parked processes, a CRIU restore's trees as restored): one that
@@ -1454,23 +1463,31 @@ func (p *procSandbox) ownSession(sid string, pid int) bool {
 	}
 }
 
-// settleTimeout bounds how long a restore waits for its copies to settle.
-const settleTimeout = 5 * time.Millisecond
+// settleTimeout bounds how long a checkpoint or a template restore waits
+// for the shells to settle; settleImageTimeout a restore from an image.
+const (
+	settleTimeout      = 5 * time.Millisecond
+	settleImageTimeout = 200 * time.Millisecond
+)
 
-// settle waits, briefly, until none of pids is running (or stopped):
-// each has blocked in a system call. A copy released from its template
-// resumes the system call it was checkpointed in (a shell's read of its
-// next command) only once it is scheduled; had it not run before the next
+// settle waits, briefly, until none of pids is running, stopped or in an
+// uninterruptible wait: each has blocked in a system call. A copy
+// released from its template resumes the system call it was checkpointed
+// in (a shell's read of its next command) only once it is scheduled, and
+// after a restore into a fresh mount first waits for its program's pages
+// (state D, a FUSE read the daemon serves); had it not run before the next
 // probe window opens, that window would count it as having run (written
 // memory, for the probe's estimate), and the sandbox would no longer be
-// exactly its head. A process that keeps running past the deadline is
-// simply left to run.
-func settle(pids []int) {
-	deadline := time.Now().Add(settleTimeout)
+// exactly its head: a fork child's first turn came out full instead of
+// skip (1 to 5 of 16 children, every run), each such shell last woken by
+// a FUSE page read after its release. A process that keeps running past
+// the deadline is simply left to run.
+func settle(pids []int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
 	for _, pid := range pids {
 		for time.Now().Before(deadline) {
 			st, err := procStateOf(pid)
-			if err != nil || (st != 'R' && st != 't' && st != 'T') {
+			if err != nil || (st != 'R' && st != 'D' && st != 't' && st != 'T') {
 				break
 			}
 			pause.For(20 * time.Microsecond) // time.Sleep would take a millisecond
