@@ -747,13 +747,20 @@ func printTree(w io.Writer, l *api.Log) {
 		if c.Sandbox != l.Sandbox.ID {
 			tags = append(tags, "fork origin")
 		}
-		if !c.Restorable {
+		times := fmt.Sprintf("frozen %s, took %s", ms(c.FrozenUS), ms(c.TookUS))
+		switch {
+		case c.Status == state.CkptPending:
+			// Still being taken: no times yet, and restorable once done
+			// (a restore waits for it).
+			times = "being taken"
+			tags = append(tags, "pending")
+		case !c.Restorable:
 			tags = append(tags, "not restorable")
-		} else if c.Durable {
+		case c.Durable:
 			tags = append(tags, "durable")
 		}
-		fmt.Fprintf(w, "%s%s%s #%d %-4s frozen %s, took %s  %s  [%s]\n", prefix, branch, c.ID, c.Seq, c.Decision,
-			ms(c.FrozenUS), ms(c.TookUS), c.Reason, strings.Join(tags, ", "))
+		fmt.Fprintf(w, "%s%s%s #%d %-4s %s  %s  [%s]\n", prefix, branch, c.ID, c.Seq, c.Decision,
+			times, c.Reason, strings.Join(tags, ", "))
 		ks := kids[c.ID]
 		sort.Slice(ks, func(i, j int) bool { return ks[i].Seq < ks[j].Seq })
 		for i, k := range ks {
