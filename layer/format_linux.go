@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -66,15 +67,34 @@ func Walk(root string, fn func(rel string, d fs.DirEntry) error) error {
 	})
 }
 
-// DirSize returns the apparent byte size of the regular files under root.
+// DirSize returns the disk space the entries under root take, as du
+// counts it: allocated blocks (a sparse file's holes take none), of every
+// entry (directories, symlinks and whiteouts too), a hard-linked file
+// once. Apparent file sizes missed the cost of many small files by far: 10
+// thousand one-line files were 48 KiB by size and 40 MB on disk, so a
+// byte budget (state.Budget.MaxBytes) hardly saw them. Extents a reflink
+// copy shares with another file are counted in full.
 func DirSize(root string) (int64, error) {
 	var total int64
+	seen := map[[2]uint64]bool{}
 	err := Walk(root, func(_ string, d fs.DirEntry) error {
-		if d.Type().IsRegular() {
-			if info, err := d.Info(); err == nil {
-				total += info.Size()
-			}
+		info, err := d.Info()
+		if err != nil {
+			return nil // gone meanwhile
 		}
+		st, ok := info.Sys().(*syscall.Stat_t)
+		if !ok {
+			total += info.Size()
+			return nil
+		}
+		if st.Nlink > 1 && !info.IsDir() {
+			k := [2]uint64{uint64(st.Dev), st.Ino}
+			if seen[k] {
+				return nil
+			}
+			seen[k] = true
+		}
+		total += st.Blocks * 512
 		return nil
 	})
 	return total, err

@@ -2,9 +2,13 @@ package layer
 
 import (
 	"errors"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -462,5 +466,52 @@ func TestGCSkipsLayersRemovedMeanwhile(t *testing.T) {
 		if err := st.CheckLayer(id); err == nil {
 			t.Errorf("layer %s survived", id)
 		}
+	}
+}
+
+// TestDirSizeCountsDiskUse: DirSize is disk use, as du counts it: many
+// small files take a block each (their sizes alone were a few bytes), a
+// sparse file's hole takes nothing, a hard link counts once.
+func TestDirSizeCountsDiskUse(t *testing.T) {
+	dir := t.TempDir()
+	const n = 200
+	var sizes int64
+	for i := 0; i < n; i++ {
+		b := []byte(fmt.Sprintf("%d\n", i))
+		sizes += int64(len(b))
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%d", i)), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Link(filepath.Join(dir, "f0"), filepath.Join(dir, "link")); err != nil {
+		t.Fatal(err)
+	}
+	sp, err := os.Create(filepath.Join(dir, "sparse"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sp.Truncate(1 << 30); err != nil {
+		t.Fatal(err)
+	}
+	sp.Close()
+	got, err := DirSize(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("du", "-s", "-B1", dir).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	du, _ := strconv.ParseInt(strings.Fields(string(out))[0], 10, 64)
+	// du counts the root directory too; DirSize only what is under it.
+	var rootSt syscall.Stat_t
+	if err := syscall.Stat(dir, &rootSt); err != nil {
+		t.Fatal(err)
+	}
+	if want := du - rootSt.Blocks*512; got != want {
+		t.Fatalf("DirSize %d, du without the root %d (the files' sizes sum to %d)", got, want, sizes)
+	}
+	if got < n*512 || got >= 1<<30 {
+		t.Fatalf("DirSize %d: want at least a block per small file and nothing for the hole", got)
 	}
 }
