@@ -476,6 +476,7 @@ func (w *ebpfWindow) Abort() {
 	}
 	w.done = true
 	w.detach()
+	w.p.turns.giveBack(w.t.Sandbox, w.turn)
 }
 
 func (w *ebpfWindow) End() (*effect.Report, error) {

@@ -187,6 +187,19 @@ func (t *turns) advance(sandbox string) uint64 {
 	return t.next[sandbox]
 }
 
+// giveBack returns turn number n of sandbox, taken by a window that was
+// aborted without a report, when no later number was handed out since:
+// the next window reuses it, so the reports of a sandbox's turns are
+// numbered 1, 2, 3 even when each turn's End opens a window (Next) that
+// the caller replaces with one of its own (Begin) after rewind's own work.
+func (t *turns) giveBack(sandbox string, n uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.next[sandbox] == n {
+		t.next[sandbox]--
+	}
+}
+
 func (t *turns) release(sandbox string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()

@@ -52,7 +52,9 @@ func TestWindowRules(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if r.Turn <= last {
+				// Turns are numbered 1, 2, 3: the aborted window's number
+				// went back.
+				if r.Turn != last+1 {
 					t.Fatalf("turn %d after %d", r.Turn, last)
 				}
 				last = r.Turn
@@ -60,6 +62,28 @@ func TestWindowRules(t *testing.T) {
 					t.Fatalf("second End: %v", err)
 				}
 			}
+			// The daemon's turn: End opens the next window (Next), which
+			// rewind's own work then replaces (Abort, Begin): still one
+			// number per turn.
+			w, err = p.Begin(tg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := 0; i < 3; i++ {
+				r, next, err := w.Next()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r.Turn != last+1 {
+					t.Fatalf("turn %d after %d (Next, Abort, Begin)", r.Turn, last)
+				}
+				last = r.Turn
+				next.Abort()
+				if w, err = p.Begin(tg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			w.Abort()
 		})
 	}
 }

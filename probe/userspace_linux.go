@@ -120,6 +120,7 @@ func (w *userWindow) Abort() {
 		w.done = true
 		w.unsubscribe()
 		w.p.turns.release(w.t.Sandbox)
+		w.p.turns.giveBack(w.t.Sandbox, w.turn)
 	}
 }
 
