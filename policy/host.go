@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 
@@ -198,6 +199,13 @@ func (h *Host) LoadFile(ctx context.Context, path string) (*Policy, error) {
 func (h *Host) LoadRef(ctx context.Context, ref string) (*Policy, error) {
 	if _, ok := policies.WASM(ref); ok {
 		return h.LoadBuiltin(ctx, ref)
+	}
+	if !strings.Contains(ref, "/") && !strings.HasSuffix(ref, ".wasm") {
+		if _, err := os.Stat(ref); err != nil {
+			// Neither a built-in nor a module file: say what there is.
+			err = fmt.Errorf("load policy: no built-in policy %q (built-ins: %s) and no module file of that name", ref, strings.Join(BuiltinNames(), ", "))
+			return h.disabledPolicy(ref, err), err
+		}
 	}
 	return h.LoadFile(ctx, ref)
 }

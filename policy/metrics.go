@@ -79,4 +79,12 @@ func (m *metrics) forPolicy(name string) *policyMetrics {
 	return pm
 }
 
+// forget drops the series of policy name.
+func (m *metrics) forget(name string) {
+	m.latency.DeleteLabelValues(name)
+	m.disabled.DeleteLabelValues(name)
+	m.decisions.DeletePartialMatch(prometheus.Labels{"policy": name})
+	m.failures.DeletePartialMatch(prometheus.Labels{"policy": name})
+}
+
 func (pm *policyMetrics) failure(kind string) { pm.m.failures.WithLabelValues(pm.name, kind).Inc() }

@@ -101,6 +101,9 @@ type Policy struct {
 
 	mu             sync.Mutex
 	disabledReason string
+	// loadFailed: the module could not be loaded (disable with kind
+	// "load"); Close then drops its metric series.
+	loadFailed atomic.Bool
 }
 
 // instance is one instantiated module with its buffers.
@@ -158,7 +161,16 @@ func (p *Policy) Close(ctx context.Context) {
 		default:
 			p.h.mu.Lock()
 			delete(p.h.policies, p)
+			other := false
+			for q := range p.h.policies {
+				other = other || q.name == p.name
+			}
 			p.h.mu.Unlock()
+			if p.loadFailed.Load() && !other {
+				// A module that never ran keeps no series: its name may be
+				// any path a client sent.
+				p.h.metrics.forget(p.name)
+			}
 			return
 		}
 	}
@@ -178,6 +190,7 @@ func (p *Policy) disable(reason, kind string) {
 		p.pm.failure(kind)
 	}
 	if kind == "load" {
+		p.loadFailed.Store(true)
 		// Its caller decides what follows (a create is refused, a
 		// sandbox brought back takes full checkpoints and says so).
 		p.h.opts.Logger.Warn("policy could not be loaded", "policy", p.name, "reason", reason)

@@ -164,7 +164,8 @@ func TestHostileModules(t *testing.T) {
 	if !strings.Contains(logs.String(), "policy disabled") {
 		t.Fatalf("no 'policy disabled' log line:\n%s", logs.String())
 	}
-	// Every failure kind was counted, per policy.
+	// Every failure kind was counted, per policy. (A module that could not
+	// be loaded keeps no series once closed: TestFailedLoadLeavesNoSeries.)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(h.Collector())
 	mfs, err := reg.Gather()
@@ -187,13 +188,22 @@ func TestHostileModules(t *testing.T) {
 			}
 		}
 	}
-	for _, k := range []string{"deadline", "trap", "exit", "malformed", "guest_error", "load"} {
+	for _, k := range []string{"deadline", "trap", "exit", "malformed", "guest_error"} {
 		if !kinds[k] {
 			t.Errorf("no failure of kind %q counted (got %v)", k, kinds)
 		}
 	}
-	if int(disabled) != len(tests) {
-		t.Errorf("rewind_policy_disabled sums to %v, want %d", disabled, len(tests))
+	if kinds["load"] {
+		t.Errorf("failures of kind load still counted after their policies were closed")
+	}
+	loaded := 0
+	for _, tt := range tests {
+		if tt.loadErr == "" && tt.module != "hugemem" {
+			loaded++
+		}
+	}
+	if int(disabled) != loaded {
+		t.Errorf("rewind_policy_disabled sums to %v, want %d (the modules that loaded)", disabled, loaded)
 	}
 	checkHealthy(t, h)
 }
@@ -415,5 +425,71 @@ func TestDefaultDeadline(t *testing.T) {
 	}
 	if dis, why := p.Disabled(); !dis || !strings.Contains(why, "5 consecutive failures") {
 		t.Fatalf("disabled %v: %q", dis, why)
+	}
+}
+
+// TestFailedLoadLeavesNoSeries: a module that could not be loaded, once
+// closed, leaves no metric series behind under its name (any path a client
+// sent, so the series would grow without bound), nor reads as a disabled
+// policy; a loaded policy of another name keeps its own.
+func TestFailedLoadLeavesNoSeries(t *testing.T) {
+	h, _ := newTestHost(t, Options{})
+	ctx := context.Background()
+	good, err := h.LoadRef(ctx, "effects")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer good.Close(ctx)
+	for _, ref := range []string{"/no/such/policy.wasm", filepath.Join(t.TempDir(), "garbage.wasm")} {
+		if strings.HasSuffix(ref, "garbage.wasm") {
+			if err := os.WriteFile(ref, []byte("not wasm"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		p, err := h.LoadRef(ctx, ref)
+		if err == nil {
+			t.Fatalf("%s loaded", ref)
+		}
+		p.Close(ctx)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(h.Collector())
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "policy" {
+					seen[l.GetValue()] = true
+				}
+			}
+		}
+	}
+	if !seen["effects"] {
+		t.Errorf("the loaded policy has no series (series of %v)", seen)
+	}
+	for name := range seen {
+		if name != "effects" {
+			t.Errorf("a series is left for %q, which never loaded", name)
+		}
+	}
+}
+
+// TestLoadRefUnknownNameListsBuiltins: a name that is neither a built-in
+// nor a file says which built-ins there are.
+func TestLoadRefUnknownNameListsBuiltins(t *testing.T) {
+	h, _ := newTestHost(t, Options{})
+	p, err := h.LoadRef(context.Background(), "nope")
+	if err == nil {
+		t.Fatal("an unknown policy name loaded")
+	}
+	p.Close(context.Background())
+	for _, name := range BuiltinNames() {
+		if !strings.Contains(err.Error(), name) {
+			t.Errorf("error %q does not name the built-in %q", err, name)
+		}
 	}
 }
