@@ -134,7 +134,7 @@ func (m *Manager) GC(ctx context.Context, dryRun bool) (*GCResult, error) {
 			dead = append(dead, cloneCkpt(&c.rec))
 		}
 	}
-	res := &GCResult{Kept: len(keep), DryRun: dryRun}
+	res := &GCResult{Freed: []string{}, Kept: len(keep), DryRun: dryRun}
 	m.mu.Unlock()
 	// Deepest first: a child goes before its parent.
 	sort.Slice(dead, func(i, j int) bool {
