@@ -126,6 +126,11 @@ The control socket lives in the state directory (root only), never inside the mo
 			default:
 				return fmt.Errorf("fs mount: --backend must be auto, fuse or kernel, not %q", o.backend)
 			}
+			if resp, err := fsCall(args[0], fsRequest{Op: "status"}); err == nil {
+				// A second mount would sit on it, and take its control link:
+				// the first could then be neither reached nor unmounted.
+				return fmt.Errorf("fs mount: %s is a rewind fs mount already (id %s): rewind fs umount it first", args[0], resp.Mount)
+			}
 			if o.foreground {
 				return fsServe(cmd, o, args[0])
 			}
@@ -251,12 +256,15 @@ func newFSUmountCmd() *cobra.Command {
 			link, _ := fsLinkFor(args[0])
 			deadline := time.Now().Add(30 * time.Second)
 			for time.Now().Before(deadline) {
-				if _, err := os.Stat(link); os.IsNotExist(err) {
+				// The link itself (its socket goes when the server stops
+				// listening): the server removes it once the view is
+				// unmounted.
+				if _, err := os.Lstat(link); os.IsNotExist(err) {
 					return nil
 				}
 				time.Sleep(20 * time.Millisecond)
 			}
-			return fmt.Errorf("fs umount: %s: server did not exit within 30s", args[0])
+			return fmt.Errorf("fs umount: %s is still mounted after 30s: does a process still use it (its cwd, open files)? Its server unmounts it once nothing does", args[0])
 		},
 	}
 }

@@ -152,9 +152,12 @@ func fsServe(cmd *cobra.Command, o fsMountOpts, mountpoint string) error {
 	}()
 	<-done
 	ln.Close()
+	// The link goes once the view is unmounted: fs umount waits for
+	// that, and a mount that is still busy must not look unmounted.
+	err = v.Unmount()
 	_ = os.Remove(link)
 	_ = os.Remove(sock)
-	if err := v.Unmount(); err != nil {
+	if err != nil {
 		return fmt.Errorf("fs umount: %w", err)
 	}
 	return nil

@@ -60,6 +60,14 @@ func TestFSCommands(t *testing.T) {
 	t.Cleanup(func() {
 		_, _ = runRewind(t, "fs", "umount", mp)
 	})
+	// A second mount on it is refused: it would sit on the first and take
+	// its control link.
+	if out, err := runRewind(t, "fs", "mount", "--foreground", "--state", state, "--lower", lower, "--id", "other", mp); err == nil || !strings.Contains(err.Error()+out, "already") {
+		t.Fatalf("second mount on %s: %q %v, want it refused", mp, out, err)
+	}
+	if resp, err := fsCall(mp, fsRequest{Op: "status"}); err != nil || resp.Mount != "clitest" {
+		t.Fatalf("the first mount after a refused second one: %+v %v", resp, err)
+	}
 	if b, err := os.ReadFile(filepath.Join(mp, "base")); err != nil || string(b) != "b" {
 		t.Fatalf("read through the mount: %q %v", b, err)
 	}
