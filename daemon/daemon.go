@@ -186,7 +186,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	if abs, err := filepath.Abs(cfg.StateDir); err == nil {
-		if err := os.WriteFile(api.StateRecord(cfg.Socket), []byte(abs+"\n"), 0o600); err != nil {
+		if err := writeStateRecord(cfg.Socket, abs); err != nil {
 			log.Warn("record the state dir beside the socket", "err", err)
 		}
 	}
@@ -219,15 +219,15 @@ func Run(ctx context.Context, cfg Config) error {
 	return err
 }
 
-// listen opens the API socket: its directory is root-only (0700) and the
-// socket itself 0600. A stale socket from a dead daemon is replaced; a live
+// listen opens the API socket, 0600 from its creation on (made under a
+// umask that leaves no one else any access). A socket directory that does
+// not exist is made root-only (0700); one that exists is left as it is,
+// so that a socket in a shared directory (/tmp) does not change that
+// directory's mode. A stale socket from a dead daemon is replaced; a live
 // one is an error.
 func listen(path string) (net.Listener, error) {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("socket dir: %w", err)
-	}
-	if err := os.Chmod(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("socket dir: %w", err)
 	}
 	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
@@ -235,7 +235,9 @@ func listen(path string) (net.Listener, error) {
 		return nil, fmt.Errorf("a daemon already listens on %s", path)
 	}
 	os.Remove(path)
+	old := syscall.Umask(0o177)
 	ln, err := net.Listen("unix", path)
+	syscall.Umask(old)
 	if err != nil {
 		return nil, fmt.Errorf("listen %s: %w", path, err)
 	}
@@ -246,14 +248,57 @@ func listen(path string) (net.Listener, error) {
 	return ln, nil
 }
 
-// hidden lists the host paths a sandbox must not see: the state dir and
-// the socket's dir (/run/rewind is every sandbox's own tmpfs already).
+// writeStateRecord records the state dir beside the socket (see
+// api.StateRecord): through a new file renamed into place, so that a link
+// someone else put at the record's name in a shared directory is replaced,
+// never followed.
+func writeStateRecord(socket, stateDir string) error {
+	path := api.StateRecord(socket)
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(f.Name())
+	if _, err := f.WriteString(stateDir + "\n"); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	return os.Rename(f.Name(), path)
+}
+
+// hidden lists the host paths a sandbox must not see: the state dir, and
+// the socket's directory when it is the daemon's own (root-only, or about
+// to be made so), else only the socket and its state record (a socket in
+// a shared directory such as /tmp must not hide that directory from every
+// sandbox). /run/rewind is every sandbox's own tmpfs already.
 func hidden(cfg Config) []string {
 	h := []string{cfg.StateDir}
-	if d := filepath.Dir(cfg.Socket); d != "/run/rewind" && d != "/run" {
+	d := filepath.Dir(cfg.Socket)
+	switch {
+	case d == "/run/rewind":
+	case privateDir(d):
 		h = append(h, d)
+	default:
+		h = append(h, cfg.Socket, api.StateRecord(cfg.Socket))
 	}
 	return h
+}
+
+// privateDir reports whether dir is the daemon's own: missing (listen makes
+// it 0700), or owned by the daemon's user with no access for anyone else.
+func privateDir(dir string) bool {
+	st, err := os.Stat(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return true
+	}
+	if err != nil {
+		return false
+	}
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	return ok && st.IsDir() && st.Mode().Perm()&0o077 == 0 && int(sys.Uid) == os.Geteuid()
 }
 
 // lockStateDir makes sure one daemon at a time uses a state dir.
