@@ -321,7 +321,9 @@ func (b *fsBackend) layersOutside(lowers []string) error {
 			return fmt.Errorf("--fs kernel: base %s: %w", l, err)
 		}
 		if ls.Dev == st.Dev && (src == "/" || strings.HasPrefix(dir, strings.TrimRight(src, "/")+"/")) {
-			return fmt.Errorf("--fs kernel: the state dir %s is inside the sandbox's base %s on the same file system, and overlayfs refuses a layer inside another: put the state dir on its own file system (rewind init-store) or use --fs fuse", dir, src)
+			// The request cannot succeed on this daemon: the caller's
+			// choice of backend, not a fault (400, not 500).
+			return &state.Error{Code: state.CodeBadRequest, Msg: fmt.Sprintf("--fs kernel: the state dir %s is inside the sandbox's base %s on the same file system, and overlayfs refuses a layer inside another: put the state dir on its own file system (rewind init-store) or use --fs fuse", dir, src)}
 		}
 	}
 	return nil
