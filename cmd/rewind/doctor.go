@@ -27,6 +27,9 @@ chosen for each layer. It leaves nothing mounted or loaded.`,
 		Example: "  sudo rewind doctor\n  sudo rewind doctor --json --state /var/lib/rewind",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if stateDir == "" {
+				stateDir = stateDirFromEnv()
+			}
 			r := compat.Probe(cmd.Context(), compat.Options{StateDir: stateDir, CRIUPath: criuPath, SkipLoopXFS: noLoop})
 			out := cmd.OutOrStdout()
 			if asJSON {
@@ -49,7 +52,7 @@ chosen for each layer. It leaves nothing mounted or loaded.`,
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the report as JSON")
-	cmd.Flags().StringVar(&stateDir, "state", compat.DefaultStateDir, "state directory whose file system is probed")
+	cmd.Flags().StringVar(&stateDir, "state", "", "state directory whose file system is probed (default $REWIND_STATE or "+compat.DefaultStateDir+")")
 	cmd.Flags().StringVar(&criuPath, "criu", "", "CRIU binary to use (default: $REWIND_CRIU, "+compat.DefaultCRIUPrefix+"/sbin/criu, then PATH)")
 	cmd.Flags().BoolVar(&noLoop, "no-loop", false, "skip the loop-mounted XFS reflink self-test")
 	return cmd

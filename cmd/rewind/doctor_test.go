@@ -95,13 +95,19 @@ func TestDoctorJSON(t *testing.T) {
 	}
 }
 
+// TestDoctorTable runs doctor with the state dir given by $REWIND_STATE
+// (as the daemon and init-store take it too), which it must probe instead
+// of the default.
 func TestDoctorTable(t *testing.T) {
 	bin := rewindBinary(t)
-	out, err := exec.Command(bin, "doctor", "--no-loop", "--state", t.TempDir()).Output()
+	dir := t.TempDir()
+	cmd := exec.Command(bin, "doctor", "--no-loop")
+	cmd.Env = append(os.Environ(), "REWIND_STATE="+dir)
+	out, err := cmd.Output()
 	if err != nil {
 		t.Fatalf("rewind doctor: %v", err)
 	}
-	for _, want := range []string{"CAPABILITY", "fuse/mount", "criu/check", "chosen: fs = ", "cr = ", "probe = "} {
+	for _, want := range []string{"CAPABILITY", "fuse/mount", "criu/check", "chosen: fs = ", "cr = ", "probe = ", "state dir " + dir + " "} {
 		if !bytes.Contains(out, []byte(want)) {
 			t.Errorf("doctor table lacks %q:\n%s", want, out)
 		}

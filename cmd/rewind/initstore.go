@@ -35,6 +35,9 @@ image is never reformatted.`,
   sudo rewind init-store --btrfs-image /srv/rewind.img --size 50G --state /srv/rewind-state`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if stateDir == "" {
+				stateDir = stateDirFromEnv()
+			}
 			opts := kernelpath.StoreImage{StateDir: stateDir, ConfigPath: cfg}
 			switch {
 			case xfsImage != "" && btrfsImage != "":
@@ -66,7 +69,7 @@ image is never reformatted.`,
 	cmd.Flags().StringVar(&xfsImage, "xfs-image", "", "XFS image file to create (reflink=1) or reuse")
 	cmd.Flags().StringVar(&btrfsImage, "btrfs-image", "", "btrfs image file to create or reuse")
 	cmd.Flags().StringVar(&size, "size", "10G", "image size when creating it (bytes, or with K/M/G/T suffix)")
-	cmd.Flags().StringVar(&stateDir, "state", compat.DefaultStateDir, "state directory to mount the image on (must be empty)")
+	cmd.Flags().StringVar(&stateDir, "state", "", "state directory to mount the image on, which must be empty (default $REWIND_STATE or "+compat.DefaultStateDir+")")
 	cmd.Flags().StringVar(&cfg, "config", kernelpath.DefaultStoreConfig, "store config file the daemon reads at start")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the store config as JSON")
 	return cmd

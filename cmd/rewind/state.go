@@ -91,6 +91,15 @@ func (o *clientOpts) connect(cmd *cobra.Command) (*client.Client, error) {
 	return c, nil
 }
 
+// stateDirFromEnv is the state dir a command uses when not told one:
+// $REWIND_STATE, else api.DefaultStateDir.
+func stateDirFromEnv() string {
+	if s := os.Getenv("REWIND_STATE"); s != "" {
+		return s
+	}
+	return api.DefaultStateDir
+}
+
 // startDaemon starts `rewind daemon` detached, with the socket given and
 // the state dir of the last daemon on that socket (api.StateRecord), else
 // $REWIND_STATE, else the default. A $REWIND_STATE that names another
@@ -891,12 +900,15 @@ func newDaemonCmd() *cobra.Command {
 			if cfg.Socket == "" {
 				cfg.Socket = client.SocketFromEnv()
 			}
+			if cfg.StateDir == "" {
+				cfg.StateDir = stateDirFromEnv()
+			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			return daemon.Run(ctx, cfg)
 		},
 	}
-	cmd.Flags().StringVar(&cfg.StateDir, "state", api.DefaultStateDir, "state directory")
+	cmd.Flags().StringVar(&cfg.StateDir, "state", "", "state directory (default $REWIND_STATE or "+api.DefaultStateDir+")")
 	cmd.Flags().StringVar(&cfg.Socket, "socket", "", "API socket (default $REWIND_SOCKET or "+api.DefaultSocket+")")
 	cmd.Flags().StringVar(&cfg.Backend, "backend", "real", "real, or fake (in-memory, no root needed: for tests)")
 	cmd.Flags().StringVar(&cfg.DefaultPolicy, "policy", "effects", "policy of sandboxes created without --policy")
