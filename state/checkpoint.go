@@ -653,7 +653,9 @@ type RestorePhases struct {
 	// UndoUS takes the undo point (0 when the head checkpoint is one).
 	UndoUS int64 `json:"undo_us"`
 	// Undo is "head" when the sandbox was exactly its head checkpoint and
-	// that served as the undo point, "checkpoint" when one was taken.
+	// that served as the undo point, "checkpoint" when one was taken,
+	// "none" when the current state could not be saved and the restore
+	// went on without one.
 	Undo string `json:"undo,omitempty"`
 	// KillUS is the process back end's work before the fs switch.
 	KillUS int64 `json:"kill_us"`
@@ -815,6 +817,7 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		t = time.Now()
 		head, why := m.cleanHead(s, rep)
 		undo, undoFS := head.part, head.fs
+		var noUndo error // why the state left could not be saved
 		ph.Undo = "head"
 		m.mu.Lock()
 		procFrom := c.rec.ProcFrom
@@ -867,30 +870,30 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 				err = ferr
 			}
 			if err != nil {
+				// The state being left cannot be saved (a process traced
+				// by another one of the sandbox, which cannot be seized;
+				// a full disk): the restore goes on without its undo
+				// point, as the caller asked to leave that state. Only a
+				// restore that then fails loses it (noUndo says why).
 				if undoFS != "" {
 					m.cfg.FS.Delete(bg, undoFS)
 				}
-				m.obs.Restored("", time.Since(start), err)
-				return nil, fmt.Errorf("restore %s: save the current state: %w", c.rec.ID, err)
+				if undo != nil {
+					// The processes were saved, the files not: released
+					// off the restore's path, as an undo point is.
+					part := undo
+					m.wg.Add(1)
+					go func() {
+						defer m.wg.Done()
+						m.cfg.Proc.Release(bg, part)
+					}()
+				}
+				m.log.Warn("restore goes on without an undo point: the current state could not be saved", "sandbox", s.rec.Name, "checkpoint", c.rec.ID, "err", err)
+				noUndo, undo, undoFS, err = err, nil, "", nil
+				ph.Undo = "none"
+			} else {
+				defer m.releaseUndo(bg, s, undo, undoFS)
 			}
-			defer func() {
-				// Off the caller's path: releasing may wait for the back
-				// end's asynchronous work on the undo point (an image
-				// dump). The sandbox's next restore through an image
-				// waits for the processes' release (above), not for the
-				// fs checkpoint's deletion, which comes after it.
-				done := make(chan struct{})
-				m.mu.Lock()
-				s.undoReleased = done
-				m.mu.Unlock()
-				m.wg.Add(1)
-				go func() {
-					defer m.wg.Done()
-					m.cfg.Proc.Release(bg, undo)
-					close(done)
-					m.cfg.FS.Delete(bg, undoFS)
-				}()
-			}()
 		}
 		ph.UndoUS = time.Since(t).Microseconds()
 		t = time.Now()
@@ -910,6 +913,15 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 			ph.ProcUS = time.Since(switchEnd).Microseconds()
 		} else {
 			ph.KillUS = time.Since(t).Microseconds()
+		}
+		if err != nil && noUndo != nil {
+			m.log.Error("restore failed, and the state before it could not be saved", "sandbox", s.rec.Name, "err", err, "save_err", noUndo)
+			m.mu.Lock()
+			s.rec.Note = "a failed restore could not be undone (the state before it could not be saved: " + noUndo.Error() + "); restore a checkpoint"
+			m.mu.Unlock()
+			err = fmt.Errorf("%w (and the state before it could not be saved to go back to: %v)", err, noUndo)
+			m.obs.Restored("", time.Since(start), err)
+			return nil, fmt.Errorf("restore %s: %w", c.rec.ID, err)
 		}
 		if err != nil {
 			if _, uerr := proc.Restore(bg, undo, func() error {
@@ -972,6 +984,25 @@ func (m *Manager) doRestore(ctx context.Context, s *sbox, c *ckpt) (*RestoreResu
 		m.mu.Unlock()
 	}
 	return m.restored(s, c, path, start, ph)
+}
+
+// releaseUndo releases the undo point a restore of s took, off the
+// caller's path: releasing may wait for the back end's asynchronous work on
+// it (an image dump). The sandbox's next restore through an image waits
+// for the processes' release (see Restore), not for the fs checkpoint's
+// deletion, which comes after it.
+func (m *Manager) releaseUndo(ctx context.Context, s *sbox, undo *ProcPart, undoFS string) {
+	done := make(chan struct{})
+	m.mu.Lock()
+	s.undoReleased = done
+	m.mu.Unlock()
+	m.wg.Add(1)
+	go func() {
+		defer m.wg.Done()
+		m.cfg.Proc.Release(ctx, undo)
+		close(done)
+		m.cfg.FS.Delete(ctx, undoFS)
+	}()
 }
 
 // adopts asks proc (a PartAdopter) whether the live processes, in the
