@@ -252,7 +252,7 @@ func (r *layers) open(id, p string) (*layerDir, error) {
 		l.refs++
 		return l, nil
 	}
-	fd, err := unix.Open(p, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	fd, err := openLayerRoot(id, p)
 	if err != nil {
 		return nil, fmt.Errorf("open layer %s: %w", p, err)
 	}
@@ -270,6 +270,32 @@ func (r *layers) open(id, p string) (*layerDir, error) {
 	}
 	l.fd, l.refs = fd, 1
 	return l, nil
+}
+
+// openLayerRoot opens the root of the layer at p. An external lower (id
+// "") is opened as a detached, non-recursive clone of its mount
+// (open_tree(2) OPEN_TREE_CLONE): lookups beneath it never cross into a
+// mount below p, as overlayfs never does in a lower layer, so a base (the
+// host's root, given as "/") shows no other file system mounted under it,
+// and no other mount of the daemon's state dir (another daemon's bind of
+// "/", a container's) that the sandbox's masks, which go by path, would
+// miss. Without the privilege to clone a mount it is opened as it is.
+func openLayerRoot(id, p string) (int, error) {
+	if id == "" {
+		fd, err := unix.OpenTree(unix.AT_FDCWD, p, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+		switch {
+		case err == nil:
+			var st unix.Stat_t
+			if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+				unix.Close(fd)
+				return -1, unix.ENOTDIR
+			}
+			return fd, nil
+		case !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.ENOSYS):
+			return -1, err
+		}
+	}
+	return unix.Open(p, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 }
 
 // ref adds a reference to each of ls, which the caller already holds

@@ -1,0 +1,53 @@
+package fs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestLowerHidesSubmounts mounts a view over a lower directory that has
+// another directory bind-mounted below it (as the host's root has the
+// daemon's state dir reachable through someone's bind of "/"): the view
+// shows the mount point as the plain, empty directory under it, as an
+// overlayfs lower layer does, never the mounted tree — the sandbox's masks
+// go by path and would not cover it there. The lower's own files stay
+// visible, and a copy-up of one still works.
+func TestLowerHidesSubmounts(t *testing.T) {
+	secret := filepath.Join(t.TempDir(), "secret")
+	mustWrite(t, filepath.Join(secret, "state.db"), "other sandboxes' data\n")
+	var sub string
+	fx := mountT(t, func(lower string) {
+		mustWrite(t, filepath.Join(lower, "etc", "hostname"), "host\n")
+		sub = filepath.Join(lower, "mnt", "other")
+		if err := os.MkdirAll(sub, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount(secret, sub, "", unix.MS_BIND, ""); err != nil {
+			t.Fatalf("bind: %v", err)
+		}
+		t.Cleanup(func() { unix.Unmount(sub, unix.MNT_DETACH) })
+	}, Options{})
+	if got := mustRead(t, filepath.Join(sub, "state.db")); got == "" {
+		t.Fatal("the bind under the lower does not show on the host")
+	}
+	ents, err := os.ReadDir(fx.p("mnt/other"))
+	if err != nil {
+		t.Fatalf("mount point in the view: %v", err)
+	}
+	if len(ents) != 0 {
+		t.Errorf("the view shows the tree mounted under its lower: %v", ents)
+	}
+	if _, err := os.Stat(fx.p("mnt/other/state.db")); !os.IsNotExist(err) {
+		t.Errorf("stat of a file of the submount through the view: %v, want not exist", err)
+	}
+	if got := mustRead(t, fx.p("etc/hostname")); got != "host\n" {
+		t.Errorf("lower file: %q", got)
+	}
+	mustWrite(t, fx.p("etc/hostname"), "view\n")
+	if got := mustRead(t, filepath.Join(fx.lower, "etc", "hostname")); got != "host\n" {
+		t.Errorf("a write through the view reached the lower: %q", got)
+	}
+}
