@@ -45,6 +45,14 @@ func TestInitPaths(t *testing.T) {
 			if strings.Count(caps, "\n") != 1 || caps == "000001ffffffffff\n" || caps == "000001fffeffffff\n" {
 				t.Fatalf("capabilities of init threads and sandbox processes: %q", caps)
 			}
+			// rewind-init holds no descriptor of the host's cgroup files
+			// (the Go runtime's CPU-limit reads; see cmd/rewind-init),
+			// which a sandbox process could reopen through /proc/1/fd.
+			if tc.initPath != "" {
+				if fds := sh(t, sb, "ls -l /proc/1/fd | grep -c -E 'cgroup|cpu[.]' || true"); fds != "0\n" {
+					t.Errorf("the init holds cgroup files: %s", sh(t, sb, "ls -l /proc/1/fd"))
+				}
+			}
 		})
 	}
 }

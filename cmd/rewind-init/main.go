@@ -7,6 +7,14 @@
 // takes, whose package initialisation alone is some 15 ms (cobra,
 // prometheus, cilium/ebpf, wazero). Without it the daemon runs its own
 // binary as the init.
+//
+// The init reads no CPU limit of its cgroup: the Go runtime would keep the
+// cgroup's files open for its periodic GOMAXPROCS update, descriptors on
+// the host's cgroup hierarchy that a process of the sandbox has no
+// business reaching (the init is also not dumpable: see package sandbox).
+//
+//go:debug containermaxprocs=0
+//go:debug updatemaxprocs=0
 package main
 
 import (
