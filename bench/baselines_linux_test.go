@@ -24,7 +24,7 @@ func TestBaselines(t *testing.T) {
 	testenv.RequireRoot(t)
 	_, err := exec.LookPath("fuse-overlayfs")
 	testenv.Require(t, err == nil, "fuse-overlayfs (make deps)")
-	tr := Generate(11, GenOptions{Expansions: 12, ZeroLLM: true})
+	tr := mustGenerate(t, 11, GenOptions{Expansions: 12, ZeroLLM: true})
 	ctx := context.Background()
 	for _, name := range []string{"cp-a", "tarball", "overlay-remount", "fuse-overlayfs-copy", "cp-reflink", "criu-cp-a"} {
 		t.Run(name, func(t *testing.T) {

@@ -11,13 +11,23 @@ import (
 	"time"
 )
 
+// mustGenerate is Generate, failing the test on an error.
+func mustGenerate(t *testing.T, seed int64, o GenOptions) *Trace {
+	t.Helper()
+	tr, err := Generate(seed, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr
+}
+
 func TestGenerate(t *testing.T) {
-	a := Generate(7, GenOptions{})
-	b := Generate(7, GenOptions{})
+	a := mustGenerate(t, 7, GenOptions{})
+	b := mustGenerate(t, 7, GenOptions{})
 	if !reflect.DeepEqual(a, b) {
 		t.Fatal("the same seed gave different traces")
 	}
-	if c := Generate(8, GenOptions{}); reflect.DeepEqual(a.Nodes, c.Nodes) {
+	if c := mustGenerate(t, 8, GenOptions{}); reflect.DeepEqual(a.Nodes, c.Nodes) {
 		t.Fatal("different seeds gave the same trace")
 	}
 	if len(a.Nodes) != 100 {
@@ -43,7 +53,7 @@ func TestGenerate(t *testing.T) {
 	if med < 1500 || med > 2600 {
 		t.Errorf("median llm_ms %.0f, want about 2000", med)
 	}
-	z := Generate(7, GenOptions{ZeroLLM: true})
+	z := mustGenerate(t, 7, GenOptions{ZeroLLM: true})
 	for _, n := range z.Nodes {
 		if n.LLMMS != 0 {
 			t.Fatalf("ZeroLLM trace has llm_ms %v", n.LLMMS)
@@ -63,31 +73,81 @@ func median(v []float64) float64 {
 	return s[len(s)/2]
 }
 
+// TestTraceRoundTrip: what Write writes, ReadTraces reads back the same,
+// one trace or several in one file (what --write-trace makes of --full's
+// five traces and --trace reads).
 func TestTraceRoundTrip(t *testing.T) {
-	tr := Generate(3, GenOptions{Expansions: 20})
-	var b bytes.Buffer
-	if err := tr.Write(&b); err != nil {
-		t.Fatal(err)
+	for _, n := range []int{1, 5} {
+		var want []*Trace
+		var b bytes.Buffer
+		for i := range n {
+			tr := mustGenerate(t, int64(3+i), GenOptions{Expansions: 20})
+			want = append(want, tr)
+			if err := tr.Write(&b); err != nil {
+				t.Fatal(err)
+			}
+		}
+		got, err := ReadTraces(&b)
+		if err != nil {
+			t.Fatalf("%d traces: %v", n, err)
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("%d traces: round trip changed them:\n got %+v\nwant %+v", n, got, want)
+		}
 	}
-	got, err := ReadTrace(&b)
+}
+
+// TestReadTracesRefuses: every malformed trace is refused with the line
+// and what is wrong with it; blank lines and explicit zeros are fine.
+func TestReadTracesRefuses(t *testing.T) {
+	const h = `{"trace":"x","seed":2,"setup":["mkdir -p $R"]}` + "\n"
+	const n1 = `{"id":1,"parent":0,"kind":"read","commands":["true"],"llm_ms":5}` + "\n"
+	tests := []struct{ name, in, want string }{
+		{"nothing", "", "empty"},
+		{"just a newline", "\n", "empty"},
+		{"header only", h, `trace "x" has no nodes`},
+		{"bad header JSON", "{", "line 1: not a JSON object"},
+		{"not an object", "[1]\n", "line 1: not a JSON object"},
+		{"no header", n1, "line 1: the first line must be the header"},
+		{"no header after a blank line", "\n" + n1, "line 2: the first line must be the header"},
+		{"empty name", `{"trace":""}` + "\n" + n1, "line 1: header: trace (the name) is empty"},
+		{"unknown header field", `{"trace":"x","sed":1}` + "\n" + n1, `line 1: header: unknown field "sed"`},
+		{"blank setup command", `{"trace":"x","setup":[" "]}` + "\n" + n1, "setup command 1 is blank"},
+		{"unknown node field", h + `{"id":1,"parent":0,"commands":["true"],"latency_ms":5}`, `line 2: unknown field "latency_ms" (a node has id`},
+		{"two values on a line", h + `{"id":1,"parent":0,"commands":["true"]} {}`, "line 2: not a JSON object: invalid character"},
+		{"missing parent", h + `{"id":1,"commands":["true"]}`, "line 2: missing parent"},
+		{"missing id", h + `{"parent":0,"commands":["true"]}`, "line 2: missing id"},
+		{"null node", h + "null", "line 2: missing commands, id, parent"},
+		{"missing commands", h + `{"id":1,"parent":0}`, "line 2: missing commands"},
+		{"null commands", h + `{"id":1,"parent":0,"commands":null}`, "line 2: missing commands"},
+		{"empty commands", h + `{"id":1,"parent":0,"commands":[]}`, "line 2: node 1: commands is empty"},
+		{"blank command", h + `{"id":1,"parent":0,"commands":["true",""]}`, "line 2: node 1: command 2 is blank"},
+		{"unknown parent", h + `{"id":1,"parent":5,"commands":["true"]}`, "line 2: node 1 names parent 5"},
+		{"parent after child", h + `{"id":1,"parent":2,"commands":["true"]}` + "\n" + `{"id":2,"parent":0,"commands":["true"]}`, "line 2: node 1 names parent 2"},
+		{"cycle", h + `{"id":1,"parent":1,"commands":["true"]}`, "line 2: node 1 names parent 1"},
+		{"duplicate id", h + n1 + n1, "line 3: id 1 is not a new"},
+		{"zero id", h + `{"id":0,"parent":0,"commands":["true"]}`, "line 2: id 0 is not a new"},
+		{"fractional id", h + `{"id":1.5,"parent":0,"commands":["true"]}`, "line 2: json: cannot unmarshal"},
+		{"negative llm", h + `{"id":1,"parent":0,"commands":["true"],"llm_ms":-1}`, "line 2: node 1: negative llm_ms"},
+		{"huge llm", h + `{"id":1,"parent":0,"commands":["true"],"llm_ms":1e300}`, "line 2: node 1: llm_ms 1e+300 is over 3600000"},
+		{"second trace without nodes", h + n1 + h + h + n1, `line 4: a new header: trace "x" has no nodes`},
+		{"line too long", h + n1 + `{"id":2,"parent":0,"commands":["` + strings.Repeat("x", 17<<20) + `"]}`, "line 3: longer than 16 MiB"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ReadTraces(strings.NewReader(tc.in))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+	good := "\n" + h + "\n" + n1 + `{"id":2,"parent":0,"commands":["true"],"llm_ms":3600000}` + "\n\n" + `{"trace":"y"}` + "\n" + `{"id":1,"parent":0,"commands":["ls"]}` + "\n"
+	ts, err := ReadTraces(strings.NewReader(good))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !reflect.DeepEqual(got, tr) {
-		t.Fatalf("round trip changed the trace:\n got %+v\nwant %+v", got, tr)
-	}
-	bad := []struct{ name, in, want string }{
-		{"empty", "", "empty"},
-		{"bad header", "{", "header"},
-		{"unknown parent", `{"trace":"x"}` + "\n" + `{"id":1,"parent":5,"commands":["true"]}`, "parent 5"},
-		{"duplicate id", `{"trace":"x"}` + "\n" + `{"id":1,"parent":0}` + "\n" + `{"id":1,"parent":0}`, "not a new"},
-		{"negative llm", `{"trace":"x"}` + "\n" + `{"id":1,"parent":0,"llm_ms":-1}`, "negative"},
-	}
-	for _, c := range bad {
-		_, err := ReadTrace(strings.NewReader(c.in))
-		if err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%s: error %v, want one containing %q", c.name, err, c.want)
-		}
+	if len(ts) != 2 || ts[0].Name != "x" || ts[0].Seed != 2 || len(ts[0].Nodes) != 2 || ts[0].Nodes[1].Parent != 0 || ts[1].Name != "y" || len(ts[1].Nodes) != 1 {
+		t.Fatalf("read %+v", ts)
 	}
 }
 
@@ -214,21 +274,8 @@ func replayAccounting(t *testing.T, tr *Trace, m Manager, fm *fakeManager, execM
 	}
 }
 
-func TestExpectedShellState(t *testing.T) {
-	s := shellState{}.
-		next(Node{Kind: "cd", Commands: []string{"cd $R/src/app"}}).
-		next(Node{Kind: "test", Commands: []string{"cd $R && python3 -m unittest; cd - >/dev/null"}}).
-		next(Node{Kind: "env", Commands: []string{"export AGENT_STEP=7"}})
-	if s.cwd != "/src/app" || s.step != "7" {
-		t.Fatalf("expected state %+v", s)
-	}
-	if got := s.next(Node{Kind: "cd", Commands: []string{"cd $R"}}); got.cwd != "" || got.step != "7" {
-		t.Fatalf("after cd $R: %+v", got)
-	}
-}
-
 func TestGenerateExclude(t *testing.T) {
-	tr := Generate(5, GenOptions{Exclude: []string{"server", "kill"}})
+	tr := mustGenerate(t, 5, GenOptions{Exclude: []string{"server", "kill"}})
 	for _, n := range tr.Nodes {
 		if n.Kind == "server" || n.Kind == "kill" {
 			t.Fatalf("excluded kind generated: %+v", n)
@@ -236,6 +283,23 @@ func TestGenerateExclude(t *testing.T) {
 	}
 	if !strings.HasSuffix(tr.Name, "-no-server-kill") {
 		t.Errorf("trace name %q does not say what it excludes", tr.Name)
+	}
+	bad := []struct {
+		name string
+		o    GenOptions
+		want string
+	}{
+		{"every kind", GenOptions{Exclude: Kinds()}, "every kind excluded"},
+		{"unknown kind", GenOptions{Exclude: []string{"edit", "nosuch"}}, `unknown kind "nosuch" to exclude (kinds: read, edit`},
+		{"kind twice", GenOptions{Exclude: []string{"cd", "cd"}}, `kind "cd" excluded twice`},
+		{"negative expansions", GenOptions{Expansions: -5}, "-5 expansions"},
+		{"negative rollbacks", GenOptions{Rollbacks: -1}, "-1 rollbacks"},
+		{"huge latency", GenOptions{MedianLLMMS: 1e300}, "median LLM latency"},
+	}
+	for _, tc := range bad {
+		if _, err := Generate(1, tc.o); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
+		}
 	}
 }
 

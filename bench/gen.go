@@ -20,8 +20,44 @@ type GenOptions struct {
 	MedianLLMMS float64
 	// ZeroLLM sets every llm_ms to 0.
 	ZeroLLM bool
-	// Exclude lists action kinds not to generate (e.g. "server", "kill").
+	// Exclude lists action kinds not to generate (e.g. "server", "kill"):
+	// each a known kind (Kinds), once; at least one kind must remain.
 	Exclude []string
+}
+
+// Kinds returns the kinds of action Generate makes, in a fixed order.
+func Kinds() []string {
+	out := make([]string, len(kinds))
+	for i, k := range kinds {
+		out[i] = k.kind
+	}
+	return out
+}
+
+// check refuses options Generate cannot follow.
+func (o GenOptions) check() error {
+	switch {
+	case o.Expansions < 0:
+		return fmt.Errorf("%d expansions: want 1 or more (0: the default)", o.Expansions)
+	case o.Rollbacks < 0:
+		return fmt.Errorf("%d rollbacks: want 0 or more", o.Rollbacks)
+	case o.MedianLLMMS < 0 || o.MedianLLMMS > MaxLLMMS || math.IsNaN(o.MedianLLMMS):
+		return fmt.Errorf("median LLM latency %g ms: want 0..%d", o.MedianLLMMS, MaxLLMMS)
+	}
+	seen := map[string]bool{}
+	for _, k := range o.Exclude {
+		switch {
+		case !slices.Contains(Kinds(), k):
+			return fmt.Errorf("unknown kind %q to exclude (kinds: %s)", k, strings.Join(Kinds(), ", "))
+		case seen[k]:
+			return fmt.Errorf("kind %q excluded twice", k)
+		}
+		seen[k] = true
+	}
+	if len(seen) == len(kinds) {
+		return fmt.Errorf("every kind excluded (%s): at least one must remain", strings.Join(Kinds(), ", "))
+	}
+	return nil
 }
 
 // kinds of actions with their weights: read-only actions are the majority,
@@ -37,15 +73,20 @@ var kinds = []struct {
 // Generate makes a realistic SWE-style tree-search trace from a seed: the
 // agent reads and greps a small Python repository, edits it, runs its tests,
 // installs packages into a venv-like tree, starts and stops a background
-// server, changes directory and variables in its persistent shell.
-func Generate(seed int64, o GenOptions) *Trace {
-	if o.Expansions <= 0 {
+// server, changes directory and variables in its persistent shell. It refuses
+// unknown or duplicate kinds to exclude, excluding every kind, and negative
+// counts.
+func Generate(seed int64, o GenOptions) (*Trace, error) {
+	if err := o.check(); err != nil {
+		return nil, fmt.Errorf("generate trace: %w", err)
+	}
+	if o.Expansions == 0 {
 		o.Expansions = 100
 	}
-	if o.Rollbacks <= 0 {
+	if o.Rollbacks == 0 {
 		o.Rollbacks = o.Expansions / 2
 	}
-	if o.MedianLLMMS <= 0 {
+	if o.MedianLLMMS == 0 {
 		o.MedianLLMMS = 2000
 	}
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x72657769))
@@ -84,12 +125,13 @@ func Generate(seed int64, o GenOptions) *Trace {
 		}
 		llm := 0.0
 		if !o.ZeroLLM {
-			llm = math.Round(o.MedianLLMMS * math.Exp(0.5*rng.NormFloat64()))
+			// Within what ReadTraces accepts (a median near the bound).
+			llm = min(math.Round(o.MedianLLMMS*math.Exp(0.5*rng.NormFloat64())), MaxLLMMS)
 		}
 		t.Nodes = append(t.Nodes, Node{ID: id, Parent: parent, Kind: kind, Commands: commandsFor(kind, id, rng), LLMMS: llm})
 		prev = id
 	}
-	return t
+	return t, nil
 }
 
 // setupCommands create the repository the agent works on under $R.

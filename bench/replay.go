@@ -15,25 +15,6 @@ import (
 // number of background jobs.
 const digestScript = `jobs >/dev/null; printf 'files=%s jobs=%s cwd=%s step=%s\n' "$(cd "$R" && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)" "$(jobs -p | wc -l)" "${PWD#$R}" "${AGENT_STEP:-}"`
 
-// shellState is the part of the shell's state a trace determines: the cwd
-// relative to $R and the AGENT_STEP variable.
-type shellState struct{ cwd, step string }
-
-// next applies a node's commands to the expected shell state.
-func (s shellState) next(n Node) shellState {
-	for _, c := range n.Commands {
-		switch {
-		case n.Kind == "cd" && strings.HasPrefix(c, "cd $R"):
-			s.cwd = strings.TrimPrefix(c, "cd $R")
-		case n.Kind == "env" && strings.HasPrefix(c, "export AGENT_STEP="):
-			s.step = strings.TrimPrefix(c, "export AGENT_STEP=")
-		}
-	}
-	return s
-}
-
-func (s shellState) suffix() string { return " cwd=" + s.cwd + " step=" + s.step }
-
 // Cost is what one state-management call cost the harness.
 type Cost struct {
 	// Visible is the time the harness waited for the call.
@@ -83,7 +64,8 @@ type Manager interface {
 	Digest(ctx context.Context) (string, error)
 	// Usage reports the space the checkpoints take.
 	Usage() Usage
-	// Close frees everything.
+	// Close frees everything, whether Start succeeded, failed part way or
+	// never ran, and whatever the context of the other calls.
 	Close() error
 }
 
@@ -204,10 +186,12 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 			res.Error = err.Error()
 		}
 	}()
+	// Close undoes whatever Start did, also when Start failed part way or
+	// ctx was canceled (an interrupted benchmark).
+	defer m.Close()
 	if err := m.Start(ctx, t.Setup); err != nil {
 		return res, fmt.Errorf("%s: start: %w", m.Name(), err)
 	}
-	defer m.Close()
 
 	checks := map[int]bool{}
 	if o.CrashChecks > 0 && len(t.Nodes) > 0 {
@@ -234,7 +218,7 @@ func Replay(ctx context.Context, t *Trace, m Manager, o ReplayOptions) (res *Res
 	}
 
 	ckpt := map[int]string{}
-	expect := map[int]shellState{0: {}}
+	expect := map[int]shellState{0: shellState{}.run(t.Setup)}
 	root, c, err := m.Checkpoint(ctx)
 	if err != nil {
 		return res, fmt.Errorf("%s: checkpoint of the root: %w", m.Name(), err)

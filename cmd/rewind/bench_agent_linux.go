@@ -53,12 +53,12 @@ baseline is also given round by round (--json: "speedup_rounds").
 				if err != nil {
 					return err
 				}
-				t, err := bench.ReadTrace(f)
+				got, err := bench.ReadTraces(f)
 				f.Close()
 				if err != nil {
 					return fmt.Errorf("%s: %w", p, err)
 				}
-				ts = append(ts, t)
+				ts = append(ts, got...)
 			}
 			if len(ts) == 0 {
 				n := 1
@@ -66,7 +66,11 @@ baseline is also given round by round (--json: "speedup_rounds").
 					n = 5
 				}
 				for i := 0; i < n; i++ {
-					ts = append(ts, bench.Generate(seed+int64(i), bench.GenOptions{Expansions: expansions, Exclude: exclude}))
+					t, err := bench.Generate(seed+int64(i), bench.GenOptions{Expansions: expansions, Exclude: exclude})
+					if err != nil {
+						return fmt.Errorf("--exclude-kinds: %w", err)
+					}
+					ts = append(ts, t)
 				}
 			}
 			if writeTrace != "" {
@@ -119,12 +123,12 @@ baseline is also given round by round (--json: "speedup_rounds").
 	}
 	cmd.Flags().BoolVar(&quick, "quick", true, "one generated trace (the default)")
 	cmd.Flags().BoolVar(&full, "full", false, "five generated traces")
-	cmd.Flags().StringArrayVar(&traces, "trace", nil, "replay this JSON Lines trace instead of generated ones (repeatable)")
+	cmd.Flags().StringArrayVar(&traces, "trace", nil, "replay the traces of this JSON Lines file instead of generated ones (repeatable)")
 	cmd.Flags().Int64Var(&seed, "seed", 1, "seed of the first generated trace")
 	cmd.Flags().IntVar(&expansions, "expansions", 100, "expansions per generated trace")
 	cmd.Flags().StringVar(&systems, "systems", "", "comma-separated systems (default: all): "+strings.Join(bench.AllSystems, ","))
 	cmd.Flags().StringVar(&outDir, "out", "", "write results.json, results.md and chart.svg into this directory")
-	cmd.Flags().StringVar(&writeTrace, "write-trace", "", "also write the traces replayed to this JSON Lines file")
+	cmd.Flags().StringVar(&writeTrace, "write-trace", "", "also write the traces replayed, one after the other, to this JSON Lines file (--trace reads it back)")
 	cmd.Flags().IntVar(&crash, "crash-checks", 10, "crash-recovery checks per trace and system")
 	cmd.Flags().IntVar(&repeat, "repeat", 1, "run every system this many times, the systems' order rotated each time; each row is the median run")
 	cmd.Flags().StringSliceVar(&exclude, "exclude-kinds", nil, "action kinds the generator leaves out (read, edit, test, cd, env, install, server, kill)")
