@@ -565,6 +565,11 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 			return nil, errf(CodeBadRequest, "base "+strconv.Quote(b)+" is not an absolute path", nil)
 		}
 		req.Bases[i] = filepath.Clean(b)
+		if st, err := os.Stat(req.Bases[i]); err != nil {
+			return nil, errf(CodeBadRequest, "base "+strconv.Quote(b), err)
+		} else if !st.IsDir() {
+			return nil, errf(CodeBadRequest, "base "+strconv.Quote(b)+" is not a directory", nil)
+		}
 		if err := m.checkBase(req.Bases[i]); err != nil {
 			return nil, err
 		}
@@ -841,6 +846,9 @@ func (m *Manager) Exec(ctx context.Context, name string, epoch uint64, req ExecR
 	if len(req.Argv) == 0 {
 		return 0, errf(CodeBadRequest, "exec: empty command", nil)
 	}
+	if err := checkCommand("exec", req.Argv, req.Env, req.Dir); err != nil {
+		return 0, err
+	}
 	code := 0
 	err := m.op(ctx, name, epoch, func(s *sbox) error {
 		if err := m.running(s); err != nil {
@@ -854,10 +862,33 @@ func (m *Manager) Exec(ctx context.Context, name string, epoch uint64, req ExecR
 	return code, err
 }
 
+// checkCommand refuses what no process can be started with (a bad
+// request, not a failure of the sandbox): a NUL in an argument or an
+// environment entry, an entry without "=", a relative working directory.
+func checkCommand(what string, argv, env []string, dir string) error {
+	for _, a := range argv {
+		if strings.ContainsRune(a, 0) {
+			return errf(CodeBadRequest, what+": argument "+strconv.Quote(a)+" holds a NUL byte", nil)
+		}
+	}
+	for _, e := range env {
+		if k, _, ok := strings.Cut(e, "="); !ok || k == "" || strings.ContainsRune(e, 0) {
+			return errf(CodeBadRequest, what+": environment entry "+strconv.Quote(e)+" is not NAME=VALUE", nil)
+		}
+	}
+	if dir != "" && (!filepath.IsAbs(dir) || strings.ContainsRune(dir, 0)) {
+		return errf(CodeBadRequest, what+": working directory "+strconv.Quote(dir)+" is not an absolute path", nil)
+	}
+	return nil
+}
+
 // StartSession starts a long-lived process driven through Send.
 func (m *Manager) StartSession(ctx context.Context, name string, epoch uint64, session string, argv, env []string) (string, error) {
 	if len(argv) == 0 {
 		return "", errf(CodeBadRequest, "session: empty command", nil)
+	}
+	if err := checkCommand("session", argv, env, ""); err != nil {
+		return "", err
 	}
 	if session == "" {
 		session = newID("s")[:7]

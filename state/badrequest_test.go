@@ -1,0 +1,76 @@
+package state_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/rewind-sandbox/rewind/state"
+)
+
+// TestClientMistakesAreBadRequests: what no sandbox could ever run or
+// mount is the caller's mistake (400, bad_request), said as such, not a
+// failure of the daemon (500, internal).
+func TestClientMistakesAreBadRequests(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	file := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		call func() error
+		want string
+	}{
+		{"base is a file", func() error {
+			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b1", Bases: []string{file}})
+			return err
+		}, "not a directory"},
+		{"base is missing", func() error {
+			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b2", Bases: []string{file + ".none"}})
+			return err
+		}, "no such file"},
+		{"exec in a relative dir", func() error {
+			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}, Dir: "tmp"})
+			return err
+		}, "not an absolute path"},
+		{"env entry without =", func() error {
+			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}, Env: []string{"NOEQUALS"}})
+			return err
+		}, "not NAME=VALUE"},
+		{"env entry with a NUL", func() error {
+			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}, Env: []string{"A=b\x00c"}})
+			return err
+		}, "not NAME=VALUE"},
+		{"env entry with an empty name", func() error {
+			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}, Env: []string{"=x"}})
+			return err
+		}, "not NAME=VALUE"},
+		{"argument with a NUL", func() error {
+			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"ec\x00ho"}})
+			return err
+		}, "NUL"},
+		{"session argument with a NUL", func() error {
+			_, err := e.m.StartSession(e.ctx, "a", 0, "s1", []string{"ba\x00sh"}, nil)
+			return err
+		}, "NUL"},
+		{"session env without =", func() error {
+			_, err := e.m.StartSession(e.ctx, "a", 0, "s2", []string{"bash"}, []string{"X"})
+			return err
+		}, "not NAME=VALUE"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.call()
+			if !errors.Is(err, state.ErrBadRequest) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err = %v (code %s), want bad_request saying %q", err, state.CodeOf(err), tc.want)
+			}
+		})
+	}
+	// What is fine still runs.
+	if got := e.run("a", "echo", "ok"); !strings.Contains(got, "ok") {
+		t.Errorf("a plain exec after the refusals: %q", got)
+	}
+}
