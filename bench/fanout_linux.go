@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,12 +21,13 @@ import (
 
 // FanoutOptions configures RunFanout.
 type FanoutOptions struct {
-	// Counts of forks to make from one checkpoint (default 16, 32, 64).
+	// Counts of forks to make from one checkpoint (default 16, 32, 64):
+	// each 1..MaxForks, none twice.
 	Counts []int
 	// Client reaches the rewind daemon.
 	Client *client.Client
 	// TrainerStepMS is the simulated trainer step the rollouts feed
-	// (default 5000 ms): the trainer waits while forks come up.
+	// (0: the default, 5000 ms): the trainer waits while forks come up.
 	TrainerStepMS float64
 	// Parent holds the baselines' copies (default: a temp dir).
 	Parent string
@@ -40,6 +42,35 @@ type FanoutOptions struct {
 	Progress io.Writer
 }
 
+// MaxForks is the most copies one fork call makes (the daemon's limit).
+const MaxForks = 1024
+
+// Validate refuses options RunFanout cannot follow: a width outside
+// 1..MaxForks or given twice, a trainer step that is negative or not
+// finite, an unknown file-system backend, a negative repeat count. It
+// needs no daemon, so a command can check its flags before connecting.
+func (o FanoutOptions) Validate() error {
+	seen := map[int]bool{}
+	for _, n := range o.Counts {
+		switch {
+		case n < 1 || n > MaxForks:
+			return fmt.Errorf("fan-out width %d: want 1..%d", n, MaxForks)
+		case seen[n]:
+			return fmt.Errorf("fan-out width %d given twice", n)
+		}
+		seen[n] = true
+	}
+	switch {
+	case o.TrainerStepMS < 0 || math.IsNaN(o.TrainerStepMS) || math.IsInf(o.TrainerStepMS, 0):
+		return fmt.Errorf("trainer step %g ms: want a positive number", o.TrainerStepMS)
+	case o.FS != "" && o.FS != "auto" && o.FS != "fuse" && o.FS != "kernel":
+		return fmt.Errorf("unknown fs %q (want auto, fuse or kernel)", o.FS)
+	case o.Repeat < 0:
+		return fmt.Errorf("repeat %d: want 1 or more", o.Repeat)
+	}
+	return nil
+}
+
 // FanoutRow is one system at one fan-out width.
 type FanoutRow struct {
 	Name string `json:"name"`
@@ -51,9 +82,13 @@ type FanoutRow struct {
 	ForkMS float64 `json:"fork_ms"`
 	// TrainerWait is ReadyMS/(ReadyMS+TrainerStepMS): the fraction of time
 	// a trainer would wait for its rollouts; GPUUtil is 1 - TrainerWait.
-	TrainerWait float64 `json:"trainer_wait"`
-	GPUUtil     float64 `json:"gpu_util"`
-	// MemDeltaBytes is the drop in MemAvailable while the copies exist.
+	// Both are left out (0) for a failed row.
+	TrainerWait float64 `json:"trainer_wait,omitempty"`
+	GPUUtil     float64 `json:"gpu_util,omitempty"`
+	// MemDeltaBytes is how far the host's MemAvailable dropped while the
+	// copies existed, clamped at 0: a rough measure, since everything else
+	// on the host moves MemAvailable too (and the page cache the copies
+	// fill is not counted as unavailable).
 	MemDeltaBytes int64 `json:"mem_delta_bytes"`
 	DiskBytes     int64 `json:"disk_bytes"`
 	// OverFloorMS is ReadyMS less the shell-floor row's at the same N:
@@ -88,11 +123,17 @@ func memAvailable() int64 {
 // RunFanout measures rewind's fork of a running sandbox (a persistent bash
 // with the benchmark repository) into N live copies against copying the
 // repository N times (cp -a) and starting a shell in each.
+//
+// When ctx is canceled it removes what it made (sandboxes, copies, shells)
+// and returns ctx's error.
 func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
+	if err := o.Validate(); err != nil {
+		return nil, fmt.Errorf("fanout: %w", err)
+	}
 	if len(o.Counts) == 0 {
 		o.Counts = []int{16, 32, 64}
 	}
-	if o.TrainerStepMS <= 0 {
+	if o.TrainerStepMS == 0 {
 		o.TrainerStepMS = 5000
 	}
 	if o.Repeat < 1 {
@@ -100,8 +141,10 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 	}
 	setup := setupCommands()
 	finishRow := func(r FanoutRow) FanoutRow {
-		r.TrainerWait = r.ReadyMS / (r.ReadyMS + o.TrainerStepMS)
-		r.GPUUtil = 1 - r.TrainerWait
+		if r.Error == "" {
+			r.TrainerWait = r.ReadyMS / (r.ReadyMS + o.TrainerStepMS)
+			r.GPUUtil = 1 - r.TrainerWait
+		}
 		if o.Progress != nil {
 			fmt.Fprintf(o.Progress, "fanout %s n=%d: ready in %.1f ms %s\n", r.Name, r.N, r.ReadyMS, r.Error)
 		}
@@ -113,10 +156,10 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 		}
 		var rows []FanoutRow
 		m := &rewindManager{c: o.Client, policy: "always", fs: o.FS}
+		defer m.Close() // also after a failed or interrupted Start
 		if err := m.Start(ctx, setup); err != nil {
-			return nil, fmt.Errorf("rewind: %w", err)
+			return nil, fmt.Errorf("start the rewind sandbox: %w", err)
 		}
-		defer m.Close()
 		for _, n := range o.Counts {
 			// A new checkpoint per width: its first fork finds nothing
 			// prepared. A trainer forks the same checkpoint at every step:
@@ -124,7 +167,7 @@ func RunFanout(ctx context.Context, o FanoutOptions) ([]FanoutRow, error) {
 			// it in the background (--warm-forks), is the steady state.
 			id, _, err := m.Checkpoint(ctx) // waits until durable
 			if err != nil {
-				return nil, fmt.Errorf("rewind: checkpoint: %w", err)
+				return nil, fmt.Errorf("checkpoint the rewind sandbox: %w", err)
 			}
 			first := fanoutRewind(ctx, o.Client, id, n)
 			rows = append(rows, finishRow(first))
@@ -245,11 +288,11 @@ func setOverFloor(rows []FanoutRow) {
 func fanoutFloor(ctx context.Context, parent string, setup []string, n int) FanoutRow {
 	row := FanoutRow{Name: floorName, N: n}
 	b := &copyBaseline{dirBase: dirBase{name: "fanout-floor"}, mode: "cp", parent: parent}
+	defer b.Close()
 	if err := b.Start(ctx, setup); err != nil {
 		row.Error = err.Error()
 		return row
 	}
-	defer b.Close()
 	shells := make([]*shell, 0, n)
 	defer func() {
 		for _, s := range shells {
@@ -289,23 +332,29 @@ func fanoutFloor(ctx context.Context, parent string, setup []string, n int) Fano
 		}
 	}
 	row.ReadyMS = ms(time.Since(start))
-	row.MemDeltaBytes = mem0 - memAvailable()
+	row.MemDeltaBytes = max(mem0-memAvailable(), 0)
 	return row
 }
 
 func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) FanoutRow {
 	row := FanoutRow{Name: "rewind-fork", N: n}
+	prefix := fmt.Sprintf("fan%d-%d-", n, time.Now().UnixNano()%1e6)
 	mem0 := memAvailable()
 	start := time.Now()
-	res, err := c.Fork(ctx, ckpt, api.ForkRequest{Count: n, Prefix: fmt.Sprintf("fan%d-%d", n, time.Now().UnixNano()%1e6)})
+	res, err := c.Fork(ctx, ckpt, api.ForkRequest{Count: n, Prefix: prefix})
 	if err != nil {
 		row.Error = err.Error()
+		// A fork the client gave up on (ctx canceled) may have made its
+		// children all the same: they are named prefix1..prefixN.
+		removeForked(ctx, c, prefix, n)
 		return row
 	}
 	row.ForkMS = ms(time.Since(start))
 	defer func() {
+		cctx, cancel := cleanupContext(ctx)
+		defer cancel()
 		for _, sb := range res.Sandboxes {
-			_ = c.Remove(context.WithoutCancel(ctx), sb)
+			_ = c.Remove(cctx, sb)
 		}
 	}()
 	var wg sync.WaitGroup
@@ -320,13 +369,37 @@ func fanoutRewind(ctx context.Context, c *client.Client, ckpt string, n int) Fan
 	wg.Wait()
 	close(errs)
 	row.ReadyMS = ms(time.Since(start))
-	row.MemDeltaBytes = mem0 - memAvailable()
+	row.MemDeltaBytes = max(mem0-memAvailable(), 0)
 	for err := range errs {
 		if err != nil && row.Error == "" {
 			row.Error = err.Error()
 		}
 	}
 	return row
+}
+
+// cleanupContext is a context for removing what a run made once ctx may be
+// canceled (an interrupted benchmark): ctx's values, a deadline of its own.
+func cleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+}
+
+// removeForked removes the sandboxes named prefix1..prefixN, if any: the
+// children of a fork whose answer never came.
+func removeForked(ctx context.Context, c *client.Client, prefix string, n int) {
+	cctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	sbs, err := c.List(cctx)
+	if err != nil {
+		return
+	}
+	for _, sb := range sbs {
+		if k, ok := strings.CutPrefix(sb.Name, prefix); ok {
+			if i, err := strconv.Atoi(k); err == nil && i >= 1 && i <= n && strconv.Itoa(i) == k {
+				_ = c.Remove(cctx, sb.Name)
+			}
+		}
+	}
 }
 
 // firstCommand runs a rollout's first command in fork child sb: the
@@ -392,11 +465,11 @@ func waitWarm(ctx context.Context, c *client.Client, id string, n int, timeout t
 func fanoutCopy(ctx context.Context, parent string, setup []string, n int) FanoutRow {
 	row := FanoutRow{Name: "cp-a", N: n}
 	b := &copyBaseline{dirBase: dirBase{name: "fanout-cp"}, mode: "cp", parent: parent}
+	defer b.Close()
 	if err := b.Start(ctx, setup); err != nil {
 		row.Error = err.Error()
 		return row
 	}
-	defer b.Close()
 	mem0 := memAvailable()
 	start := time.Now()
 	var shells []*shell
@@ -436,7 +509,7 @@ func fanoutCopy(ctx context.Context, parent string, setup []string, n int) Fanou
 	}
 	wg.Wait()
 	row.ReadyMS = ms(time.Since(start))
-	row.MemDeltaBytes = mem0 - memAvailable()
+	row.MemDeltaBytes = max(mem0-memAvailable(), 0)
 	row.DiskBytes = duBytes(filepath.Join(b.root, "snaps"))
 	return row
 }

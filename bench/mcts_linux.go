@@ -2,11 +2,13 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/rewind-sandbox/rewind/client"
@@ -25,7 +27,7 @@ type MCTSOptions struct {
 	Client *client.Client
 	// Parent is where baselines keep their directories (default: a temp dir).
 	Parent string
-	// CrashChecks per trace and system (default 10).
+	// CrashChecks per trace and system (0: none).
 	CrashChecks int
 	// Repeat runs every system this many times (default 1), the systems'
 	// order rotated by one each round (a system run right after the copy
@@ -35,14 +37,41 @@ type MCTSOptions struct {
 	Progress io.Writer
 }
 
+// CheckSystems refuses a list of systems with an unknown name, an empty
+// one or one named twice, saying which systems there are.
+func CheckSystems(names []string) error {
+	known := "known: " + strings.Join(AllSystems, ", ")
+	seen := map[string]bool{}
+	for _, n := range names {
+		switch {
+		case n == "":
+			return fmt.Errorf("an empty system name (%s)", known)
+		case !slices.Contains(AllSystems, n):
+			return fmt.Errorf("unknown system %q (%s)", n, known)
+		case seen[n]:
+			return fmt.Errorf("system %q named twice", n)
+		}
+		seen[n] = true
+	}
+	return nil
+}
+
 // RunMCTS replays every trace with every system and aggregates the rows.
-// A system that fails records its error in its row; the run goes on.
+// A system that fails records its error in its row; the run goes on. When
+// ctx is canceled it stops after cleaning up the system it was running
+// and returns the rows so far with ctx's error.
 func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
 	if len(o.Systems) == 0 {
 		o.Systems = AllSystems
 	}
-	if o.CrashChecks == 0 {
-		o.CrashChecks = 10
+	if err := CheckSystems(o.Systems); err != nil {
+		return nil, fmt.Errorf("mcts: %w", err)
+	}
+	if len(o.Traces) == 0 {
+		return nil, errors.New("mcts: no traces")
+	}
+	if o.CrashChecks < 0 {
+		return nil, fmt.Errorf("mcts: %d crash checks: want 0 or more", o.CrashChecks)
 	}
 	parent := o.Parent
 	if parent == "" {
@@ -72,8 +101,10 @@ func RunMCTS(ctx context.Context, o MCTSOptions) (*Report, error) {
 					r, _ = Replay(ctx, t, m, ReplayOptions{CrashChecks: o.CrashChecks, Progress: o.Progress})
 					cleanup()
 				}
-				if o.Progress != nil {
-					fmt.Fprintf(o.Progress, "%s on %s (run %d of %d): state %.0f ms, overhead %.3fx %s\n", name, t.Name, round+1, o.Repeat, r.StateMS, r.OverheadRatio, r.Error)
+				if o.Progress != nil && r.Error != "" {
+					fmt.Fprintf(o.Progress, "%s on %s (run %d of %d): failed: %s\n", name, t.Name, round+1, o.Repeat, r.Error)
+				} else if o.Progress != nil {
+					fmt.Fprintf(o.Progress, "%s on %s (run %d of %d): state %.0f ms, overhead %.3fx\n", name, t.Name, round+1, o.Repeat, r.StateMS, r.OverheadRatio)
 				}
 				if agg == nil {
 					agg = r

@@ -11,7 +11,8 @@ import (
 // Report is the outcome of a benchmark run: one row per system, aggregated
 // over every trace.
 type Report struct {
-	Kind    string    `json:"kind"`
+	Kind string `json:"kind"`
+	// Machine describes the host (see Machine); the command sets it.
 	Machine string    `json:"machine,omitempty"`
 	Command string    `json:"command,omitempty"`
 	Traces  []string  `json:"traces,omitempty"`
@@ -178,8 +179,18 @@ func semi(s string) string {
 
 func mb(b int64) string { return fmt.Sprintf("%.1f", float64(b)/(1<<20)) }
 
-// Markdown renders the report as a Markdown table.
+// Markdown renders the report as a Markdown table, after a line naming
+// the traces and one describing the machine (when known).
 func (rep *Report) Markdown(w io.Writer) {
+	if len(rep.Traces) > 0 {
+		fmt.Fprintf(w, "traces: %s\n", strings.Join(rep.Traces, "; "))
+	}
+	if rep.Machine != "" {
+		fmt.Fprintf(w, "machine: %s\n", rep.Machine)
+	}
+	if len(rep.Traces) > 0 || rep.Machine != "" {
+		fmt.Fprintln(w)
+	}
 	fmt.Fprintf(w, "| system | overhead (LLM 2 s median) | overhead (LLM 0) | state ms | p50 ms | p99 ms | restore p50 ms | frozen ms | disk MiB | mem MiB | skip/fs/full | recovery |\n")
 	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, s := range rep.Systems {

@@ -145,7 +145,7 @@ func (r *rewindManager) turnCost(ctx context.Context, res *api.TurnResult, visib
 		"turn.wait_previous":           us(res.Phases.WaitUS),
 		"turn.probe_window":            us(res.Phases.WindowUS),
 		"turn.decide":                  us(res.Phases.DecideUS),
-		"turn.outside_daemon":          c.Visible - us(res.Phases.TotalUS),
+		"turn.outside_daemon":          outside(c.Visible, us(res.Phases.TotalUS)),
 	}
 	// The rest of the checkpoint runs while the agent waits for its LLM.
 	w := time.Now()
@@ -181,6 +181,14 @@ func (r *rewindManager) Restore(ctx context.Context, id string) (Cost, error) {
 	return restoreCost(res, c.Visible), nil
 }
 
+// outside is the part of a call's time spent outside the daemon: the
+// harness's time of the call less the daemon's, clamped at 0. The two are
+// read on different clocks (the daemon rounds to microseconds and starts
+// its clock after reading the request), so a call the daemon spent nearly
+// all of would otherwise come out slightly negative. It is a reported
+// phase only: nothing is charged from it.
+func outside(visible, daemon time.Duration) time.Duration { return max(visible-daemon, 0) }
+
 func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
 	c := Cost{Visible: visible, Decision: "full"}
 	us := func(n int64) time.Duration { return time.Duration(n) * time.Microsecond }
@@ -195,7 +203,7 @@ func restoreCost(res *api.RestoreResult, visible time.Duration) Cost {
 		"restore.persist":          us(ph.PersistUS),
 		"restore.path." + res.Path: c.Visible,
 		"restore.queue":            us(ph.QueueUS),
-		"restore.outside_daemon":   c.Visible - us(ph.TotalUS+ph.QueueUS),
+		"restore.outside_daemon":   outside(c.Visible, us(ph.TotalUS+ph.QueueUS)),
 	}
 	return c
 }
@@ -289,7 +297,12 @@ func (r *rewindManager) Usage() Usage {
 // MemBytes is the templates' memory now (Replay samples it for the peak).
 func (r *rewindManager) MemBytes() int64 { return r.Usage().MemBytes }
 
+// Close removes the sandbox, with a context of its own: it runs when the
+// run's context may be canceled (an interrupted benchmark).
 func (r *rewindManager) Close() error {
+	if r.name == "" {
+		return nil
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	return r.c.Remove(ctx, r.name)

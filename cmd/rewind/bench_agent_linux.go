@@ -108,6 +108,7 @@ baseline is also given round by round (--json: "speedup_rounds").
 				return err
 			}
 			rep.Command = "rewind " + strings.Join(os.Args[1:], " ")
+			rep.Machine = bench.Machine()
 			if outDir != "" {
 				if err := writeReport(outDir, rep); err != nil {
 					return err
@@ -116,7 +117,6 @@ baseline is also given round by round (--json: "speedup_rounds").
 			if o.json {
 				return printJSON(cmd.OutOrStdout(), rep)
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "traces: %s\n\n", strings.Join(rep.Traces, "; "))
 			rep.Markdown(cmd.OutOrStdout())
 			return nil
 		},
@@ -129,7 +129,7 @@ baseline is also given round by round (--json: "speedup_rounds").
 	cmd.Flags().StringVar(&systems, "systems", "", "comma-separated systems (default: all): "+strings.Join(bench.AllSystems, ","))
 	cmd.Flags().StringVar(&outDir, "out", "", "write results.json, results.md and chart.svg into this directory")
 	cmd.Flags().StringVar(&writeTrace, "write-trace", "", "also write the traces replayed, one after the other, to this JSON Lines file (--trace reads it back)")
-	cmd.Flags().IntVar(&crash, "crash-checks", 10, "crash-recovery checks per trace and system")
+	cmd.Flags().IntVar(&crash, "crash-checks", 10, "crash-recovery checks per trace and system (0: none)")
 	cmd.Flags().IntVar(&repeat, "repeat", 1, "run every system this many times, the systems' order rotated each time; each row is the median run")
 	cmd.Flags().StringSliceVar(&exclude, "exclude-kinds", nil, "action kinds the generator leaves out (read, edit, test, cd, env, install, server, kill)")
 	o.add(cmd)
