@@ -108,6 +108,12 @@ type SessionRequest struct {
 	Epoch uint64   `json:"epoch,omitempty"`
 }
 
+// SessionList answers GET /v1/sandboxes/{name}/sessions: the ids of the
+// sessions whose process runs.
+type SessionList struct {
+	Sessions []string `json:"sessions"`
+}
+
 // SessionInfo answers a session start.
 type SessionInfo struct {
 	ID string `json:"id"`

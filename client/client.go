@@ -195,6 +195,24 @@ func (c *Client) StartSession(ctx context.Context, name string, req api.SessionR
 	return s.ID, err
 }
 
+// Sessions lists the ids of a sandbox's running sessions, sorted.
+func (c *Client) Sessions(ctx context.Context, name string) ([]string, error) {
+	var l api.SessionList
+	err := c.do(ctx, "GET", "/v1/sandboxes/"+esc(name)+"/sessions", nil, &l)
+	return l.Sessions, err
+}
+
+// StopSession kills a session's process and its process group and forgets
+// the session. A non-zero epoch makes it fail if the sandbox was restored
+// since.
+func (c *Client) StopSession(ctx context.Context, name, session string, epoch uint64) error {
+	p := "/v1/sandboxes/" + esc(name) + "/sessions/" + esc(session)
+	if epoch != 0 {
+		p += "?epoch=" + strconv.FormatUint(epoch, 10)
+	}
+	return c.do(ctx, "DELETE", p, nil, nil)
+}
+
 // Send writes text and a newline to a session and returns its answer.
 func (c *Client) Send(ctx context.Context, name, session string, req api.SendRequest) (string, error) {
 	r, err := c.Step(ctx, name, session, req)

@@ -1076,6 +1076,15 @@ func (p *procSandbox) WriteRunFile(name string, data []byte) error {
 	return p.sb.WriteRunFile(name, data)
 }
 
+// StopSession implements state.SessionStopper.
+func (p *procSandbox) StopSession(_ context.Context, id string) error {
+	ss := p.sb.Session(id)
+	if ss == nil {
+		return fmt.Errorf("no session %s", id)
+	}
+	return ss.Close()
+}
+
 func (p *procSandbox) Sessions() []string {
 	var ids []string
 	for _, s := range p.sb.Sessions() {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -129,6 +130,27 @@ func TestAPIEndToEndFake(t *testing.T) {
 	}
 	if o, err := c.Send(ctx, "a", "sh", api.SendRequest{Text: "echo hi"}); err != nil || o != "hi\n" {
 		t.Fatalf("send: %q %v", o, err)
+	}
+	if _, err := c.StartSession(ctx, "a", api.SessionRequest{ID: "py", Argv: []string{"python3"}}); err != nil {
+		t.Fatal(err)
+	}
+	if ids, err := c.Sessions(ctx, "a"); err != nil || !slices.Equal(ids, []string{"py", "sh"}) {
+		t.Fatalf("sessions: %q %v", ids, err)
+	}
+	if err := c.StopSession(ctx, "a", "py", t1.Epoch); !errors.Is(err, state.ErrStaleEpoch) {
+		t.Fatalf("stop a session with a stale epoch: %v", err)
+	}
+	if err := c.StopSession(ctx, "a", "nope", 0); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("stop an unknown session: %v", err)
+	}
+	if err := c.StopSession(ctx, "a", "py", 0); err != nil {
+		t.Fatalf("stop session: %v", err)
+	}
+	if ids, err := c.Sessions(ctx, "a"); err != nil || !slices.Equal(ids, []string{"sh"}) {
+		t.Fatalf("sessions after a stop: %q %v", ids, err)
+	}
+	if _, err := c.Send(ctx, "a", "py", api.SendRequest{Text: "1"}); !errors.Is(err, state.ErrNotFound) {
+		t.Fatalf("send to a stopped session: %v", err)
 	}
 	// Log.
 	l, err := c.Log(ctx, "a")

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -45,6 +46,8 @@ func newServer(m *state.Manager, met *metrics, reg *prometheus.Registry, log *sl
 	route("DELETE /v1/sandboxes/{name}", s.remove)
 	route("POST /v1/sandboxes/{name}/exec", s.exec)
 	route("POST /v1/sandboxes/{name}/sessions", s.startSession)
+	route("GET /v1/sandboxes/{name}/sessions", s.sessions)
+	route("DELETE /v1/sandboxes/{name}/sessions/{id}", s.stopSession)
 	route("POST /v1/sandboxes/{name}/sessions/{id}/send", s.send)
 	route("POST /v1/sandboxes/{name}/turn", s.turn)
 	route("POST /v1/sandboxes/{name}/checkpoint", s.checkpoint)
@@ -278,6 +281,35 @@ func (s *server) startSession(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusCreated, api.SessionInfo{ID: id})
+}
+
+func (s *server) sessions(w http.ResponseWriter, r *http.Request) {
+	ids, err := s.m.Sessions(r.Context(), r.PathValue("name"))
+	if err != nil {
+		writeErr(w, err)
+		return
+	}
+	slices.Sort(ids)
+	writeJSON(w, http.StatusOK, api.SessionList{Sessions: ids})
+}
+
+// stopSession takes the sandbox epoch the caller knows as ?epoch=N
+// (optional, as in every call that changes a sandbox).
+func (s *server) stopSession(w http.ResponseWriter, r *http.Request) {
+	var epoch uint64
+	if e := r.URL.Query().Get("epoch"); e != "" {
+		n, err := strconv.ParseUint(e, 10, 64)
+		if err != nil {
+			writeErr(w, &state.Error{Code: state.CodeBadRequest, Msg: "epoch " + strconv.Quote(e) + " is not a number"})
+			return
+		}
+		epoch = n
+	}
+	if err := s.m.StopSession(r.Context(), r.PathValue("name"), epoch, r.PathValue("id")); err != nil {
+		writeErr(w, err)
+		return
+	}
+	writeJSON(w, http.StatusOK, struct{}{})
 }
 
 func (s *server) send(w http.ResponseWriter, r *http.Request) {

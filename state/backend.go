@@ -257,6 +257,13 @@ type SendAnswer struct {
 	Exit *int
 }
 
+// SessionStopper is implemented by process sandboxes that can stop one
+// session: StopSession kills the session's process and its process group
+// and forgets the session.
+type SessionStopper interface {
+	StopSession(ctx context.Context, session string) error
+}
+
 // ProcSandbox is the live process side of one sandbox.
 type ProcSandbox interface {
 	Exec(ctx context.Context, req ExecRequest) (exitCode int, err error)

@@ -2,6 +2,7 @@ package state
 
 import (
 	"context"
+	"slices"
 
 	"crypto/rand"
 	"encoding/hex"
@@ -936,6 +937,43 @@ func (m *Manager) Send(ctx context.Context, name string, epoch uint64, req SendR
 		return err
 	})
 	return out, err
+}
+
+// Sessions lists the ids of the sandbox's sessions whose process runs, in
+// no particular order (never nil).
+func (m *Manager) Sessions(ctx context.Context, name string) ([]string, error) {
+	ids := []string{}
+	err := m.op(ctx, name, 0, func(s *sbox) error {
+		if err := m.running(s); err != nil {
+			return err
+		}
+		ids = append(ids, s.proc.Sessions()...)
+		return nil
+	})
+	return ids, err
+}
+
+// StopSession kills a session's process (and its process group) and
+// forgets the session. The processes it leaves behind are the sandbox's
+// like any others: the next turn sees that they changed.
+func (m *Manager) StopSession(ctx context.Context, name string, epoch uint64, session string) error {
+	return m.op(ctx, name, epoch, func(s *sbox) error {
+		if err := m.running(s); err != nil {
+			return err
+		}
+		if !slices.Contains(s.proc.Sessions(), session) {
+			return errf(CodeNotFound, "no session "+strconv.Quote(session)+" in sandbox "+s.rec.Name, nil)
+		}
+		ss, ok := s.proc.(SessionStopper)
+		if !ok {
+			return errf(CodeBadRequest, "this daemon's process back end cannot stop a session", nil)
+		}
+		m.touch(s)
+		if err := ss.StopSession(ctx, session); err != nil {
+			return fmt.Errorf("stop session %s: %w", session, err)
+		}
+		return nil
+	})
 }
 
 // Remove stops a sandbox and forgets it. Its checkpoints stay until GC

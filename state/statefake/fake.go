@@ -524,6 +524,17 @@ func (s *Sandbox) WriteRunFile(name string, data []byte) error {
 	return nil
 }
 
+// StopSession implements state.SessionStopper.
+func (s *Sandbox) StopSession(_ context.Context, id string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.sessions[id] {
+		return fmt.Errorf("fake proc: no session %s", id)
+	}
+	delete(s.sessions, id)
+	return nil
+}
+
 // Sessions implements state.ProcSandbox.
 func (s *Sandbox) Sessions() []string {
 	s.mu.Lock()
