@@ -408,7 +408,51 @@ What the restore and the turn answered goes to stderr (or into the --json answer
 	send.Flags().StringVar(&turnMode, "turn", "", "then end the turn in this mode (auto, skip, fs, full)")
 	send.Flags().BoolVar(&turnDefer, "defer", false, "with --turn auto: answer with the checkpoint id at once and let the checkpoint decide")
 	o2.add(send)
-	cmd.AddCommand(start, send)
+
+	var o3 clientOpts
+	ls := &cobra.Command{
+		Use:     "ls NAME",
+		Short:   "List a sandbox's running sessions",
+		Example: "  rewind session ls agent1",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o3.connect(cmd)
+			if err != nil {
+				return err
+			}
+			ids, err := c.Sessions(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			if o3.json {
+				return printJSON(cmd.OutOrStdout(), api.SessionList{Sessions: ids})
+			}
+			for _, id := range ids {
+				fmt.Fprintln(cmd.OutOrStdout(), id)
+			}
+			return nil
+		},
+	}
+	o3.add(ls)
+
+	var o4 clientOpts
+	var stopEpoch uint64
+	stop := &cobra.Command{
+		Use:     "stop NAME S",
+		Short:   "Kill a session's process (and its process group) and forget the session",
+		Example: "  rewind session stop agent1 server",
+		Args:    cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c, err := o4.connect(cmd)
+			if err != nil {
+				return err
+			}
+			return c.StopSession(cmd.Context(), args[0], args[1], stopEpoch)
+		},
+	}
+	stop.Flags().Uint64Var(&stopEpoch, "epoch", 0, "fail if the sandbox was restored since this epoch")
+	o4.add(stop)
+	cmd.AddCommand(start, send, ls, stop)
 	return cmd
 }
 
