@@ -160,7 +160,7 @@ func (m *Manager) GC(ctx context.Context, dryRun bool) (*GCResult, error) {
 	// Prepared fork children are made from these checkpoints.
 	m.dropWarmFor(deadIDs)
 	failed := map[string]bool{} // ids whose parent must then stay
-	var freed []string
+	freed := []string{}
 	for _, c := range dead {
 		if failed[c.ID] {
 			failed[c.Parent] = true

@@ -339,3 +339,20 @@ func TestUsage(t *testing.T) {
 		t.Fatalf("usage of b after a's collection: %+v %v", u, err)
 	}
 }
+
+// TestGCFreedNothingIsEmpty: a collection that frees nothing answers an
+// empty list, dry run or not (the API's "freed": [], never null).
+func TestGCFreedNothingIsEmpty(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("a")
+	e.turn("a", state.ModeFull, true)
+	for _, dry := range []bool{true, false} {
+		res, err := e.m.GC(e.ctx, dry)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Freed == nil || len(res.Freed) != 0 {
+			t.Errorf("dry run %v: freed %#v, want an empty list", dry, res.Freed)
+		}
+	}
+}
