@@ -251,10 +251,20 @@ func (b *fsBackend) mount(id string, spec state.FSSpec, from string) (m state.FS
 	}()
 	// A record left by a dead daemon is replaced: the sandbox comes back
 	// from a checkpoint, not from its last upper.
+	kernel := b.ResolveKind(spec.Kind) == "kernel"
+	if kernel {
+		// An overlay on the sandbox's own mount point is a dead daemon's:
+		// this one holds the state dir's lock. Its record may be gone
+		// already (removed below by a daemon that then died too), so it
+		// is detached here rather than by the record (kernelpath.Mount).
+		if err := unix.Unmount(mp, unix.MNT_DETACH); err == nil {
+			b.log.Warn("detached an overlay a dead daemon left on a sandbox's mount point", "sandbox", id, "mountpoint", mp)
+		}
+	}
 	if _, err := b.st.Mount(id); err == nil {
 		b.st.RemoveMount(id)
 	}
-	if b.ResolveKind(spec.Kind) == "kernel" {
+	if kernel {
 		return b.mountKernel(id, mp, spec, from)
 	}
 	// A sandbox's mount is unmounted once its processes are dead: what

@@ -3,6 +3,7 @@ package daemon_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -263,5 +264,45 @@ func TestRealKernelImageDuringReroot(t *testing.T) {
 	}
 	if len(lost) > 0 {
 		t.Errorf("%d of %d checkpoints restored away from at once got no image: %v (the daemon's log says why)", len(lost), n, lost)
+	}
+}
+
+// TestRealKernelRestoreOverStaleMount: a daemon that died while it
+// mounted a stopped kernel-path sandbox's overlay (the first restore after
+// a restart) left a mount on the sandbox's mount point whose record was
+// gone, and every later daemon refused to mount there ("already a mount
+// point"): the sandbox could never be restored again. The next daemon,
+// which holds the state dir's lock, detaches what it finds there.
+func TestRealKernelRestoreOverStaleMount(t *testing.T) {
+	d := startKernelDaemon(t)
+	c, ctx := d.c, context.Background()
+	sb, err := c.Create(ctx, api.CreateRequest{Name: "k", FS: "kernel"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh(t, c, "k", "echo kept > /root/f")
+	ck, err := c.Turn(ctx, "k", api.TurnRequest{Mode: "full", Wait: true})
+	if err != nil || !ck.Durable {
+		t.Fatalf("checkpoint: %+v %v", ck, err)
+	}
+	// Two restarts: the second daemon finds the sandbox stopped, so the
+	// third's recovery leaves its mount point alone, as after a crash in
+	// the middle of the first restore.
+	d.stop()
+	startReal(t, d.dir).stop()
+	mp := filepath.Join(d.dir, "state", "mnt", sb.ID)
+	if err := os.MkdirAll(mp, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", mp, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatalf("leave a mount on %s: %v", mp, err)
+	}
+	t.Cleanup(func() { unix.Unmount(mp, unix.MNT_DETACH) })
+	d2 := startReal(t, d.dir)
+	if _, err := d2.c.Restore(ctx, "k", ck.ID, 0); err != nil {
+		t.Fatalf("restore over a stale mount: %v", err)
+	}
+	if got := sh(t, d2.c, "k", "cat /root/f"); got != "kept" {
+		t.Errorf("after the restore: %q", got)
 	}
 }
