@@ -179,6 +179,21 @@ func mountStore(cfg Config, log *slog.Logger) error {
 	return nil
 }
 
+// storeImage returns the file the state dir's file system is read from
+// when it is a loop device's (`rewind init-store`, or any image an operator
+// mounted there), else "".
+func storeImage(stateDir string) string {
+	var st unix.Stat_t
+	if err := unix.Stat(stateDir, &st); err != nil {
+		return ""
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/sys/dev/block/%d:%d/loop/backing_file", unix.Major(st.Dev), unix.Minor(st.Dev)))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)")
+}
+
 // bindHostRoot bind-mounts the host's root file system (not its submounts:
 // no /proc, /sys, /dev, /run and no sandbox mounts, so a sandbox root built
 // on it can never recurse into itself) read-only at dir.

@@ -14,4 +14,6 @@ func realBackends(context.Context, *Config, *slog.Logger) (*backendSet, error) {
 
 func mountStore(Config, *slog.Logger) error { return nil }
 
+func storeImage(string) string { return "" }
+
 func breakDeadLock(string, *slog.Logger) bool { return false }

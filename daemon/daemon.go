@@ -79,6 +79,11 @@ type Config struct {
 	Logger  *slog.Logger
 	// Ready, if set, is called once the socket accepts connections.
 	Ready func()
+
+	// storeImage is the image file the state dir is mounted from (a loop
+	// device's backing file, as `rewind init-store` makes it), if any: it
+	// holds every checkpoint's data, so sandboxes must not see it.
+	storeImage string
 }
 
 // InitName is the sandbox init binary the daemon looks for beside its own
@@ -138,6 +143,7 @@ func Run(ctx context.Context, cfg Config) error {
 		if err := mountStore(cfg, log); err != nil {
 			return err
 		}
+		cfg.storeImage = storeImage(cfg.StateDir)
 	}
 	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
 		return fmt.Errorf("state dir: %w", err)
@@ -269,13 +275,17 @@ func writeStateRecord(socket, stateDir string) error {
 	return os.Rename(f.Name(), path)
 }
 
-// hidden lists the host paths a sandbox must not see: the state dir, and
+// hidden lists the host paths a sandbox must not see: the state dir, the
+// image file it is mounted from (if any), and
 // the socket's directory when it is the daemon's own (root-only, or about
 // to be made so), else only the socket and its state record (a socket in
 // a shared directory such as /tmp must not hide that directory from every
 // sandbox). /run/rewind is every sandbox's own tmpfs already.
 func hidden(cfg Config) []string {
 	h := []string{cfg.StateDir}
+	if cfg.storeImage != "" {
+		h = append(h, cfg.storeImage)
+	}
 	d := filepath.Dir(cfg.Socket)
 	switch {
 	case d == "/run/rewind":

@@ -306,3 +306,24 @@ func TestRealKernelRestoreOverStaleMount(t *testing.T) {
 		t.Errorf("after the restore: %q", got)
 	}
 }
+
+// TestRealStoreImageHidden: the image file a state dir is mounted from
+// (rewind init-store) holds every checkpoint's data; sandboxes of both
+// backends see it masked, while other host files stay readable.
+func TestRealStoreImageHidden(t *testing.T) {
+	d := startKernelDaemon(t)
+	c, ctx := d.c, context.Background()
+	img := filepath.Join(d.dir, "store.img")
+	for _, fsKind := range []string{"fuse", "kernel"} {
+		name := "img-" + fsKind
+		if _, err := c.Create(ctx, api.CreateRequest{Name: name, FS: fsKind}); err != nil {
+			t.Fatal(err)
+		}
+		if got := sh(t, c, name, "wc -c < "+img); got != "0" {
+			t.Errorf("%s: the store image reads %s bytes inside a sandbox, want it masked", fsKind, got)
+		}
+		if got := sh(t, c, name, "test -s /etc/passwd && echo ok"); got != "ok" {
+			t.Errorf("%s: host files: %q", fsKind, got)
+		}
+	}
+}
