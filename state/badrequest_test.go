@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/rewind-sandbox/rewind/state"
+	"github.com/rewind-sandbox/rewind/state/statefake"
 )
 
 // TestClientMistakesAreBadRequests: what no sandbox could ever run or
@@ -72,5 +73,32 @@ func TestClientMistakesAreBadRequests(t *testing.T) {
 	// What is fine still runs.
 	if got := e.run("a", "echo", "ok"); !strings.Contains(got, "ok") {
 		t.Errorf("a plain exec after the refusals: %q", got)
+	}
+}
+
+// TestRestartNoteWithoutCheckpoint: after a restart, a sandbox with a
+// checkpoint of its own is told to restore one; one without (created and
+// never checkpointed) is told to go and be made again, since no restore
+// can bring it back.
+func TestRestartNoteWithoutCheckpoint(t *testing.T) {
+	e := newEnv(t, false)
+	e.create("with")
+	e.turn("with", state.ModeFull, true)
+	e.create("without")
+	e.m.CrashForTest()
+	e.b = &statefake.Backends{Disk: e.b.Disk, Faults: e.b.Faults,
+		FS: &statefake.FS{Disk: e.b.Disk, Faults: e.b.Faults}, Proc: &statefake.Proc{Disk: e.b.Disk, Faults: e.b.Faults}}
+	e.open(false, "boot-1")
+	for name, want := range map[string]string{
+		"with":    "restore a checkpoint to bring it back",
+		"without": "no checkpoint of its own",
+	} {
+		sb, err := e.m.Get(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sb.Status != state.StatusStopped || !strings.Contains(sb.Note, want) {
+			t.Errorf("%s after a restart: status %s, note %q; want it to say %q", name, sb.Status, sb.Note, want)
+		}
 	}
 }

@@ -266,10 +266,20 @@ func (m *Manager) recover(ctx context.Context) error {
 			}
 			sb.Status = StatusStopped
 			sb.Epoch = max(sb.Epoch, sb.EpochLimit) + 1
+			why := "daemon restarted"
 			if rebooted {
-				sb.Note = "host rebooted; restore a checkpoint to bring it back"
+				why = "host rebooted"
+			}
+			own := false
+			for _, c := range m.ckpts {
+				own = own || c.rec.Sandbox == sb.ID
+			}
+			if own {
+				sb.Note = why + "; restore a checkpoint to bring it back"
 			} else {
-				sb.Note = "daemon restarted; restore a checkpoint to bring it back"
+				// Nothing to come back from: a sandbox made and never
+				// checkpointed, a fork child that took no turn.
+				sb.Note = why + "; it has no checkpoint of its own to come back from: remove it (rewind rm) and create or fork it again"
 			}
 			b.putSandboxes = append(b.putSandboxes, sb)
 		}
