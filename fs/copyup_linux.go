@@ -186,35 +186,63 @@ func copyFile(sdir int, sp string, udir int, dst string, ss *unix.Stat_t, srcHos
 }
 
 // copyData copies size bytes from in to out: a reflink when the file
-// system supports it, else copy_file_range, else read/write.
+// system supports it, else the data segments alone (SEEK_DATA/SEEK_HOLE),
+// each by copy_file_range or read/write, so that a sparse file's holes stay
+// holes (a 1 GiB file with one written block took 1 GiB of disk per
+// copy-up); out ends up size bytes long.
 func copyData(in, out int, size int64) error {
 	if err := unix.IoctlFileClone(out, in); err == nil {
 		return nil
 	}
-	var off int64
-	for off < size {
-		k, err := unix.CopyFileRange(in, nil, out, nil, int(min(size-off, 1<<30)), 0)
+	for off := int64(0); off < size; {
+		data, err := unix.Seek(in, off, unix.SEEK_DATA)
+		if err == unix.ENXIO {
+			break // only a hole from off on
+		}
+		hole := size
+		if err != nil {
+			data = off // no hole support: everything is data
+		} else if h, err := unix.Seek(in, data, unix.SEEK_HOLE); err == nil {
+			hole = min(h, size)
+		}
+		if data >= size {
+			break
+		}
+		if err := copyRange(in, out, data, hole); err != nil {
+			return err
+		}
+		off = hole
+	}
+	return unix.Ftruncate(out, size)
+}
+
+// copyRange copies bytes [from, to) of in to the same offsets of out.
+func copyRange(in, out int, from, to int64) error {
+	for from < to {
+		roff, woff := from, from
+		k, err := unix.CopyFileRange(in, &roff, out, &woff, int(min(to-from, 1<<30)), 0)
 		if err == unix.EINTR {
 			continue
 		}
 		if err != nil {
 			if err == unix.EXDEV || err == unix.EINVAL || err == unix.ENOSYS || err == unix.EOPNOTSUPP {
-				return copyRW(in, out, off)
+				return copyRW(in, out, from, to)
 			}
 			return err
 		}
 		if k == 0 {
-			break
+			return nil // the file got shorter meanwhile
 		}
-		off += int64(k)
+		from += int64(k)
 	}
 	return nil
 }
 
-func copyRW(in, out int, off int64) error {
-	buf := make([]byte, 1<<20)
-	for {
-		k, err := unix.Pread(in, buf, off)
+// copyRW is copyRange by read and write.
+func copyRW(in, out int, from, to int64) error {
+	buf := make([]byte, min(1<<20, max(to-from, 1)))
+	for from < to {
+		k, err := unix.Pread(in, buf[:min(int64(len(buf)), to-from)], from)
 		if err == unix.EINTR {
 			continue
 		}
@@ -224,11 +252,12 @@ func copyRW(in, out int, off int64) error {
 		if k == 0 {
 			return nil
 		}
-		if _, err := unix.Pwrite(out, buf[:k], off); err != nil {
+		if _, err := unix.Pwrite(out, buf[:k], from); err != nil {
 			return err
 		}
-		off += int64(k)
+		from += int64(k)
 	}
+	return nil
 }
 
 func listXattrs(host string) ([]string, error) {
