@@ -392,6 +392,11 @@ type template struct {
 	// files are the template's descriptors of files (but on pseudo file
 	// systems), with their offsets at the checkpoint (see ownFiles).
 	files []viewFD
+	// cwd is the template's working directory at the checkpoint, by path
+	// in the sandbox ("" when unknown or already removed then): a copy
+	// whose directory was renamed or removed in the live view after the
+	// checkpoint goes back there by path after the switch (recwd).
+	cwd string
 }
 
 // fileSet selects a template's files for ownFiles.
@@ -805,6 +810,7 @@ func (e *Engine) makeTemplates(ctx context.Context, t Target, procs []Proc, barr
 			tmpls = append(tmpls, tm)
 			// The offsets now, while the original is still stopped.
 			tm.files = captureFiles(tp.Pid())
+			tm.cwd = checkpointCwd(tp.Pid())
 			// Before any process of the sandbox runs again.
 			if err := guard(tm, true); err != nil {
 				return fmt.Errorf("guard template of %d: %w", ip.Pid(), err)
@@ -1473,7 +1479,13 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 			var cwds []string
 			if opts.Reroot {
 				for _, m := range ms {
-					cwds = append(cwds, captureCwd(m.p.Pid()))
+					// The checkpoint's path: the copy's own names the
+					// directory as the live view has it now (renamed).
+					cwd := m.tm.cwd
+					if cwd == "" {
+						cwd = captureCwd(m.p.Pid())
+					}
+					cwds = append(cwds, cwd)
 				}
 			}
 			if opts.SwitchFS != nil && !switched {
@@ -1494,6 +1506,9 @@ func (e *Engine) Restore(ctx context.Context, t Target, id string, opts RestoreO
 					return nil, fmt.Errorf("restore %s: move copies to the new root: %w", id, err)
 				}
 				ph.mark("reroot")
+			} else if err := e.recwd(ms); err != nil {
+				killCopies(ms)
+				return nil, fmt.Errorf("restore %s: %w", id, err)
 			}
 			procs, err := e.startCopies(c, ms, true, ph)
 			if err != nil {

@@ -337,6 +337,7 @@ func (e *Engine) templatesFromImage(ctx context.Context, c *ckpt, t Target, ph *
 		tm := &template{sandbox: t.ID(), orig: im.orig, proc: ip, undumpable: im.undumpable}
 		// Restored from the image, its offsets are the checkpoint's.
 		tm.files = captureFiles(ip.Pid())
+		tm.cwd = checkpointCwd(ip.Pid())
 		tmpls = append(tmpls, tm)
 		// The image is of an undumpable copy; older images may not be.
 		if err := guard(tm, false); err != nil {

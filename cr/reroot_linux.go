@@ -116,6 +116,41 @@ func pseudoFS(path string) bool {
 	return false
 }
 
+// checkpointCwd is captureCwd for a template made at a checkpoint: "" for
+// a working directory already removed then (nothing to go back to).
+func checkpointCwd(pid int) string {
+	cwd := captureCwd(pid)
+	if !strings.HasPrefix(cwd, "/") || strings.HasSuffix(cwd, " (deleted)") {
+		return ""
+	}
+	return cwd
+}
+
+// recwd moves the stopped copies ms, made for a restore whose switch kept
+// the sandbox's root mount (FUSE), back into their template's working
+// directory by path when theirs no longer is that path: the template
+// holds its directory as an object, which the live view renamed or removed
+// after the checkpoint ("/d2 (deleted)" after the switch), while the
+// checkpoint's view has it at the old path. One readlink a copy when
+// nothing moved.
+func (e *Engine) recwd(ms []made) error {
+	var stale []made
+	for _, m := range ms {
+		if m.tm.cwd != "" && captureCwd(m.p.Pid()) != m.tm.cwd {
+			stale = append(stale, m)
+		}
+	}
+	if len(stale) == 0 {
+		return nil
+	}
+	return e.tracer.Do(func() error {
+		for _, m := range stale {
+			reenter(m.p, m.tm.cwd)
+		}
+		return nil
+	})
+}
+
 // reenter moves a stopped copy onto the new root's view: into its working
 // directory there, by path. A working directory that no longer exists in
 // the new view is left as it was (like a removed directory).
