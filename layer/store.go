@@ -120,7 +120,36 @@ func OpenStore(dir string) (*Store, error) {
 	}
 	// No descriptor is kept open: a store on a file system of its own
 	// (rewind init-store) must stay unmountable.
-	return &Store{dir: abs}, nil
+	s := &Store{dir: abs}
+	s.keepReserve()
+	return s, nil
+}
+
+// reserveSize is the disk space a store keeps allocated in meta/.reserve
+// for deleting checkpoints on a full file system: a deletion writes a
+// tombstone record first (about 4 KiB on disk), so with the disk full GC
+// could free nothing. A thousand tombstones' worth.
+const reserveSize = 4 << 20
+
+// keepReserve allocates the reserve file if it is not whole (best effort:
+// on a full disk it stays as large as it got).
+func (s *Store) keepReserve() {
+	p := filepath.Join(s.dir, "meta", ".reserve")
+	if st, err := os.Stat(p); err == nil && st.Size() >= reserveSize {
+		return
+	}
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE, 0o600)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	_ = unix.Fallocate(int(f.Fd()), 0, 0, reserveSize)
+}
+
+// releaseReserve frees the reserve (see reserveSize); GC allocates it again
+// once it freed layers. It reports whether there was one to free.
+func (s *Store) releaseReserve() bool {
+	return os.Remove(filepath.Join(s.dir, "meta", ".reserve")) == nil
 }
 
 // Dir is the absolute state directory.
@@ -504,7 +533,13 @@ func (s *Store) DeleteCheckpoint(id string) error {
 		return fmt.Errorf("delete checkpoint %s: %w", id, err)
 	}
 	tomb := Checkpoint{ID: id, Mount: c.Mount, Created: c.Created, Deleted: true}
-	if err := s.writeJSON(filepath.Join("meta/checkpoints", id+".json"), tomb, true); err != nil {
+	err = s.writeJSON(filepath.Join("meta/checkpoints", id+".json"), tomb, true)
+	if errors.Is(err, unix.ENOSPC) && s.releaseReserve() {
+		// A full disk: the reserve makes room for the tombstones of a GC
+		// that then frees layers (and allocates the reserve again).
+		err = s.writeJSON(filepath.Join("meta/checkpoints", id+".json"), tomb, true)
+	}
+	if err != nil {
 		return fmt.Errorf("delete checkpoint %s: %w", id, err)
 	}
 	return nil
@@ -659,6 +694,7 @@ func (s *Store) GC(minAge time.Duration) ([]string, error) {
 		removed = append(removed, id)
 	}
 	s.sweepWork(minAge)
+	s.keepReserve()
 	return removed, nil
 }
 
