@@ -51,3 +51,42 @@ func TestLowerHidesSubmounts(t *testing.T) {
 		t.Errorf("a write through the view reached the lower: %q", got)
 	}
 }
+
+// TestMergedDirLinkCount: a directory whose upper copy was made by a
+// metadata change (chmod) while its subdirectories stay in a frozen layer
+// reported the upper's link count (2) instead of 2 + its subdirectories;
+// a merged directory now says 1, as overlayfs does, and one held by a
+// single layer keeps its real count.
+func TestMergedDirLinkCount(t *testing.T) {
+	fx := mountT(t, nil, Options{})
+	for _, d := range []string{"m/deep/er", "m/deep/er2"} {
+		if err := os.MkdirAll(fx.p(d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nlink := func(p string) uint64 {
+		t.Helper()
+		var st unix.Stat_t
+		if err := unix.Stat(fx.p(p), &st); err != nil {
+			t.Fatal(err)
+		}
+		return uint64(st.Nlink)
+	}
+	if n := nlink("m/deep"); n != 4 {
+		t.Fatalf("before the checkpoint: nlink %d, want 4", n)
+	}
+	fx.checkpoint(t)
+	if n := nlink("m/deep"); n != 4 {
+		t.Fatalf("in a frozen layer: nlink %d, want 4", n)
+	}
+	if err := os.Chmod(fx.p("m/deep"), 0o1777); err != nil {
+		t.Fatal(err)
+	}
+	if n := nlink("m/deep"); n != 1 && n != 4 {
+		t.Errorf("merged after a chmod: nlink %d, want 1 (unknown) or the real 4", n)
+	}
+	ents, err := os.ReadDir(fx.p("m/deep"))
+	if err != nil || len(ents) != 2 {
+		t.Errorf("merged listing: %v %v", ents, err)
+	}
+}

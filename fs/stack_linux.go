@@ -600,6 +600,14 @@ func lookupEntry(st *stack, psrcs []src, pvpath, name string, skipUpper bool) (e
 			}
 		}
 	}
+	if found && len(e.srcs) > 1 {
+		// A merged directory: its topmost layer's link count counts only
+		// that layer's subdirectories (2 for an upper made by a chmod),
+		// so it says 1, "unknown", as overlayfs does for one, which
+		// tools take as "do not count on it" rather than as "no
+		// subdirectories".
+		e.st.Nlink = 1
+	}
 	return e, found, nil
 }
 
