@@ -91,7 +91,7 @@ func realBackends(ctx context.Context, cfg *Config, log *slog.Logger) (*backendS
 		log.Warn("sandbox init: "+InitName+" beside the daemon is not used; the daemon's own binary is", "why", why)
 	}
 	log.Info("sandbox init", "path", initPath)
-	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb, initPath: initPath}
+	pb := &procBackend{eng: eng, log: log, hide: hidden(*cfg), images: map[string]bool{}, fsb: fsb, initPath: initPath, memoryMax: cfg.MemoryMax, pidsMax: cfg.PidsMax}
 	// Spares of a daemon that was killed left their cgroups.
 	if n := sandbox.RemoveStaleSpares(spareIDPrefix, time.Minute); n > 0 {
 		log.Info("removed the cgroups of spare inits left by an earlier daemon", "cgroups", n)
@@ -718,6 +718,10 @@ type procBackend struct {
 	spares *sandbox.Spares // inits started ahead (nil: none)
 	// initPath is the sandboxes' init binary ("": the daemon's own).
 	initPath string
+	// memoryMax and pidsMax are every sandbox's limits (Config.MemoryMax,
+	// Config.PidsMax).
+	memoryMax int64
+	pidsMax   int
 
 	digestMu sync.Mutex
 	digests  map[tmplKey]string // shell digests of templates (see templateDigest)
@@ -730,7 +734,7 @@ type tmplKey struct {
 }
 
 func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSandbox, error) {
-	return b.start(ctx, sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath})
+	return b.start(ctx, sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath, MemoryMax: b.memoryMax, PidsMax: b.pidsMax})
 }
 
 // StartFor implements state.ProcStarterFor: the new sandbox's init moves
@@ -738,7 +742,7 @@ func (b *procBackend) Start(ctx context.Context, id, root string) (state.ProcSan
 // restore of part through that image starts no process in the sandbox to
 // do it (cr.PIDCounterTaker).
 func (b *procBackend) StartFor(ctx context.Context, id, root string, part *state.ProcPart) (state.ProcSandbox, error) {
-	cfg := sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath}
+	cfg := sandbox.Config{ID: id, Root: root, Hide: b.hide, Logger: b.log, InitPath: b.initPath, MemoryMax: b.memoryMax, PidsMax: b.pidsMax}
 	if ck := part.Data["cr"]; ck != "" {
 		if top, err := b.eng.ImageTopPID(ck); err == nil {
 			cfg.PIDCounterMin = top

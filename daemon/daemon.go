@@ -59,6 +59,13 @@ type Config struct {
 	// WarmForks bounds the fork children prepared ahead of a repeated
 	// fork (state.Config.WarmForks); 0 prepares none.
 	WarmForks int
+	// MemoryMax bounds each sandbox's memory in bytes (its processes'
+	// memory and page cache, swap included; the kernel's OOM killer acts
+	// inside the sandbox past it). 0 leaves it unbounded.
+	MemoryMax int64
+	// PidsMax bounds each sandbox's tasks (processes and threads); 0
+	// means sandbox.DefaultPidsMax.
+	PidsMax int
 	// SpareInits is how many sandbox inits the real backend keeps started
 	// ahead of time (sandbox.Spares): a new sandbox or fork child on one
 	// skips the init's exec and runtime start. 0 keeps none.

@@ -927,7 +927,7 @@ func newGCCmd() *cobra.Command {
 
 func newDaemonCmd() *cobra.Command {
 	var cfg daemon.Config
-	var level string
+	var level, memoryMax string
 	cmd := &cobra.Command{
 		Use:   "daemon",
 		Short: "Run the rewind daemon (HTTP/JSON API on a root-only unix socket)",
@@ -947,6 +947,16 @@ func newDaemonCmd() *cobra.Command {
 			if cfg.StateDir == "" {
 				cfg.StateDir = stateDirFromEnv()
 			}
+			if memoryMax != "" {
+				n, err := parseSize(memoryMax)
+				if err != nil || n < 16<<20 {
+					return fmt.Errorf("--memory-max %q: want a size of at least 16M (bytes, or with K/M/G/T)", memoryMax)
+				}
+				cfg.MemoryMax = n
+			}
+			if cfg.PidsMax < 0 {
+				return fmt.Errorf("--pids-max %d: want 0 (the default) or more", cfg.PidsMax)
+			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			return daemon.Run(ctx, cfg)
@@ -963,6 +973,8 @@ func newDaemonCmd() *cobra.Command {
 	cmd.Flags().BoolVar(&cfg.NoHugePages, "no-huge-pages", false, "keep checkpointed process memory in 4 KiB pages (by default it is collapsed into huge pages in the background, so forks and restores do not grow with memory size)")
 	cmd.Flags().IntVar(&cfg.CompactDepth, "compact-depth", daemon.DefaultCompactDepth, "merge a sandbox's frozen layers in the background once its stack is this deep (-1: never)")
 	cmd.Flags().IntVar(&cfg.WarmForks, "warm-forks", 64, "fork children to prepare ahead of a repeated fork of a checkpoint (0: none)")
+	cmd.Flags().StringVar(&memoryMax, "memory-max", "", "memory each sandbox may use, page cache and swap included (bytes, or with K/M/G/T; default unbounded); past it the kernel kills a process inside the sandbox")
+	cmd.Flags().IntVar(&cfg.PidsMax, "pids-max", 0, "tasks (processes and threads) each sandbox may have (0: 8192)")
 	cmd.Flags().IntVar(&cfg.SpareInits, "spare-inits", 2, "sandbox inits to keep started ahead, so that a new sandbox or fork child skips the init's start (0: none)")
 	cmd.Flags().StringVar(&cfg.InitPath, "init", "", "binary every sandbox runs as its init (default: "+daemon.InitName+" beside this binary when it is from the same build, else this binary)")
 	cmd.Flags().StringVar(&cfg.StoreConfig, "store-config", "", "store config written by rewind init-store, whose image is mounted on the state dir at start (default "+kernelpath.DefaultStoreConfig+")")
