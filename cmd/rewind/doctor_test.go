@@ -139,3 +139,16 @@ func TestBadInput(t *testing.T) {
 		}
 	}
 }
+
+// TestVersionJSON: `rewind version --json` prints the version, the Go
+// version and the API version as JSON, like every command's --json.
+func TestVersionJSON(t *testing.T) {
+	out, err := exec.Command(rewindBinary(t), "version", "--json").Output()
+	if err != nil {
+		t.Fatalf("rewind version --json: %v", err)
+	}
+	var v map[string]string
+	if err := json.Unmarshal(out, &v); err != nil || v["version"] == "" || !strings.HasPrefix(v["go"], "go") || v["api"] == "" {
+		t.Fatalf("version --json: %q (%v)", out, err)
+	}
+}

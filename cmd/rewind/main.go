@@ -6,8 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 
 	"github.com/spf13/cobra"
+
+	"github.com/rewind-sandbox/rewind/api"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -33,16 +36,22 @@ func newRootCmd() *cobra.Command {
 }
 
 func newVersionCmd() *cobra.Command {
-	return &cobra.Command{
+	var asJSON bool
+	cmd := &cobra.Command{
 		Use:     "version",
 		Short:   "Print rewind's version",
-		Example: "  rewind version",
+		Example: "  rewind version\n  rewind version --json",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if asJSON {
+				return printJSON(cmd.OutOrStdout(), map[string]string{"version": version, "go": runtime.Version(), "api": api.Version})
+			}
 			fmt.Fprintln(cmd.OutOrStdout(), "rewind", version)
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON for scripts: this binary's version, its Go version and the API version it speaks")
+	return cmd
 }
 
 // exitError carries a process exit code through cobra without printing a
