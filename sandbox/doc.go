@@ -48,10 +48,13 @@
 //
 // Spares keeps inits started ahead of time, in their namespaces and
 // cgroups, so that a start (a fork of a checkpoint into a new sandbox)
-// only pays the mounts. A spare's mount namespace is a copy of the host's
-// from when it started: it gets the sandbox's root as a detached mount
-// tree (open_tree) in its setup, and drops its copies of FUSE and overlay
-// mounts while it waits. Config.Binds are resolved in that copy.
+// only pays the mounts. A spare's mount namespace starts as a copy of the
+// host's; a waiting spare leaves it for a small tmpfs of its own and
+// detaches the copy, so it holds none of the host's mounts (whatever the
+// host unmounts meanwhile, a FUSE view, a loop-mounted file system, is
+// gone, and its loop device can detach). Its setup brings the sandbox's
+// root and the sources of Config.Binds as detached mount trees (open_tree)
+// cloned by the caller at the start.
 //
 // Every program that starts sandboxes must import this package (any
 // binary that does can serve as the init); calling MaybeRunInit first

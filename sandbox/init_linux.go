@@ -17,8 +17,6 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/rewind-sandbox/rewind/internal/mountinfo"
 )
 
 // initEnv marks a process started by Start (the same binary re-executed)
@@ -105,7 +103,7 @@ func runInit() error {
 	}
 	ctlFile.Close()
 	buf := make([]byte, maxMsg)
-	oob := make([]byte, unix.CmsgSpace(16*4))
+	oob := make([]byte, unix.CmsgSpace(maxSetupFDs*4))
 	fail := func(err error) error {
 		_ = c.send(&msg{Op: opReady, Err: err.Error()})
 		return err
@@ -151,12 +149,14 @@ func runInit() error {
 		}
 	}
 	if spareStage {
-		// A spare waits with a copy of the host's mounts, made when it
-		// was spawned: copies of other sandboxes' FUSE views and overlays
-		// would hold their connections and superblocks, and their
-		// unmounts would wait for this spare. Its root comes as a
-		// descriptor (setupConfig.RootFD), so it drops them now.
-		if err := dropViewMounts(); err != nil {
+		// A spare's mount namespace is a copy of the host's, made when
+		// it was spawned: every mount in it (other sandboxes' FUSE views
+		// and overlays, a loop-mounted file system, an operator's mount)
+		// would stay alive here after the host unmounted it, holding its
+		// superblock, connection and loop device until this spare is
+		// used. Its root and binds come as descriptors
+		// (setupConfig.RootFD, BindFDs), so it waits in a tree of its own.
+		if err := enterSpareRoot(); err != nil {
 			return err
 		}
 	}
@@ -173,12 +173,20 @@ func runInit() error {
 			return fmt.Errorf("expected setup, got %q", m.Op)
 		}
 		rootFD := -1
+		var bindFDs []int
 		if m.Setup.RootFD {
-			if len(fds) != 1 {
-				closeFDs(fds)
-				return fail(fmt.Errorf("setup: %d descriptors for the root, want 1", len(fds)))
+			want := 1
+			if m.Setup.BindFDs {
+				want += len(m.Setup.Binds)
 			}
-			rootFD, fds = fds[0], nil
+			if len(fds) != want || !spareStage {
+				closeFDs(fds)
+				return fail(fmt.Errorf("setup: %d descriptors for the root and binds, want %d (spare %v)", len(fds), want, spareStage))
+			}
+			rootFD, bindFDs, fds = fds[0], fds[1:], nil
+		} else if spareStage {
+			closeFDs(fds)
+			return fail(errors.New("setup: a spare needs its root as a descriptor"))
 		}
 		closeFDs(fds)
 		// The counter before the namespace's setup, which mounts
@@ -188,11 +196,12 @@ func runInit() error {
 			err = raisePIDCounter(m.Setup.PIDCounterMin)
 		}
 		if err == nil {
-			err = setupNamespace(m.Setup, rootFD)
+			err = setupNamespace(m.Setup, rootFD, bindFDs)
 		}
 		if rootFD >= 0 {
 			unix.Close(rootFD)
 		}
+		closeFDs(bindFDs)
 		if err != nil {
 			return fail(err)
 		}
@@ -424,31 +433,72 @@ const (
 	// its bounding set keeps setupCaps.
 	stageKeepCaps = "3"
 	// stageSpare is a first start of a spare init (Spares), whose root
-	// comes as a descriptor: it drops its copies of FUSE and overlay
-	// mounts while it waits (dropViewMounts).
+	// and binds come as descriptors: it waits in a tree of its own, not
+	// in its copy of the host's (enterSpareRoot).
 	stageSpare = "4"
 )
 
-// dropViewMounts makes every mount of the init's namespace private and
-// detaches the FUSE and overlay mounts in it, deepest first.
-func dropViewMounts() error {
+// spareRootDir is where a spare attaches the sandbox's root in its own
+// tree (enterSpareRoot) before it pivots into it.
+const spareRootDir = "/root"
+
+// maxSetupFDs is how many descriptors a message to the init may carry: a
+// spare's setup has the root and one per bind.
+const maxSetupFDs = 16
+
+// enterSpareRoot leaves the spare's copy of the host's mount tree: it
+// makes the copy private (nothing done here reaches the host), pivots into
+// a small tmpfs of its own with a fresh /proc (the setup writes the PID
+// counter there) and an empty spareRootDir, and detaches the whole copy.
+// The spare then holds no host mount: whatever the host unmounts while it
+// waits is gone (superblock, FUSE connection, loop device) as if the spare
+// did not exist. Its setup brings the root and binds as descriptors.
+func enterSpareRoot() error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	fsfd, err := unix.Fsopen("tmpfs", unix.FSOPEN_CLOEXEC)
 	if err != nil {
-		return fmt.Errorf("read mountinfo: %w", err)
+		return fmt.Errorf("spare root: fsopen tmpfs: %w", err)
 	}
-	var views []string
-	for _, m := range mountinfo.Parse(b) {
-		if m.FSType == "fuse" || strings.HasPrefix(m.FSType, "fuse.") || m.FSType == "overlay" {
-			views = append(views, m.MountPoint)
+	defer unix.Close(fsfd)
+	for _, kv := range [][2]string{{"mode", "0755"}, {"size", "64k"}, {"nr_inodes", "16"}} {
+		if err := unix.FsconfigSetString(fsfd, kv[0], kv[1]); err != nil {
+			return fmt.Errorf("spare root: tmpfs %s=%s: %w", kv[0], kv[1], err)
 		}
 	}
-	for i := len(views) - 1; i >= 0; i-- { // mountinfo lists parents first
-		if err := unix.Unmount(views[i], unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("detach %s: %w", views[i], err)
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return fmt.Errorf("spare root: create tmpfs: %w", err)
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
+	if err != nil {
+		return fmt.Errorf("spare root: fsmount: %w", err)
+	}
+	defer unix.Close(mfd)
+	for _, d := range []string{"proc", spareRootDir[1:]} {
+		if err := unix.Mkdirat(mfd, d, 0o755); err != nil {
+			return fmt.Errorf("spare root: mkdir %s: %w", d, err)
 		}
+	}
+	// Attached over the copy's root, then swapped with it (pivot_root's
+	// new and old root the same directory, as in setupNamespace).
+	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, "/", unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("spare root: attach: %w", err)
+	}
+	if err := unix.Fchdir(mfd); err != nil {
+		return fmt.Errorf("spare root: chdir: %w", err)
+	}
+	if err := unix.PivotRoot(".", "."); err != nil {
+		return fmt.Errorf("spare root: pivot_root: %w", err)
+	}
+	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("spare root: detach the host's mounts: %w", err)
+	}
+	if err := unix.Chdir("/"); err != nil {
+		return err
+	}
+	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("spare root: mount proc: %w", err)
 	}
 	return nil
 }
@@ -691,37 +741,59 @@ func dropBoundingExcept(keep uint64) error {
 	return nil
 }
 
-// setupNamespace runs in the new mount namespace as PID 1.
-func setupNamespace(cfg *setupConfig, rootFD int) error {
+// setupNamespace runs in the new mount namespace as PID 1. A spare
+// (rootFD >= 0) gets its root and, with cfg.BindFDs, its binds' sources as
+// detached mount trees the daemon cloned (open_tree): it waits in a tree
+// of its own (enterSpareRoot), which has none of the host's paths.
+func setupNamespace(cfg *setupConfig, rootFD int, sentBinds []int) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
+	root := cfg.Root
 	if rootFD >= 0 {
-		// A spare's namespace is a copy of the host's from before the
-		// sandbox's root was mounted: the daemon sends the root as a
-		// detached clone (open_tree), attached here over its path.
-		if err := unix.MoveMount(rootFD, "", unix.AT_FDCWD, cfg.Root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		// Clones of the daemon's mounts keep their propagation (peers of
+		// the host's shared ones): nothing the sandbox mounts may reach
+		// the host.
+		private := &unix.MountAttr{Propagation: unix.MS_PRIVATE}
+		if err := unix.MountSetattr(rootFD, "", unix.AT_EMPTY_PATH|unix.AT_RECURSIVE, private); err != nil {
+			return fmt.Errorf("root %s private: %w", cfg.Root, err)
+		}
+		root = spareRootDir
+		if err := unix.MoveMount(rootFD, "", unix.AT_FDCWD, root, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
 			return fmt.Errorf("attach root %s: %w", cfg.Root, err)
 		}
 	}
 	// Clone bind sources on the host side (detached mount trees) before the
-	// host disappears; they are attached after the root switch.
-	bindFDs := make([]int, 0, len(cfg.Binds))
-	defer func() { closeFDs(bindFDs) }()
-	for _, b := range cfg.Binds {
-		fd, err := unix.OpenTree(unix.AT_FDCWD, b.Source, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
-		if err != nil {
-			return fmt.Errorf("bind source %s: %w", b.Source, err)
+	// host disappears, unless they came cloned (the caller closes those);
+	// they are attached after the root switch.
+	bindFDs := sentBinds
+	if !cfg.BindFDs {
+		cloned := make([]int, 0, len(cfg.Binds))
+		defer func() { closeFDs(cloned) }()
+		for _, b := range cfg.Binds {
+			fd, err := unix.OpenTree(unix.AT_FDCWD, b.Source, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
+			if err != nil {
+				return fmt.Errorf("bind source %s: %w", b.Source, err)
+			}
+			cloned = append(cloned, fd)
 		}
-		bindFDs = append(bindFDs, fd)
+		bindFDs = cloned
+	}
+	for i, b := range cfg.Binds {
+		fd := bindFDs[i]
+		attr := &unix.MountAttr{}
+		if cfg.BindFDs {
+			attr.Propagation = unix.MS_PRIVATE
+		}
 		if b.ReadOnly {
-			attr := &unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV}
+			attr.Attr_set = unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV
+		}
+		if *attr != (unix.MountAttr{}) {
 			if err := unix.MountSetattr(fd, "", unix.AT_EMPTY_PATH|unix.AT_RECURSIVE, attr); err != nil {
-				return fmt.Errorf("bind %s read-only: %w", b.Source, err)
+				return fmt.Errorf("bind %s attributes: %w", b.Source, err)
 			}
 		}
 	}
-	root := cfg.Root
 	if err := unix.Mount(root, root, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
 		return fmt.Errorf("bind root %s: %w", root, err)
 	}

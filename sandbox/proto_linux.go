@@ -74,8 +74,11 @@ type setupConfig struct {
 	Binds    []Bind   `json:"binds,omitempty"`
 	KeepCaps bool     `json:"keep_caps,omitempty"`
 	// RootFD: the message carries Root as a detached mount tree
-	// (open_tree), attached over Root in the init's namespace (a spare).
-	RootFD bool `json:"root_fd,omitempty"`
+	// (open_tree), attached in the init's own tree (a spare, which has
+	// none of the host's paths). BindFDs: then the sources of Binds
+	// follow, in order, as detached trees too.
+	RootFD  bool `json:"root_fd,omitempty"`
+	BindFDs bool `json:"bind_fds,omitempty"`
 	// PIDCounterMin: see Config.PIDCounterMin.
 	PIDCounterMin int `json:"pid_counter_min,omitempty"`
 }

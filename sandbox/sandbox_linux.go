@@ -263,15 +263,23 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 	}
 	var fds []int
 	if spare != nil {
-		// The spare's mount namespace predates the root's mount (a FUSE
-		// view mounted for this sandbox): hand it the root itself.
-		fd, err := unix.OpenTree(unix.AT_FDCWD, cfg.Root, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
-		if err != nil {
-			return nil, fmt.Errorf("start sandbox %s: clone root: %w", cfg.ID, err)
+		// A spare waits in a mount tree of its own, with none of the
+		// host's mounts (enterSpareRoot): hand it the root (often a FUSE
+		// view mounted for this sandbox) and the binds' sources as
+		// clones made here.
+		defer func() { closeFDs(fds) }()
+		for i, src := range append([]string{cfg.Root}, bindSources(cfg.Binds)...) {
+			fd, err := unix.OpenTree(unix.AT_FDCWD, src, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_RECURSIVE)
+			if err != nil {
+				what := "root"
+				if i > 0 {
+					what = "bind source"
+				}
+				return nil, fmt.Errorf("start sandbox %s: clone %s %s: %w", cfg.ID, what, src, err)
+			}
+			fds = append(fds, fd)
 		}
-		defer unix.Close(fd)
-		fds = append(fds, fd)
-		setup.RootFD = true
+		setup.RootFD, setup.BindFDs = true, true
 	}
 	if err := s.cli.conn.send(&msg{Op: opSetup, Setup: setup}, fds...); err != nil {
 		return nil, fmt.Errorf("start sandbox %s: send setup: %w", cfg.ID, err)
@@ -290,6 +298,14 @@ func start(ctx context.Context, cfg Config, spare *initProc) (_ *Sandbox, err er
 		return nil, fmt.Errorf("start sandbox %s: %w", cfg.ID, ctx.Err())
 	}
 	return s, nil
+}
+
+func bindSources(binds []Bind) []string {
+	srcs := make([]string, len(binds))
+	for i, b := range binds {
+		srcs[i] = b.Source
+	}
+	return srcs
 }
 
 // makeLimits creates the v1 pids and memory cgroups and sets their limits.

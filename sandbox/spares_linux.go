@@ -127,13 +127,16 @@ func (p *Spares) Ready() int {
 
 // Start starts a sandbox like Start, on a spare init when one is ready and
 // cfg fits (own network namespace, no KeepCaps, same init binary, default cgroup
-// parents), and starts a replacement spare in the background. With an
+// parents, fewer than maxSetupFDs binds), and starts a replacement spare in the
+// background. A waiting spare holds none of the host's mounts: the root and
+// the binds' sources are cloned here, at the start, and handed to it. With an
 // empty cfg.ID the sandbox takes the spare's id (see Sandbox.ID): the
 // fastest path. Without a spare, an empty cfg.ID gets a fresh id.
 func (p *Spares) Start(ctx context.Context, cfg Config) (*Sandbox, error) {
 	fits := !cfg.HostNet && !cfg.KeepCaps && (cfg.InitPath == "" || cfg.InitPath == p.initPath) &&
 		(cfg.FreezerParent == "" || cfg.FreezerParent == DefaultFreezerParent) &&
-		(cfg.CgroupV2Parent == "" || cfg.CgroupV2Parent == DefaultCgroupV2Parent)
+		(cfg.CgroupV2Parent == "" || cfg.CgroupV2Parent == DefaultCgroupV2Parent) &&
+		1+len(cfg.Binds) <= maxSetupFDs
 	if !fits {
 		if cfg.ID == "" {
 			cfg.ID = p.prefix + randomHex(6)
