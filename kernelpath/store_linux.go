@@ -39,6 +39,14 @@ func InitStore(opts StoreImage) (StoreConfig, error) {
 		return cfg, fmt.Errorf("init-store: %w", err)
 	}
 	cfg = StoreConfig{Version: 1, StateDir: state, Image: img, FS: opts.FS, Created: time.Now().UTC()}
+	// What EnsureStore would refuse is refused before an image is made.
+	if src, ok := mountedFrom(state); ok && src != img {
+		return cfg, fmt.Errorf("init-store: state dir %s is already a mount point of %s, not of %s", state, src, img)
+	} else if !ok {
+		if ents, err := os.ReadDir(state); err == nil && len(ents) > 0 {
+			return cfg, fmt.Errorf("init-store: state dir %s is not empty: mounting the image there would hide its content; move it away or pick another --state", state)
+		}
+	}
 	if _, err := os.Stat(img); errors.Is(err, os.ErrNotExist) {
 		if opts.Size < MinImageSize {
 			return cfg, fmt.Errorf("init-store: --size %d is below the minimum of %d bytes (512M)", opts.Size, int64(MinImageSize))

@@ -73,6 +73,21 @@ func TestInitStore(t *testing.T) {
 			if _, err := InitStore(StoreImage{Image: filepath.Join(dir, "small"), FS: kind, Size: 1 << 20, StateDir: filepath.Join(dir, "s3")}); err == nil {
 				t.Fatal("tiny image accepted")
 			}
+			// A state dir that is the mount of another image, or not
+			// empty, is refused before any new image is made.
+			other := filepath.Join(dir, "other.img")
+			if _, err := InitStore(StoreImage{Image: other, FS: kind, Size: 1 << 30, StateDir: opts.StateDir}); err == nil || !strings.Contains(err.Error(), "already a mount point") {
+				t.Fatalf("state dir mounted from another image: %v", err)
+			}
+			noImg := filepath.Join(dir, "never.img")
+			if _, err := InitStore(StoreImage{Image: noImg, FS: kind, Size: 1 << 30, StateDir: busy}); err == nil {
+				t.Fatal("non-empty state dir accepted")
+			}
+			for _, img := range []string{other, noImg} {
+				if _, err := os.Stat(img); !os.IsNotExist(err) {
+					t.Errorf("a refused init-store left the image %s: %v", filepath.Base(img), err)
+				}
+			}
 		})
 	}
 }
