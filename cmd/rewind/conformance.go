@@ -54,7 +54,9 @@ func newConformanceRunCmd() *cobra.Command {
 		Short: "Run the conformance corpus (or given workloads) and print a workload x path matrix",
 		Long: `run executes the shipped corpus (embedded in the binary) or the --workload
 files on each requested path and prints a matrix: pass, fail (with the first
-differing path, step and entries), skip (path unavailable here) or '-' (the
+differing path, step and entries), skip (path unavailable here; on the probe
+paths ebpf and userspace also a workload with no turn, whose effect reports
+there are none to compare) or '-' (the
 workload does not apply to the path: file-system workloads run on fuse and
 kernel, process workloads — those with sessions — on template, criu,
 kernel-proc (the sandbox root on native overlayfs, its switch replacing the
