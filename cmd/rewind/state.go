@@ -209,7 +209,9 @@ func newCreateCmd() *cobra.Command {
 				return err
 			}
 			if o.json {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"name": sb.Name, "id": sb.ID, "epoch": sb.Epoch})
+				// The API's answer: the sandbox as created (id, name, fs
+				// chosen, policy, status, epoch...).
+				return printJSON(cmd.OutOrStdout(), sb)
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), sb.Name)
 			return nil
