@@ -137,6 +137,18 @@ type Engine struct {
 	// beforeDump, if set (tests), runs before a checkpoint's image dump
 	// starts.
 	beforeDump func()
+	// writing are the checkpoints whose image directories are being
+	// written or removed now (a CRIU-path checkpoint, a background dump,
+	// a Drop's removal): SweepImages leaves them and their sandboxes'
+	// directories alone.
+	writing map[string]*imageWork
+}
+
+// imageWork counts the works on one checkpoint's image directory
+// (Engine.writing).
+type imageWork struct {
+	sandbox string
+	n       int
 }
 
 // goSpare starts makeSpare in the background unless the engine is closing.
@@ -164,10 +176,39 @@ func (e *Engine) goDump(c *ckpt, t Target) {
 		return
 	}
 	e.dumps.Add(1)
+	e.writingLocked(c.rec.ID, c.rec.Sandbox)
 	go func() {
 		defer e.dumps.Done()
+		defer e.written(c.rec.ID)
 		e.dumpTemplates(c, t)
 	}()
+}
+
+// writingImage marks checkpoint id of sandbox sb as having its image
+// directory written or removed (Engine.writing) until written(id).
+func (e *Engine) writingImage(id, sb string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.writingLocked(id, sb)
+}
+
+func (e *Engine) writingLocked(id, sb string) {
+	w := e.writing[id]
+	if w == nil {
+		w = &imageWork{sandbox: sb}
+		e.writing[id] = w
+	}
+	w.n++
+}
+
+func (e *Engine) written(id string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if w := e.writing[id]; w != nil {
+		if w.n--; w.n <= 0 {
+			delete(e.writing, id)
+		}
+	}
 }
 
 // errClosing is the image error of a checkpoint taken while the engine
@@ -486,6 +527,7 @@ func New(cfg Config) (*Engine, error) {
 		nsMu:   map[string]*sync.RWMutex{},
 		aux:    map[int]string{},
 
+		writing:      map[string]*imageWork{},
 		collapsing:   map[int]string{},
 		lastCollapse: map[int]time.Time{},
 	}, nil
@@ -664,8 +706,11 @@ func (e *Engine) Checkpoint(ctx context.Context, t Target, opts CheckpointOption
 		rec.Mode = ModeCRIU
 		rec.Reason = why
 		c := &ckpt{rec: rec}
+		e.writingImage(rec.ID, rec.Sandbox)
+		defer e.written(rec.ID)
 		if err := e.checkpointTrees(ctx, c, t, procs, opts.Barrier); err != nil {
-			// The image dir stays: it holds criu's log.
+			// The image dir stays, with criu's log, until a
+			// SweepImages (no checkpoint holds it).
 			return nil, fmt.Errorf("checkpoint %s: CRIU path (%s): %w", opts.ID, why, err)
 		}
 		e.add(c)
@@ -2103,11 +2148,13 @@ func (e *Engine) Drop(id string) {
 	if ok {
 		delete(e.ckpts, id)
 		r = e.retireLocked(c)
+		e.writingLocked(id, c.rec.Sandbox) // until its image is removed
 	}
 	e.mu.Unlock()
 	if !ok {
 		return
 	}
+	defer e.written(id)
 	e.kill(r)
 	e.removeImage(c)
 }
