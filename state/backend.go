@@ -201,6 +201,20 @@ type ProcBackend interface {
 	Cleanup(ctx context.Context, id string) error
 }
 
+// ImageSweeper is implemented by process back ends that keep process
+// parts in files of their own (CRIU image directories), which can outlive
+// every checkpoint that used them: a dump that failed, one cut short by a
+// daemon killed while writing it, a removal cut short the same way, a
+// part released while the back end did not know it (after a restart).
+// The manager calls SweepImages with the process parts of every
+// checkpoint it keeps: once when it opens its store (start: nothing of
+// this daemon is in flight yet) and after every collection. The back end
+// removes whatever none of them uses, and never what it is writing or
+// holding now.
+type ImageSweeper interface {
+	SweepImages(ctx context.Context, keep []*ProcPart, start bool) (removed int, bytes int64, err error)
+}
+
 // ProcMeter is implemented by process back ends that can say what memory
 // the live fast-restore form of checkpoints holds (templates and their
 // spares), for Manager.Usage.

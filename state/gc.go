@@ -193,11 +193,44 @@ func (m *Manager) GC(ctx context.Context, dryRun bool) (*GCResult, error) {
 		}
 	})
 	res.Freed = freed
+	if perr == nil {
+		m.sweepImages(ctx, false)
+	}
 	m.obs.Collected(len(freed), time.Since(start))
 	if len(freed) > 0 {
 		m.log.Info("gc", "freed", len(freed), "kept", res.Kept, "bytes", res.Bytes, "took", time.Since(start))
 	}
 	return res, perr
+}
+
+// sweepImages has the process back end remove the images no checkpoint
+// uses (ImageSweeper): at start, once the store is loaded, and after a
+// collection.
+func (m *Manager) sweepImages(ctx context.Context, start bool) {
+	sw, ok := m.cfg.Proc.(ImageSweeper)
+	if !ok {
+		return
+	}
+	m.mu.Lock()
+	keep := make([]*ProcPart, 0, len(m.ckpts))
+	for _, c := range m.ckpts {
+		if p := c.rec.Proc; p != nil {
+			cp := *p
+			cp.Data = make(map[string]string, len(p.Data))
+			for k, v := range p.Data {
+				cp.Data[k] = v
+			}
+			keep = append(keep, &cp)
+		}
+	}
+	m.mu.Unlock()
+	n, bytes, err := sw.SweepImages(ctx, keep, start)
+	if err != nil {
+		m.log.Warn("remove process images no checkpoint uses", "err", err)
+	}
+	if n > 0 {
+		m.log.Info("removed process images no checkpoint uses", "dirs", n, "bytes", bytes, "start", start)
+	}
 }
 
 func (m *Manager) overBudget() bool {

@@ -298,6 +298,7 @@ func (m *Manager) recover(ctx context.Context) error {
 	if err := m.st.apply(b); err != nil {
 		return err
 	}
+	m.sweepImages(ctx, true)
 	m.log.Info("state recovered", "sandboxes", len(m.byName), "checkpoints", len(m.ckpts),
 		"pins", len(m.pins), "rebooted", rebooted)
 	return nil
