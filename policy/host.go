@@ -11,11 +11,13 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"runtime"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -184,14 +186,48 @@ func (h *Host) LoadBuiltin(ctx context.Context, name string) (*Policy, error) {
 	return h.load(ctx, name, key, b)
 }
 
+// MaxModuleBytes bounds a policy module file (the built-ins are about
+// 2 MB).
+const MaxModuleBytes = 64 << 20
+
 // LoadFile loads a policy module from a file; the policy is named after it.
+// The file must be a regular file of at most MaxModuleBytes: a device
+// (/dev/zero) or a FIFO would be read without end, or wait for a writer.
 func (h *Host) LoadFile(ctx context.Context, path string) (*Policy, error) {
-	b, err := os.ReadFile(path)
+	b, err := readModule(path)
 	if err != nil {
 		err = fmt.Errorf("load policy: %w", err)
 		return h.disabledPolicy(path, err), err
 	}
 	return h.Load(ctx, path, b)
+}
+
+// readModule reads the module file at path (see LoadFile). It is opened
+// without blocking, so that a FIFO is refused rather than waited on.
+func readModule(path string) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file (%v)", path, st.Mode().Type())
+	}
+	if st.Size() > MaxModuleBytes {
+		return nil, fmt.Errorf("%s is %d bytes, more than a policy module may be (%d)", path, st.Size(), MaxModuleBytes)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, MaxModuleBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > MaxModuleBytes {
+		return nil, fmt.Errorf("%s grew past %d bytes while read", path, MaxModuleBytes)
+	}
+	return b, nil
 }
 
 // LoadRef loads a built-in policy when ref is one of BuiltinNames, and the

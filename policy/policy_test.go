@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -490,6 +491,49 @@ func TestLoadRefUnknownNameListsBuiltins(t *testing.T) {
 	for _, name := range BuiltinNames() {
 		if !strings.Contains(err.Error(), name) {
 			t.Errorf("error %q does not name the built-in %q", err, name)
+		}
+	}
+}
+
+// TestLoadFileRefusesNonRegular: a policy path that is a device, a FIFO,
+// a directory or a file larger than a module may be is refused at once
+// (/dev/zero was read without end, taking the daemon's memory; a FIFO
+// made the load wait for a writer).
+func TestLoadFileRefusesNonRegular(t *testing.T) {
+	h, _ := newTestHost(t, Options{})
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo.wasm")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big.wasm")
+	f, err := os.Create(big)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(MaxModuleBytes + 1); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	for path, want := range map[string]string{
+		"/dev/zero": "not a regular file",
+		fifo:        "not a regular file",
+		dir:         "not a regular file",
+		big:         "more than a policy module may be",
+	} {
+		done := make(chan error, 1)
+		go func() {
+			p, err := h.LoadFile(context.Background(), path)
+			p.Close(context.Background())
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("LoadFile(%s): %v, want %q", path, err, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("LoadFile(%s) did not return", path)
 		}
 	}
 }

@@ -34,6 +34,14 @@ func TestClientMistakesAreBadRequests(t *testing.T) {
 			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b2", Bases: []string{file + ".none"}})
 			return err
 		}, "no such file"},
+		{"relative policy module path", func() error {
+			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b3", Policy: "pol/skip.wasm"})
+			return err
+		}, "not absolute"},
+		{"policy module in the daemon's cwd", func() error {
+			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b4", Policy: "skip.wasm"})
+			return err
+		}, "not absolute"},
 		{"exec in a relative dir", func() error {
 			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}, Dir: "tmp"})
 			return err

@@ -588,6 +588,10 @@ func (m *Manager) Create(ctx context.Context, req CreateRequest) (*Sandbox, erro
 	}
 	if req.Policy == "" {
 		req.Policy = m.cfg.DefaultPolicy
+	} else if (strings.Contains(req.Policy, "/") || strings.HasSuffix(req.Policy, ".wasm")) && !filepath.IsAbs(req.Policy) {
+		// The daemon would read it relative to its own working
+		// directory, not the caller's.
+		return nil, errf(CodeBadRequest, "policy module path "+strconv.Quote(req.Policy)+" is not absolute (the daemon reads it, from its own working directory)", nil)
 	}
 	if err := m.reserve(req.Name); err != nil {
 		return nil, err

@@ -204,6 +204,14 @@ func newCreateCmd() *cobra.Command {
 					req.Bases[i] = abs
 				}
 			}
+			if p := req.Policy; (strings.Contains(p, "/") || strings.HasSuffix(p, ".wasm")) && !filepath.IsAbs(p) {
+				// The daemon reads the module: give it this directory's.
+				abs, err := filepath.Abs(p)
+				if err != nil {
+					return fmt.Errorf("--policy: %w", err)
+				}
+				req.Policy = abs
+			}
 			sb, err := c.Create(cmd.Context(), req)
 			if err != nil {
 				return err
