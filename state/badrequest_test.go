@@ -110,3 +110,38 @@ func TestRestartNoteWithoutCheckpoint(t *testing.T) {
 		}
 	}
 }
+
+// TestAutoTurnAfterFailedCheckpoint: when an auto turn's checkpoint fails,
+// what that turn did is in no checkpoint, while the probe window it
+// consumed is gone. The next auto turn, whose own window shows nothing,
+// must take a full checkpoint (saying why) rather than skip to the parent,
+// which lacks the changes; once one succeeds, idle turns skip again.
+func TestAutoTurnAfterFailedCheckpoint(t *testing.T) {
+	e := newEnv(t, true)
+	e.create("a")
+	e.turn("a", state.ModeFull, true)
+	e.run("a", "write", "/f", "new")
+	e.run("a", "set", "v", "new")
+	e.b.Faults.FailCheckpoint.Store(true)
+	r, err := e.m.Turn(e.ctx, "a", state.TurnRequest{Mode: state.ModeAuto, Wait: true})
+	e.b.Faults.FailCheckpoint.Store(false)
+	if err == nil && r.Status != state.CkptFailed {
+		t.Fatalf("turn with an injected failure: %+v", r)
+	}
+	next := e.turn("a", state.ModeAuto, true)
+	if next.Decision != state.ModeFull || !strings.Contains(next.Reason, "last checkpoint failed") {
+		t.Fatalf("turn after a failed checkpoint: %s (%s), want full saying why", next.Decision, next.Reason)
+	}
+	e.run("a", "write", "/f", "newer")
+	e.run("a", "set", "v", "newer")
+	e.restore("a", next.ID)
+	if got := e.run("a", "cat", "/f"); got != "new" {
+		t.Errorf("restore of the turn after the failure: /f = %q, want new", got)
+	}
+	if got := e.run("a", "get", "v"); got != "new" {
+		t.Errorf("restore of the turn after the failure: v = %q, want new", got)
+	}
+	if idle := e.turn("a", state.ModeAuto, true); idle.Decision == state.ModeFull {
+		t.Errorf("an idle turn once a checkpoint succeeded again: %s (%s)", idle.Decision, idle.Reason)
+	}
+}

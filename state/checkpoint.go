@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -119,6 +120,7 @@ func (m *Manager) Turn(ctx context.Context, name string, req TurnRequest) (*Turn
 	if mode == ModeAuto || mode == "" {
 		mode, reason = m.decide(ctx, win, rep, pol, polErr, &tr)
 		m.obs.Decided(polName, mode)
+		mode, reason = m.afterFailure(s, mode, reason)
 		ph.DecideUS = time.Since(tDecide).Microseconds()
 	} else {
 		rep = nil
@@ -271,6 +273,24 @@ func (m *Manager) deferTurn(ctx context.Context, s *sbox, req TurnRequest, win P
 	return res, true, nil
 }
 
+// firstLine is s up to its first newline.
+func firstLine(s string) string {
+	line, _, _ := strings.Cut(s, "\n")
+	return line
+}
+
+// afterFailure turns an auto turn's decision into full while the
+// sandbox's latest checkpoint failed (sbox.lastFailed): that turn's window
+// was consumed, so this one's may show nothing of what no checkpoint holds.
+func (m *Manager) afterFailure(s *sbox, mode Mode, reason string) (Mode, string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if s.lastFailed == "" || mode == ModeFull {
+		return mode, reason
+	}
+	return ModeFull, reason + "; but the last checkpoint failed (" + s.lastFailed + "), and what its turn did is in no checkpoint, so full"
+}
+
 // decideDeferred closes the window of deferred checkpoint c's turn and
 // decides what c takes, in the sandbox's order.
 func (m *Manager) decideDeferred(s *sbox, c *ckpt, win ProbeWindow, pol Policy, polName string) {
@@ -283,6 +303,7 @@ func (m *Manager) decideDeferred(s *sbox, c *ckpt, win ProbeWindow, pol Policy, 
 	m.mu.Unlock()
 	mode, reason := m.decide(ctx, win, rep, pol, polErr, &tr)
 	m.obs.Decided(polName, mode)
+	mode, reason = m.afterFailure(s, mode, reason)
 	var decided Mode
 	if mode == ModeSkip {
 		decided = ModeSkip
@@ -399,6 +420,9 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		c.rec.Status, c.rec.Error = CkptFailed, err.Error()
 		if s.rec.Head == c.rec.ID {
 			s.rec.Head = c.rec.Parent
+			// What the turn did is in no checkpoint now: neither a skip
+			// nor the head as a restore's undo point may stand for it.
+			s.lastFailed, s.dirty, s.procsDiverged = firstLine(err.Error()), true, true
 		}
 		close(c.ready)
 		close(c.durable)
@@ -420,6 +444,9 @@ func (m *Manager) doCheckpoint(s *sbox, c *ckpt) {
 		s.fsAccepted = false
 		if mode == ModeFull || converted {
 			s.procsDiverged = false
+		}
+		if mode == ModeFull || converted {
+			s.lastFailed = "" // the processes are captured (or proven the parent's) again
 		}
 	}
 	m.mu.Unlock()
@@ -1050,7 +1077,7 @@ func (m *Manager) restored(s *sbox, c *ckpt, path string, start time.Time, ph Re
 		s.rec.EpochLimit = s.rec.Epoch + epochReserve
 	}
 	s.rec.Head = c.rec.ID
-	s.dirty, s.fsAccepted = false, false
+	s.dirty, s.fsAccepted, s.lastFailed = false, false, ""
 	if path != "fs" {
 		s.procsDiverged = false // the processes are the target's
 	}

@@ -113,6 +113,11 @@ type sbox struct {
 	// may hold data the head lacks by the policy's choice. Cleared by any
 	// checkpoint or restore (m.mu).
 	fsAccepted bool
+	// lastFailed says why the sandbox's latest checkpoint failed: the
+	// effects its turn consumed are in no checkpoint, so the next auto
+	// turn takes a full one whatever its own window shows. Cleared by a
+	// full checkpoint and by a restore (m.mu).
+	lastFailed string
 	turnMu     sync.Mutex // serializes the synchronous part of turns
 	// policy decides auto turns (m.mu). A sandbox recovered from the
 	// store has only its record's name for it until a restore brings the
