@@ -96,7 +96,11 @@ func status(code string) int {
 
 func errBody(err error) api.ErrorBody {
 	code := state.CodeOf(err)
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	// A call cut short (its client went, the daemon stops) is a conflict,
+	// unless the error already says what it is: a policy whose start
+	// function ran out of time is a bad request, not a conflict.
+	var se *state.Error
+	if !errors.As(err, &se) && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 		code = state.CodeConflict
 	}
 	return api.ErrorBody{Code: code, Message: err.Error()}
