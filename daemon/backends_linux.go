@@ -1033,11 +1033,22 @@ func (p *procSandbox) AdoptPart(ctx context.Context, from, to *state.ProcPart) (
 }
 
 func (p *procSandbox) Exec(ctx context.Context, req state.ExecRequest) (int, error) {
-	return p.sb.Exec(ctx, sandbox.ExecRequest{Argv: req.Argv, Env: req.Env, Dir: req.Dir, Stdin: req.Stdin, Stdout: req.Stdout, Stderr: req.Stderr})
+	code, err := p.sb.Exec(ctx, sandbox.ExecRequest{Argv: req.Argv, Env: req.Env, Dir: req.Dir, Stdin: req.Stdin, Stdout: req.Stdout, Stderr: req.Stderr})
+	return code, badCommand(err)
 }
 
 func (p *procSandbox) StartSession(ctx context.Context, id string, argv, env []string) error {
 	_, err := p.sb.StartSession(ctx, sandbox.SessionConfig{ID: id, Argv: argv, Env: env})
+	return badCommand(err)
+}
+
+// badCommand makes a command that cannot start as given (a program or a
+// working directory the sandbox does not have) the caller's mistake, a bad
+// request, rather than a failure of the daemon.
+func badCommand(err error) error {
+	if errors.Is(err, sandbox.ErrBadCommand) {
+		return &state.Error{Code: state.CodeBadRequest, Msg: err.Error()}
+	}
 	return err
 }
 

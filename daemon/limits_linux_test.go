@@ -2,11 +2,13 @@ package daemon_test
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"testing"
 
 	"github.com/rewind-sandbox/rewind/api"
 	"github.com/rewind-sandbox/rewind/daemon"
+	"github.com/rewind-sandbox/rewind/state"
 )
 
 // TestRealSandboxLimits runs a daemon with --memory-max 64M and
@@ -45,5 +47,33 @@ for k in kids:
 	n, err := strconv.Atoi(got)
 	if err != nil || n >= 100 || n < 20 {
 		t.Errorf("processes a python could fork under --pids-max 32: %q", got)
+	}
+}
+
+// TestRealBadCommandIsBadRequest: a command the sandbox cannot start as
+// given (a program or working directory it does not have) is the caller's
+// mistake, 400, not a failure of the daemon, 500; the sandbox goes on.
+func TestRealBadCommandIsBadRequest(t *testing.T) {
+	d := startReal(t, t.TempDir())
+	c, ctx := d.c, context.Background()
+	if _, err := c.Create(ctx, api.CreateRequest{Name: "bc"}); err != nil {
+		t.Fatal(err)
+	}
+	for _, req := range []api.ExecRequest{
+		{Argv: []string{"/nonexistent-binary"}},
+		{Argv: []string{"no-such-program-anywhere"}},
+		{Argv: []string{"true"}, Dir: "/nonexistent"},
+		{Argv: []string{"true"}, Dir: "/etc/passwd"},
+		{Argv: []string{"/etc"}},
+	} {
+		if _, err := c.Exec(ctx, "bc", req, nil, nil); !errors.Is(err, state.ErrBadRequest) {
+			t.Errorf("exec %v in %q: %v, want a bad request", req.Argv, req.Dir, err)
+		}
+	}
+	if _, err := c.StartSession(ctx, "bc", api.SessionRequest{ID: "s", Argv: []string{"/nonexistent"}}); !errors.Is(err, state.ErrBadRequest) {
+		t.Errorf("session of a missing program: %v, want a bad request", err)
+	}
+	if got := sh(t, c, "bc", "echo ok"); got != "ok" {
+		t.Errorf("after the refusals: %q", got)
 	}
 }

@@ -181,6 +181,9 @@ func (cl *client) call(ctx context.Context, m *msg, fds ...int) (*msg, chan exit
 			if r.waiter != nil {
 				cl.forget(r.PID)
 			}
+			if r.BadCommand {
+				return nil, nil, badCommandError(r.Err)
+			}
 			return nil, nil, errors.New(r.Err)
 		}
 		return r, r.waiter, nil

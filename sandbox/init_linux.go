@@ -1099,7 +1099,7 @@ func (st *initState) spawn(m *msg, fds []int) {
 	}
 	path, err := lookPath(m.Argv[0], m.Env, dir)
 	if err != nil {
-		st.reply(m, &msg{Err: err.Error()})
+		st.reply(m, &msg{Err: err.Error(), BadCommand: true})
 		return
 	}
 	sys := &syscall.SysProcAttr{Setsid: true}
@@ -1129,13 +1129,15 @@ func (st *initState) spawn(m *msg, fds []int) {
 	if err != nil {
 		// ForkExec's child reports its chdir's failure like exec's: say
 		// which one failed.
+		bad := errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ENOTDIR) || errors.Is(err, syscall.EACCES) ||
+			errors.Is(err, syscall.ENOEXEC) || errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENAMETOOLONG)
 		if fi, serr := os.Stat(dir); serr != nil || !fi.IsDir() {
 			if serr == nil {
 				serr = syscall.ENOTDIR
 			}
-			err = fmt.Errorf("working directory %s: %w", dir, serr)
+			err, bad = fmt.Errorf("working directory %s: %w", dir, serr), true
 		}
-		st.reply(m, &msg{Err: fmt.Sprintf("start %s: %v", m.Argv[0], err)})
+		st.reply(m, &msg{Err: fmt.Sprintf("start %s: %v", m.Argv[0], err), BadCommand: bad})
 		return
 	}
 	r := &msg{Op: opReply, ID: m.ID, PID: pid}

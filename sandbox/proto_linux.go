@@ -54,6 +54,9 @@ type msg struct {
 	FDs []int `json:"fds,omitempty"`
 
 	Err string `json:"err,omitempty"`
+	// BadCommand marks a spawn's Err as the command's own fault (a
+	// program or working directory that is not there): see ErrBadCommand.
+	BadCommand bool `json:"bad_command,omitempty"`
 
 	// spawn: run on a new terminal (stdio = its slave side); the reply
 	// carries the master.

@@ -144,6 +144,18 @@ type Sandbox struct {
 // ErrClosed is returned by calls on a closed sandbox.
 var ErrClosed = errors.New("sandbox closed")
 
+// ErrBadCommand is matched (errors.Is) by the error of an exec or session
+// start whose command cannot start as given: its program or its working
+// directory is not there (or is not one). The sandbox is fine.
+var ErrBadCommand = errors.New("the command cannot start as given")
+
+// badCommandError is an init's answer that matches ErrBadCommand; its text
+// is the init's.
+type badCommandError string
+
+func (e badCommandError) Error() string        { return string(e) }
+func (e badCommandError) Is(target error) bool { return target == ErrBadCommand }
+
 // Start starts a sandbox: cgroups, namespaces, root switch and the init.
 func Start(ctx context.Context, cfg Config) (*Sandbox, error) {
 	return start(ctx, cfg, nil)
