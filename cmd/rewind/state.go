@@ -606,7 +606,9 @@ func newRestoreCmd() *cobra.Command {
 				return err
 			}
 			if o.json {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"id": r.ID, "elapsed_us": r.ElapsedUS, "path": r.Path, "epoch": r.Epoch})
+				// The API's answer: id, path, epoch, elapsed_us and the
+				// daemon's phases (undo point included).
+				return printJSON(cmd.OutOrStdout(), r)
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "restored %s to %s via %s in %s (epoch %d)\n", args[0], r.ID, r.Path, ms(r.ElapsedUS), r.Epoch)
 			return nil
