@@ -322,6 +322,14 @@ func (p *Policy) Decide(ctx context.Context, r *effect.Report) (Decision, error)
 	return d, nil
 }
 
+// firstLine is s up to its first newline: a trap's error carries the
+// guest's stack trace on the lines after it, which the log keeps and a
+// decision's reason (turn answers, rewind log) does not.
+func firstLine(s string) string {
+	line, _, _ := strings.Cut(s, "\n")
+	return line
+}
+
 // fail accounts for one failure and returns the fallback decision.
 func (p *Policy) fail(ctx context.Context, f *failure) Decision {
 	if ctx.Err() != nil && f.kind != "guest_error" && f.kind != "malformed" {
@@ -338,16 +346,16 @@ func (p *Policy) fail(ctx context.Context, f *failure) Decision {
 	if f.kind == "deadline" && !f.start.IsZero() && f.start.UnixNano() < p.lastFailure.Load() {
 		p.h.opts.Logger.Warn("policy failed; full checkpoint instead", "policy", p.name, "kind", f.kind,
 			"err", f.err, "overlapping", true)
-		return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " failed: " + f.Error()}
+		return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " failed: " + firstLine(f.Error())}
 	}
 	p.lastFailure.Store(time.Now().UnixNano())
 	n := p.failures.Add(1)
 	p.h.opts.Logger.Warn("policy failed; full checkpoint instead", "policy", p.name, "kind", f.kind,
 		"err", f.err, "consecutive", n)
 	if int(n) >= p.h.opts.MaxFailures {
-		p.disable(fmt.Sprintf("%d consecutive failures, last: %v", n, f), "")
+		p.disable(fmt.Sprintf("%d consecutive failures, last: %s", n, firstLine(f.Error())), "")
 	}
-	return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " failed: " + f.Error()}
+	return Decision{Mode: Full, Fallback: true, Reason: "policy " + p.name + " failed: " + firstLine(f.Error())}
 }
 
 // run performs one classification on a pooled instance.

@@ -151,6 +151,9 @@ func TestHostileModules(t *testing.T) {
 				if i == 0 && !strings.Contains(d.Reason, tt.reason) {
 					t.Fatalf("reason %q, want it to contain %q", d.Reason, tt.reason)
 				}
+				if strings.Contains(d.Reason, "\n") {
+					t.Fatalf("reason spans lines (a guest stack trace belongs in the log): %q", d.Reason)
+				}
 				t.Logf("turn %d: %v in %v: %s", i+1, d.Mode, time.Since(start), d.Reason)
 			}
 			disabled, why := p.Disabled()
