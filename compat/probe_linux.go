@@ -802,7 +802,7 @@ func probeCRIU(ctx context.Context, configured string) []Check {
 		cs = append(cs, ok("lazy-pages", "userfaultfd non-cooperative mode: lazy-pages restores"))
 	}
 	if track.err != nil {
-		cs = append(cs, missing("mem-track", "no soft-dirty (CONFIG_MEM_SOFT_DIRTY): no incremental pre-dumps; rewind tracks written pages with PAGEMAP_SCAN instead"))
+		cs = append(cs, missing("mem-track", "no soft-dirty (CONFIG_MEM_SOFT_DIRTY): no incremental pre-dumps; not needed: rewind's probes estimate written pages from minor faults and run time (probe package, \"Memory estimate\")"))
 	} else {
 		cs = append(cs, ok("mem-track", "soft-dirty memory tracking (incremental pre-dumps)"))
 	}
