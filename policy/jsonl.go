@@ -19,11 +19,19 @@ const maxJSONLLine = 4 << 20
 func ReadReports(r io.Reader) ([]effect.Report, error) {
 	var out []effect.Report
 	err := eachLine(r, func(n int, line []byte) error {
-		var rep effect.Report
-		if err := json.Unmarshal(line, &rep); err != nil {
+		// A line may carry a "note" (free text, ignored) besides the
+		// report's own fields.
+		var rep struct {
+			effect.Report
+			Note string `json:"note,omitempty"`
+		}
+		if err := strictJSON(line, &rep); err != nil {
 			return fmt.Errorf("line %d: %w", n, err)
 		}
-		out = append(out, rep)
+		if rep.Turn == 0 {
+			return fmt.Errorf("line %d: no \"turn\" (is it an effect report?)", n)
+		}
+		out = append(out, rep.Report)
 		return nil
 	})
 	return out, err
@@ -36,6 +44,8 @@ type Expectation struct {
 	Mode Mode   `json:"mode"`
 	// Reason, when not empty, must equal the decision's reason.
 	Reason string `json:"reason,omitempty"`
+	// Note is free text for the reader (ignored).
+	Note string `json:"note,omitempty"`
 }
 
 // ReadExpectations reads expectations, one JSON object per line.
@@ -43,7 +53,7 @@ func ReadExpectations(r io.Reader) ([]Expectation, error) {
 	var out []Expectation
 	err := eachLine(r, func(n int, line []byte) error {
 		var e Expectation
-		if err := json.Unmarshal(line, &e); err != nil {
+		if err := strictJSON(line, &e); err != nil {
 			return fmt.Errorf("line %d: %w", n, err)
 		}
 		out = append(out, e)
@@ -65,4 +75,19 @@ func eachLine(r io.Reader, fn func(n int, line []byte) error) error {
 		}
 	}
 	return sc.Err()
+}
+
+// strictJSON decodes one JSON object into v, refusing fields v does not
+// have (a typo, or a line that is no report at all, was read as an empty
+// report and decided) and anything after the object.
+func strictJSON(line []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(line))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if dec.More() {
+		return fmt.Errorf("more than one JSON value on the line")
+	}
+	return nil
 }

@@ -119,6 +119,12 @@ func runPolicyTest(ctx context.Context, stdout, stderr io.Writer, ref string, o 
 	if ctx == nil {
 		ctx = context.Background()
 	}
+	if o.timeout <= 0 {
+		return fmt.Errorf("--timeout %v: want a positive duration", o.timeout)
+	}
+	if o.memory < 1<<20 {
+		return fmt.Errorf("--memory %d: want at least 1 MiB (a Go-built policy needs 8)", o.memory)
+	}
 	reports, err := readJSONL(o.reports, policy.ReadReports)
 	if err != nil {
 		return err

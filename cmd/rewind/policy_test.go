@@ -10,6 +10,40 @@ import (
 	"testing"
 )
 
+// TestPolicyTestRefusesBadInput: a line that is no effect report (it was
+// decided as turn 0), a zero or negative timeout and a memory limit below
+// a page are refused with what is wrong.
+func TestPolicyTestRefusesBadInput(t *testing.T) {
+	reports := filepath.Join("..", "..", "policies", "testdata", "reports.jsonl")
+	junk := filepath.Join(t.TempDir(), "junk.jsonl")
+	if err := os.WriteFile(junk, []byte(`{"garbage":1}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	noTurn := filepath.Join(t.TempDir(), "noturn.jsonl")
+	if err := os.WriteFile(noTurn, []byte(`{"fs":{}}`+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		o    policyTestOpts
+		want string
+	}{
+		{"unknown field", policyTestOpts{reports: junk, timeout: 5e9, memory: 16 << 20}, "unknown field"},
+		{"no turn", policyTestOpts{reports: noTurn, timeout: 5e9, memory: 16 << 20}, "no \"turn\""},
+		{"zero timeout", policyTestOpts{reports: reports, timeout: 0, memory: 16 << 20}, "--timeout"},
+		{"negative timeout", policyTestOpts{reports: reports, timeout: -1, memory: 16 << 20}, "--timeout"},
+		{"tiny memory", policyTestOpts{reports: reports, timeout: 5e9, memory: 1}, "--memory"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var out, errOut bytes.Buffer
+			err := runPolicyTest(context.Background(), &out, &errOut, "effects", tc.o)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err %v, want it to say %q", err, tc.want)
+			}
+		})
+	}
+}
+
 func TestPolicyTestCommand(t *testing.T) {
 	reports := filepath.Join("..", "..", "policies", "testdata", "reports.jsonl")
 	wrong := filepath.Join(t.TempDir(), "wrong.jsonl")
