@@ -61,7 +61,7 @@ func TestReportsEndpointFake(t *testing.T) {
 		return d.DialContext(ctx, "unix", sock)
 	}}}
 	defer hc.CloseIdleConnections()
-	for _, q := range []string{"after=-1", "after=x", "wait_ms=soon"} {
+	for _, q := range []string{"after=-1", "after=x", "wait_ms=soon", "wait_ms=-1"} {
 		resp, err := hc.Get("http://rewind/v1/sandboxes/a/reports?" + q)
 		if err != nil {
 			t.Fatal(err)

@@ -486,14 +486,13 @@ const maxReportWait = 5 * time.Minute
 
 func (s *server) reports(w http.ResponseWriter, r *http.Request) {
 	q := r.URL.Query()
-	var after uint64
-	var waitMS int64
+	var after, waitMS uint64
 	for _, p := range []struct {
 		name string
 		set  func(string) error
 	}{
 		{"after", func(v string) (err error) { after, err = strconv.ParseUint(v, 10, 64); return err }},
-		{"wait_ms", func(v string) (err error) { waitMS, err = strconv.ParseInt(v, 10, 64); return err }},
+		{"wait_ms", func(v string) (err error) { waitMS, err = strconv.ParseUint(v, 10, 64); return err }},
 	} {
 		if v := q.Get(p.name); v != "" {
 			if err := p.set(v); err != nil {
@@ -502,7 +501,9 @@ func (s *server) reports(w http.ResponseWriter, r *http.Request) {
 			}
 		}
 	}
-	wait := min(time.Duration(max(waitMS, 0))*time.Millisecond, maxReportWait)
+	// At most maxReportWait, as documented (clamped before the
+	// multiplication, which would overflow).
+	wait := time.Duration(min(waitMS, uint64(maxReportWait/time.Millisecond))) * time.Millisecond
 	page, err := s.m.Reports(r.Context(), r.PathValue("name"), after, wait)
 	if err != nil {
 		writeErr(w, err)
