@@ -83,7 +83,10 @@
 // backends to agree must decide skip on FSChanged(), NetChanged(),
 // NewLongLived, Exited, CwdChanges and Mem.PagesWritten, which are computed
 // identically (FS from the same source) — not on Forked or Execs, which for
-// a one-shot command run in the sandbox are >= 1 under eBPF.
+// a one-shot command run in the sandbox are >= 1 under eBPF. Forked also
+// counts rewind's own forks in the sandbox's cgroup: a turn right after a
+// full checkpoint sees the template copies made in the background (spares,
+// shell digests), 1 to 5 of them, born and gone within the window.
 //
 // # Memory estimate
 //
