@@ -42,6 +42,11 @@ func TestClientMistakesAreBadRequests(t *testing.T) {
 			_, err := e.m.Create(e.ctx, state.CreateRequest{Name: "b4", Policy: "skip.wasm"})
 			return err
 		}, "not absolute"},
+		{"fork prefix ending with a digit", func() error {
+			c := e.turn("a", state.ModeFull, true)
+			_, err := e.m.Fork(e.ctx, state.ForkRequest{Checkpoint: c.ID, Count: 2, Prefix: "p-1"})
+			return err
+		}, "ends with a digit"},
 		{"exec in a relative dir", func() error {
 			_, err := e.m.Exec(e.ctx, "a", 0, state.ExecRequest{Argv: []string{"echo"}, Dir: "tmp"})
 			return err

@@ -1138,6 +1138,11 @@ func (m *Manager) Fork(ctx context.Context, req ForkRequest) ([]*Sandbox, error)
 	if req.Count < 1 || req.Count > 1024 {
 		return nil, errf(CodeBadRequest, "fork: --count must be 1..1024", nil)
 	}
+	if p := req.Prefix; p != "" && p[len(p)-1] >= '0' && p[len(p)-1] <= '9' {
+		// p-1 would name its children p-11, p-12, ..., which read as
+		// other numbers of p-.
+		return nil, errf(CodeBadRequest, "fork: prefix "+strconv.Quote(p)+" ends with a digit, so its children's numbers would run into it ("+p+"1, "+p+"2...): end it with a separator, e.g. "+strconv.Quote(p+"-"), nil)
+	}
 	m.mu.Lock()
 	c := m.ckpts[req.Checkpoint]
 	if c == nil || c.rec.Status == CkptFailed {
