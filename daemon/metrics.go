@@ -44,7 +44,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		restFail: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "rewind_restore_failures_total", Help: "Restores that failed (the sandbox was left as it was)."}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "rewind_turn_decisions_total", Help: "Auto-mode turn decisions, by policy and mode."}, []string{"policy", "mode"}),
+			Name: "rewind_turn_decisions_total", Help: "Auto-mode turn decisions as the policy made them, by policy and mode (the daemon may then take more: a full checkpoint where the last one failed or no earlier one exists, fs where the writable layer changed unseen; rewind_checkpoint_seconds{kind} counts what was taken)."}, []string{"policy", "mode"}),
 		turnCall: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "rewind_turn_call_seconds", Help: "Harness-visible time of a turn call inside the daemon, by decision.",
 			Buckets: latencyBuckets}, []string{"decision"}),
